@@ -1,0 +1,158 @@
+"""The Flax Llama against HF transformers (torch, CPU, fp32) and against itself split into ranges."""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from hethub_jax.models import hf as hf_io  # noqa: E402
+from hethub_jax.models.config import PRESETS, LlamaConfig  # noqa: E402
+from hethub_jax.models.llama import Llama, count_params  # noqa: E402
+
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+             max_position_embeddings=256, rms_norm_eps=1e-5,
+             initializer_range=0.1)  # larger than HF's 0.02 so attention is far from uniform
+CASES = {
+    "mha": dict(num_attention_heads=4, num_key_value_heads=4),
+    "gqa_8q_2kv": dict(num_attention_heads=8, num_key_value_heads=2),
+    "tied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "llama3_rope": dict(num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0,
+                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+}
+
+
+def _hf_model(case: str, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(**SMALL, **CASES[case], attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF initialises norms to one; random norms make the test sharper
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_match_transformers(case):
+    hf_model = _hf_model(case)
+    seq = 96 if case == "llama3_rope" else 24  # llama3: positions well beyond the original 32
+    tokens = np.random.default_rng(1).integers(0, SMALL["vocab_size"], size=(2, seq))
+    with torch.no_grad():
+        ref = hf_model(torch.tensor(tokens)).logits.numpy()
+    ours = hf_io.from_transformers(hf_model)
+    if case == "llama3_rope":
+        assert ours.config.rope_scaling["rope_type"] == "llama3"
+    got = np.asarray(ours(jnp.asarray(tokens, jnp.int32)))
+    assert got.shape == ref.shape == (2, seq, SMALL["vocab_size"])
+    np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+    # The comparison is sensitive: a model with one weight perturbed must not pass.
+    params = ours.param_table()
+    params["layers.1.self_attn.k_proj"][...] = params["layers.1.self_attn.k_proj"][...] * 1.1
+    assert np.abs(np.asarray(ours(jnp.asarray(tokens, jnp.int32))) - ref).max() > 1e-4
+
+
+def test_local_checkpoint_directory(tmp_path):
+    hf_model = _hf_model("gqa_8q_2kv", seed=3)
+    hf_model.save_pretrained(tmp_path, safe_serialization=True)
+    tokens = np.random.default_rng(2).integers(0, SMALL["vocab_size"], size=(1, 16))
+    with torch.no_grad():
+        ref = hf_model(torch.tensor(tokens)).logits.numpy()
+    ours = hf_io.load_hf_checkpoint(tmp_path)
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens, jnp.int32))), ref, atol=1e-4, rtol=0)
+    # A stage loaded alone reads only its layers and equals the same layers of the full import.
+    stage = hf_io.load_hf_checkpoint(tmp_path, first_layer=1, last_layer=1)
+    full = ours.param_table()
+    for name, p in stage.param_table().items():
+        np.testing.assert_array_equal(np.asarray(p[...]), np.asarray(full[name][...]))
+
+
+def test_import_errors_name_the_tensor_and_field():
+    hf_model = _hf_model("mha")
+    state = dict(hf_model.state_dict())
+    cfg = hf_io.config_from_hf(hf_model.config)
+    state["model.layers.1.mlp.up_proj.weight"] = state["model.layers.1.mlp.up_proj.weight"][:-1]
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*shape"):
+        hf_io.params_from_hf(state, cfg)
+    del state["model.layers.0.self_attn.v_proj.weight"]
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.v_proj\.weight.*missing"):
+        hf_io.params_from_hf(state, cfg, layers=[0])
+    bad = hf_model.config.to_dict() | {"hidden_act": "gelu"}
+    with pytest.raises(ValueError, match="hidden_act"):
+        hf_io.config_from_hf(bad)
+
+
+def test_layer_range_alone_reproduces_full_model_hidden_states():
+    cfg = LlamaConfig(**(SMALL | dict(num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=2)))
+    full = Llama(cfg, seed=5)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, size=(2, 12)), jnp.int32)
+    from hethub_jax.models.llama import rope_cos_sin
+
+    positions = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (2, 12))
+    cos, sin = rope_cos_sin(cfg, positions)
+    hidden = [full.embed(tokens)]  # hidden[i] = input of layer i
+    for layer in full.layers:
+        hidden.append(layer(hidden[-1], cos, sin))
+    for first, last in [(0, 2), (3, 5), (2, 2), (6, 6), (4, 6)]:
+        stage = Llama(cfg, first_layer=first, last_layer=last, seed=5)  # built alone, same seed
+        x = tokens if first == 0 else hidden[first]
+        out = stage(x, positions)
+        expect = full.head(hidden[last + 1]) if last == 6 else hidden[last + 1]
+        np.testing.assert_allclose(np.asarray(out), np.asarray(expect), rtol=1e-6, atol=1e-6)
+        assert stage.config == cfg  # every field intact
+    np.testing.assert_allclose(np.asarray(full.head(hidden[-1])), np.asarray(full(tokens)), rtol=1e-6, atol=1e-6)
+    # A different seed gives different weights: the equality above is not vacuous.
+    other = Llama(cfg, first_layer=3, last_layer=5, seed=6)
+    assert np.abs(np.asarray(other(hidden[3], positions)) - np.asarray(hidden[6])).max() > 1e-3
+
+
+def test_tied_last_stage_copy_equals_first_stage_embedding():
+    cfg = LlamaConfig(**(SMALL | dict(num_hidden_layers=3, num_attention_heads=4, tie_word_embeddings=True)))
+    first, last = Llama(cfg, last_layer=0, seed=2), Llama(cfg, first_layer=1, seed=2)
+    np.testing.assert_array_equal(np.asarray(first.embed_tokens[...]), np.asarray(last.embed_tokens[...]))
+    assert "lm_head" not in last.param_table()
+
+
+def _hf_count(cfg: LlamaConfig) -> int:
+    d = cfg.to_dict()
+    rope = d.pop("rope_scaling")
+    d.pop("dtype"), d.pop("param_dtype")
+    hf_cfg = transformers.LlamaConfig(**d, **({"rope_scaling": rope} if rope else {}))
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(hf_cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama2-7b", "llama3-8b", "llama3-70b"])
+def test_preset_param_counts_match_transformers(name):
+    cfg = PRESETS[name]
+    abstract = nnx.eval_shape(lambda: Llama(cfg))  # no weights allocated
+    assert count_params(abstract) == _hf_count(cfg) == cfg.num_params()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(hidden_size=66, num_attention_heads=4), r"num_attention_heads \(4\) must divide hidden_size \(66\)"),
+    (dict(num_attention_heads=8, num_key_value_heads=3), r"num_key_value_heads \(3\) must divide num_attention_heads \(8\)"),
+    (dict(num_hidden_layers=0), "num_hidden_layers must be a positive integer"),
+    (dict(dtype="float64"), "dtype must be one of"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "rope_type 'yarn' is not supported"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "missing"),
+])
+def test_bad_config_names_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LlamaConfig(**(SMALL | kwargs))
+
+
+def test_unknown_config_key_rejected():
+    with pytest.raises(ValueError, match=r"unknown LlamaConfig key\(s\) \['hiden_size'\]"):
+        LlamaConfig.from_dict({"hiden_size": 64})
+
+
+def test_bad_layer_range():
+    with pytest.raises(ValueError, match="layer range"):
+        Llama(LlamaConfig(**SMALL), first_layer=1, last_layer=2)
