@@ -1,0 +1,608 @@
+"""The plan: islands, pipeline stages, data-parallel replicas, batch and schedule (pure Python, no JAX).
+
+A plan is plain data (DESIGN.md section 2), saved as JSON (format: ``docs/plan_format.md``), produced
+by the planner or written by hand, and consumed by the runtime, the predictor and the simulator.
+Loading (:meth:`Plan.from_json` / :meth:`Plan.from_dict`) checks keys and types only; :meth:`Plan.validate`
+checks every constraint, before anything is compiled, and raises a ``ValueError`` naming the constraint
+and the offending values.
+
+Conventions:
+  * layer ranges are inclusive: ``first_layer..last_layer``;
+  * a replica is a full pipeline over all layers; several replicas are heterogeneous data parallelism
+    (DESIGN.md section 6), each with an integer share of the global batch (in samples);
+  * islands get consecutive MPI ranks in the order they are listed;
+  * device indices are local to the island: positions in that island runtime's ``jax.devices()``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, replace
+from fractions import Fraction
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+__all__ = ["IslandSpec", "StageSpec", "ReplicaSpec", "Plan", "proportional_shares", "SCHEDULE_NAMES",
+           "RECOMPUTE_POLICIES"]
+
+SCHEDULE_NAMES = ("gpipe", "1f1b")
+RECOMPUTE_POLICIES = ("none", "full")
+
+
+@dataclass(frozen=True)
+class IslandSpec:
+    """One island: the processes of one accelerator type sharing one JAX runtime.
+
+    Attributes:
+      name: unique island name, referred to by stages.
+      platform: JAX platform of the island (``"cpu"``, ``"cuda"``, ``"rocm"``, ...).
+      num_processes: processes (MPI ranks) of the island, >= 1.
+      devices_per_process: accelerator devices per process, >= 1.
+      slowdown: emulated slowdown factor >= 1, only for ``platform == "cpu"`` (DESIGN.md section 9):
+        after each compute action the runtime waits (slowdown - 1) x its measured duration.
+    """
+
+    name: str
+    platform: str
+    num_processes: int = 1
+    devices_per_process: int = 1
+    slowdown: float = 1.0
+
+    @property
+    def num_devices(self) -> int:
+        """Devices of the island: ``num_processes * devices_per_process``."""
+        return self.num_processes * self.devices_per_process
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One pipeline stage: an inclusive layer range on a ``Mesh(('dp', 'tp'))`` of one island.
+
+    Attributes:
+      island: name of the island that runs the stage.
+      dp, tp: data- and tensor-parallel degree of the stage mesh (mesh shape ``(dp, tp)``).
+      first_layer, last_layer: inclusive range of decoder layers. The first stage also holds the
+        embedding, the last stage the final norm, LM head and loss.
+      devices: optional explicit island-local device indices, ``dp * tp`` of them, in mesh order
+        (row-major over ``(dp, tp)``); ``None``: assigned by :meth:`Plan.stage_devices`.
+      index, num_stages: position of the stage in its replica's pipeline and that pipeline's length.
+        Set by :class:`ReplicaSpec` (not part of the JSON).
+    """
+
+    island: str
+    dp: int
+    tp: int
+    first_layer: int
+    last_layer: int
+    devices: Optional[Tuple[int, ...]] = None
+    index: int = 0
+    num_stages: int = 1
+
+    def __post_init__(self) -> None:
+        if self.devices is not None:
+            object.__setattr__(self, "devices", tuple(self.devices))
+
+    @property
+    def num_layers(self) -> int:
+        return self.last_layer - self.first_layer + 1
+
+    @property
+    def num_devices(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def is_first(self) -> bool:
+        """Holds the embedding (first pipeline stage)."""
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        """Holds the final norm, LM head and loss (last pipeline stage)."""
+        return self.index == self.num_stages - 1
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """One data-parallel replica: a pipeline of stages over all layers.
+
+    Attributes:
+      stages: the pipeline stages in order (their ``index``/``num_stages`` are set here).
+      batch_share: samples of the global batch this replica processes per step, or ``None``.
+      throughput: relative throughput (any positive unit, e.g. samples/s) used to compute the share
+        when no replica gives ``batch_share``; ``None`` when not known.
+    """
+
+    stages: Tuple[StageSpec, ...]
+    batch_share: Optional[int] = None
+    throughput: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        n = len(self.stages)
+        object.__setattr__(self, "stages", tuple(replace(st, index=i, num_stages=n)
+                                                 for i, st in enumerate(self.stages)))
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+
+def proportional_shares(global_units: int, throughputs: Sequence[float]) -> List[int]:
+    """Split ``global_units`` (microbatches) over replicas of the given throughputs.
+
+    Returns integer shares, each >= 1, summing to ``global_units``, that minimise the slowest
+    replica's time ``max_i(share_i / throughput_i)`` (the step time of heterogeneous data parallelism,
+    DESIGN.md section 6). Method: start from ``max(1, floor(global_units * t_i / sum(t)))`` (no optimal
+    split gives a replica less), then hand out the remaining units one at a time to the replica whose
+    time after taking it is smallest. Each step keeps the maximum as small as possible, so the result is
+    optimal. Ties go to the faster replica, then to the lower index. Times are compared exactly
+    (``fractions.Fraction``), so the result is deterministic.
+
+    Example: 10 units at throughputs (3, 1) -> [8, 2] (slowest time 8/3, against 3 for [7, 3]);
+    10 units at (1, 1) -> [5, 5].
+
+    Raises:
+      ValueError: if there are no replicas, a throughput is not finite and > 0, or
+        ``global_units < len(throughputs)`` (each replica needs at least one unit).
+    """
+    n = len(throughputs)
+    if n == 0:
+        raise ValueError("proportional_shares needs at least one replica")
+    for i, t in enumerate(throughputs):
+        if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
+            raise ValueError(f"throughput of replica {i} must be finite and > 0, got {t!r}")
+    if global_units < n:
+        raise ValueError(f"global batch of {global_units} units is smaller than the number of replicas ({n}): "
+                         f"every replica needs at least one")
+    thr = [Fraction(t) for t in throughputs]
+    total = sum(thr)
+    shares = [max(1, math.floor(global_units * t / total)) for t in thr]
+    if sum(shares) > global_units:  # only when many replicas are raised to 1; start from the minimum
+        shares = [1] * n
+    for _ in range(global_units - sum(shares)):
+        i = min(range(n), key=lambda j: (Fraction(shares[j] + 1) / thr[j], -thr[j], j))
+        shares[i] += 1
+    return shares
+
+
+# ---------------------------------------------------------------------------------------------------
+# JSON parsing helpers
+
+def _keys(d: Any, where: str, required: Sequence[str], optional: Sequence[str]) -> Mapping[str, Any]:
+    if not isinstance(d, Mapping):
+        raise ValueError(f"{where} must be a JSON object, got {type(d).__name__}")
+    allowed = list(required) + list(optional)
+    for k in d:
+        if k not in allowed:
+            raise ValueError(f"unknown key {k!r} in {where}; allowed keys: {allowed}")
+    for k in required:
+        if k not in d:
+            raise ValueError(f"missing key {k!r} in {where}")
+    return d
+
+
+def _int(v: Any, where: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{where} must be an integer, got {v!r}")
+    return v
+
+
+def _num(v: Any, where: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{where} must be a number, got {v!r}")
+    return float(v)
+
+
+def _str(v: Any, where: str) -> str:
+    if not isinstance(v, str) or not v:
+        raise ValueError(f"{where} must be a non-empty string, got {v!r}")
+    return v
+
+
+def _opt(v: Any, conv, where: str):
+    return None if v is None else conv(v, where)
+
+
+def _island_from_dict(d: Any, where: str) -> IslandSpec:
+    d = _keys(d, where, ["name", "platform"], ["num_processes", "devices_per_process", "slowdown"])
+    return IslandSpec(name=_str(d["name"], f"{where}.name"), platform=_str(d["platform"], f"{where}.platform"),
+                      num_processes=_int(d.get("num_processes", 1), f"{where}.num_processes"),
+                      devices_per_process=_int(d.get("devices_per_process", 1), f"{where}.devices_per_process"),
+                      slowdown=_num(d.get("slowdown", 1.0), f"{where}.slowdown"))
+
+
+def _stage_from_dict(d: Any, where: str) -> StageSpec:
+    d = _keys(d, where, ["island", "first_layer", "last_layer"], ["dp", "tp", "devices"])
+    devices = d.get("devices")
+    if devices is not None:
+        if not isinstance(devices, (list, tuple)):
+            raise ValueError(f"{where}.devices must be a list of integers, got {devices!r}")
+        devices = tuple(_int(x, f"{where}.devices[{i}]") for i, x in enumerate(devices))
+    return StageSpec(island=_str(d["island"], f"{where}.island"), dp=_int(d.get("dp", 1), f"{where}.dp"),
+                     tp=_int(d.get("tp", 1), f"{where}.tp"),
+                     first_layer=_int(d["first_layer"], f"{where}.first_layer"),
+                     last_layer=_int(d["last_layer"], f"{where}.last_layer"), devices=devices)
+
+
+def _replica_from_dict(d: Any, where: str) -> ReplicaSpec:
+    d = _keys(d, where, ["stages"], ["batch_share", "throughput"])
+    if not isinstance(d["stages"], (list, tuple)):
+        raise ValueError(f"{where}.stages must be a list")
+    return ReplicaSpec(stages=tuple(_stage_from_dict(s, f"{where}.stages[{i}]") for i, s in enumerate(d["stages"])),
+                       batch_share=_opt(d.get("batch_share"), _int, f"{where}.batch_share"),
+                       throughput=_opt(d.get("throughput"), _num, f"{where}.throughput"))
+
+
+# ---------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Plan:
+    """A full parallel plan (JSON format in ``docs/plan_format.md``).
+
+    Attributes:
+      islands: the islands, in MPI rank order.
+      replicas: the data-parallel replicas (one for plain pipeline parallelism).
+      global_batch_size: samples per optimizer step, over all replicas.
+      microbatch_size: samples per microbatch (every replica, every stage).
+      schedule: pipeline schedule name, one of :data:`SCHEDULE_NAMES` (``hethub_jax.parallel.schedule``).
+      recompute: activation recompute policy, ``"none"`` (backward applies saved ``jax.vjp`` residuals)
+        or ``"full"`` (backward recomputes the stage forward from the saved stage input).
+      description: free text for humans.
+    """
+
+    islands: Tuple[IslandSpec, ...]
+    replicas: Tuple[ReplicaSpec, ...]
+    global_batch_size: int
+    microbatch_size: int
+    schedule: str = "1f1b"
+    recompute: str = "none"
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "islands", tuple(self.islands))
+        object.__setattr__(self, "replicas", tuple(self.replicas))
+
+    # ---- loading and saving ----------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
+        """Build a plan from its JSON object. Top-level ``"stages"`` is shorthand for one replica
+        (``"replicas": [{"stages": ...}]``). Checks keys and types only; call :meth:`validate`.
+
+        Raises:
+          ValueError: for an unknown or missing key, or a value of the wrong type, naming the key and
+            where it is (e.g. ``replicas[0].stages[1]``).
+        """
+        d = _keys(d, "plan", ["islands", "global_batch_size", "microbatch_size"],
+                  ["replicas", "stages", "schedule", "recompute", "description"])
+        if ("replicas" in d) == ("stages" in d):
+            raise ValueError("plan needs exactly one of 'replicas' (list of pipelines) or 'stages' "
+                             "(shorthand for one replica)")
+        reps = d["replicas"] if "replicas" in d else [{"stages": d["stages"]}]
+        for key, v in (("islands", d["islands"]), ("replicas", reps)):
+            if not isinstance(v, (list, tuple)):
+                raise ValueError(f"plan.{key} must be a list")
+        return cls(islands=tuple(_island_from_dict(x, f"islands[{i}]") for i, x in enumerate(d["islands"])),
+                   replicas=tuple(_replica_from_dict(x, f"replicas[{i}]") for i, x in enumerate(reps)),
+                   global_batch_size=_int(d["global_batch_size"], "global_batch_size"),
+                   microbatch_size=_int(d["microbatch_size"], "microbatch_size"),
+                   schedule=_str(d.get("schedule", "1f1b"), "schedule"),
+                   recompute=_str(d.get("recompute", "none"), "recompute"),
+                   description=_str(d["description"], "description") if "description" in d else "")
+
+    @classmethod
+    def from_json(cls, source: Union[str, os.PathLike, Mapping[str, Any]]) -> "Plan":
+        """Load a plan from a JSON file path, a JSON text (a string starting with ``{``) or a dict.
+
+        Raises:
+          ValueError: as :meth:`from_dict`, or for invalid JSON.
+          OSError: if the file cannot be read.
+        """
+        if isinstance(source, Mapping):
+            return cls.from_dict(source)
+        if isinstance(source, str) and source.lstrip().startswith("{"):
+            text, where = source, "JSON text"
+        else:
+            with open(source) as f:
+                text, where = f.read(), os.fspath(source)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"invalid plan JSON in {where}: {e}") from None
+        return cls.from_dict(data)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The canonical JSON object (always the ``"replicas"`` form; ``devices`` only where given)."""
+        def stage(st: StageSpec) -> Dict[str, Any]:
+            out = {"island": st.island, "dp": st.dp, "tp": st.tp, "first_layer": st.first_layer,
+                   "last_layer": st.last_layer}
+            if st.devices is not None:
+                out["devices"] = list(st.devices)
+            return out
+        d: Dict[str, Any] = {}
+        if self.description:
+            d["description"] = self.description
+        d["islands"] = [{"name": i.name, "platform": i.platform, "num_processes": i.num_processes,
+                         "devices_per_process": i.devices_per_process, "slowdown": i.slowdown}
+                        for i in self.islands]
+        d["replicas"] = [{"stages": [stage(s) for s in r.stages], "batch_share": r.batch_share,
+                          "throughput": r.throughput} for r in self.replicas]
+        d.update(global_batch_size=self.global_batch_size, microbatch_size=self.microbatch_size,
+                 schedule=self.schedule, recompute=self.recompute)
+        return d
+
+    def to_json(self, path: Union[str, os.PathLike, None] = None, indent: int = 2) -> str:
+        """The canonical JSON text; also written to ``path`` when given."""
+        text = json.dumps(self.to_dict(), indent=indent) + "\n"
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
+    # ---- lookups -----------------------------------------------------------------------------------
+
+    def island(self, name: str) -> IslandSpec:
+        """The island called ``name``. Raises ValueError if there is none."""
+        for isl in self.islands:
+            if isl.name == name:
+                return isl
+        raise ValueError(f"unknown island {name!r}; islands: {[i.name for i in self.islands]}")
+
+    def stage(self, replica_idx: int, stage_idx: int) -> StageSpec:
+        return self.replicas[replica_idx].stages[stage_idx]
+
+    def num_stages(self, replica_idx: int = 0) -> int:
+        return self.replicas[replica_idx].num_stages
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.replicas)
+
+    @property
+    def num_global_microbatches(self) -> int:
+        """``global_batch_size // microbatch_size``."""
+        return self.global_batch_size // self.microbatch_size
+
+    # ---- ranks -------------------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        """MPI ranks of the job: the sum of the islands' ``num_processes``."""
+        return sum(i.num_processes for i in self.islands)
+
+    def island_ranks(self, name: str) -> range:
+        """The consecutive MPI ranks of island ``name`` (islands are laid out in the order listed)."""
+        start = 0
+        for isl in self.islands:
+            if isl.name == name:
+                return range(start, start + isl.num_processes)
+            start += isl.num_processes
+        raise ValueError(f"unknown island {name!r}; islands: {[i.name for i in self.islands]}")
+
+    def rank_island(self, rank: int) -> IslandSpec:
+        """The island that MPI rank ``rank`` belongs to. Raises ValueError if out of range."""
+        for isl in self.islands:
+            if rank in self.island_ranks(isl.name):
+                return isl
+        raise ValueError(f"rank {rank} out of range for world size {self.world_size}")
+
+    def process_index(self, rank: int) -> int:
+        """Index of ``rank`` inside its island (``jax.distributed`` process id)."""
+        return rank - self.island_ranks(self.rank_island(rank).name).start
+
+    def island_stages(self, name: str) -> List[Tuple[int, int]]:
+        """``(replica_idx, stage_idx)`` of every stage run by island ``name``, in plan order. All
+        processes of a multi-process island run all of its stages (one SPMD program per stage)."""
+        self.island(name)
+        return [(r, s) for r, rep in enumerate(self.replicas) for s, st in enumerate(rep.stages)
+                if st.island == name]
+
+    def rank_stages(self, rank: int) -> List[Tuple[int, int]]:
+        """``(replica_idx, stage_idx)`` of every stage MPI rank ``rank`` takes part in."""
+        return self.island_stages(self.rank_island(rank).name)
+
+    # ---- devices -----------------------------------------------------------------------------------
+
+    def _device_assignment(self) -> Dict[Tuple[int, int], Tuple[int, ...]]:
+        taken: Dict[str, int] = {}
+        out: Dict[Tuple[int, int], Tuple[int, ...]] = {}
+        for r, rep in enumerate(self.replicas):
+            for s, st in enumerate(rep.stages):
+                where = f"replicas[{r}].stages[{s}]"
+                isl = self.island(st.island)
+                n, avail = st.dp * st.tp, isl.num_devices
+                if n > avail:
+                    raise ValueError(f"devices requested must exist on the island: {where} asks for "
+                                     f"dp*tp = {st.dp}*{st.tp} = {n} devices but island {isl.name!r} has "
+                                     f"{avail} ({isl.num_processes} processes x {isl.devices_per_process})")
+                if st.devices is not None:
+                    if len(st.devices) != n:
+                        raise ValueError(f"{where}.devices lists {len(st.devices)} devices but dp*tp = {n}")
+                    bad = [i for i in st.devices if not 0 <= i < avail]
+                    if bad:
+                        raise ValueError(f"devices requested must exist on the island: {where}.devices has "
+                                         f"indices {bad} outside 0..{avail - 1} of island {isl.name!r}")
+                    if len(set(st.devices)) != n:
+                        raise ValueError(f"{where}.devices lists a device twice: {list(st.devices)}")
+                    out[(r, s)] = st.devices
+                else:
+                    first = taken.get(isl.name, 0)
+                    if first + n > avail:
+                        raise ValueError(
+                            f"devices requested must exist on the island: island {isl.name!r} has {avail} "
+                            f"devices; stages before {where} took {first}, and it needs {n} more (dp*tp); "
+                            f"give explicit 'devices' to let stages share devices")
+                    taken[isl.name] = first + n
+                    out[(r, s)] = tuple(range(first, first + n))
+        return out
+
+    def stage_devices(self, replica_idx: int, stage_idx: int) -> List[int]:
+        """Island-local device indices of a stage, ``dp * tp`` of them, in mesh order (row-major over
+        ``(dp, tp)``: ``np.array(devs).reshape(dp, tp)``). Explicit ``devices`` are used as given;
+        otherwise each stage of an island takes the next ``dp * tp`` devices of that island, in plan
+        order (replica by replica, stage by stage; explicit lists do not advance this counter).
+
+        Raises:
+          ValueError: if the island lacks the devices (see :meth:`validate`).
+        """
+        return list(self._device_assignment()[(replica_idx, stage_idx)])
+
+    # ---- batch -------------------------------------------------------------------------------------
+
+    def batch_shares(self) -> List[int]:
+        """Samples of the global batch per replica: the given ``batch_share`` s if every replica gives
+        one; else :func:`proportional_shares` of the global microbatches by ``throughput`` if every
+        replica gives one; else equal shares (the extra microbatches go to the lowest indices).
+        Always a multiple of ``microbatch_size``.
+
+        Raises:
+          ValueError: if only some replicas give a share (or a throughput), a throughput is not
+            positive, or the global batch is too small for the replicas.
+        """
+        reps, mbs, gbs = self.replicas, self.microbatch_size, self.global_batch_size
+        if gbs < len(reps):
+            raise ValueError(f"global batch smaller than the number of replicas: global_batch_size {gbs} < "
+                             f"{len(reps)} replicas; every replica needs at least one sample")
+        given = [r.batch_share for r in reps]
+        if all(s is not None for s in given):
+            return list(given)
+        if any(s is not None for s in given):
+            raise ValueError(f"batch_share must be given for all replicas or none, got {given}")
+        units = self.num_global_microbatches
+        if units < len(reps):
+            raise ValueError(f"global batch smaller than the number of replicas in microbatches: "
+                             f"global_batch_size {gbs} / microbatch_size {mbs} = {units} microbatches < "
+                             f"{len(reps)} replicas; every replica needs at least one microbatch")
+        thr = [r.throughput for r in reps]
+        if any(t is not None for t in thr) and not all(t is not None for t in thr):
+            raise ValueError(f"throughput must be given for all replicas or none, got {thr}")
+        if thr[0] is None:
+            thr = [1.0] * len(reps)
+        return [u * mbs for u in proportional_shares(units, thr)]
+
+    def num_microbatches(self, replica_idx: int = 0) -> int:
+        """Microbatches replica ``replica_idx`` runs per step: its batch share / ``microbatch_size``."""
+        return self.batch_shares()[replica_idx] // self.microbatch_size
+
+    def actions(self, replica_idx: int = 0):
+        """The schedule's action lists of a replica: ``get_schedule(schedule)(num_stages, num_microbatches)``
+        (``hethub_jax.parallel.schedule``; index them by stage index)."""
+        from hethub_jax.parallel.schedule import get_schedule
+        return get_schedule(self.schedule)(self.num_stages(replica_idx), self.num_microbatches(replica_idx))
+
+    # ---- validation --------------------------------------------------------------------------------
+
+    def validate(self, model_config: Any = None) -> "Plan":
+        """Check every constraint of the plan; return ``self``.
+
+        ``model_config`` is any object with ``num_hidden_layers``, ``num_attention_heads`` and
+        ``num_key_value_heads`` (``None`` means equal to the attention heads). Without it, the layer
+        count L is taken from the first replica's last stage and the head checks are skipped.
+
+        Raises:
+          ValueError: for the first violated constraint, naming it and the offending values:
+            islands (at least one, unique names, ``num_processes``/``devices_per_process`` >= 1,
+            ``slowdown`` >= 1 and != 1 only on platform ``cpu``, every island runs a stage);
+            ``schedule`` in :data:`SCHEDULE_NAMES`; ``recompute`` in :data:`RECOMPUTE_POLICIES`;
+            stages (island exists, ``dp``, ``tp`` >= 1, no empty stage, each replica's layer ranges
+            cover 0..L-1 exactly once and in order; TP degree divides the attention heads and divides
+            or is a multiple of the KV heads; devices exist on the island, see :meth:`stage_devices`);
+            batch (sizes >= 1, ``global_batch_size`` divisible by ``microbatch_size``, global batch
+            not smaller than the number of replicas, each share >= 1 microbatch and a multiple of
+            ``microbatch_size``, shares sum to ``global_batch_size``, ``microbatch_size`` divisible
+            by every stage's ``dp``).
+        """
+        self._validate_islands()
+        if self.schedule not in SCHEDULE_NAMES:
+            raise ValueError(f"schedule must be one of {list(SCHEDULE_NAMES)}, got {self.schedule!r}")
+        if self.recompute not in RECOMPUTE_POLICIES:
+            raise ValueError(f"recompute must be one of {list(RECOMPUTE_POLICIES)}, got {self.recompute!r}")
+        if not self.replicas:
+            raise ValueError("plan needs at least one replica (pipeline of stages)")
+        if model_config is not None:
+            num_layers = _int(getattr(model_config, "num_hidden_layers"), "model_config.num_hidden_layers")
+        else:
+            num_layers = self.replicas[0].stages[-1].last_layer + 1 if self.replicas[0].stages else 0
+        names = {i.name for i in self.islands}
+        for r, rep in enumerate(self.replicas):
+            if not rep.stages:
+                raise ValueError(f"replicas[{r}] has no stages")
+            nxt = 0
+            for s, st in enumerate(rep.stages):
+                where = f"replicas[{r}].stages[{s}]"
+                if st.island not in names:
+                    raise ValueError(f"stage island must exist: {where} names island {st.island!r}; "
+                                     f"islands: {sorted(names)}")
+                if st.dp < 1 or st.tp < 1:
+                    raise ValueError(f"dp and tp must be >= 1: {where} has dp={st.dp}, tp={st.tp}")
+                if st.last_layer < st.first_layer:
+                    raise ValueError(f"no empty stage: {where} has first_layer {st.first_layer} > "
+                                     f"last_layer {st.last_layer}")
+                if st.first_layer != nxt:
+                    what = "gap" if st.first_layer > nxt else "overlap"
+                    raise ValueError(f"layer ranges must cover layers 0..{num_layers - 1} exactly once, in "
+                                     f"order: {where} starts at layer {st.first_layer}, expected {nxt} ({what})")
+                nxt = st.last_layer + 1
+                if model_config is not None:
+                    self._validate_tp(st, where, model_config)
+            if nxt != num_layers:
+                raise ValueError(f"layer ranges must cover layers 0..{num_layers - 1} exactly once, in order: "
+                                 f"replicas[{r}] ends at layer {nxt - 1}, the model has {num_layers} layers")
+        used = {st.island for rep in self.replicas for st in rep.stages}
+        for isl in self.islands:
+            if isl.name not in used:
+                raise ValueError(f"every island must run a stage: island {isl.name!r} runs none")
+        self._device_assignment()
+        self._validate_batch()
+        return self
+
+    def _validate_islands(self) -> None:
+        if not self.islands:
+            raise ValueError("plan needs at least one island")
+        seen = set()
+        for isl in self.islands:
+            if isl.name in seen:
+                raise ValueError(f"island names must be unique: {isl.name!r} appears twice")
+            seen.add(isl.name)
+            if isl.num_processes < 1 or isl.devices_per_process < 1:
+                raise ValueError(f"island {isl.name!r}: num_processes and devices_per_process must be >= 1, "
+                                 f"got {isl.num_processes} and {isl.devices_per_process}")
+            if not (math.isfinite(isl.slowdown) and isl.slowdown >= 1):
+                raise ValueError(f"slowdown must be >= 1: island {isl.name!r} has slowdown {isl.slowdown}")
+            if isl.slowdown != 1 and isl.platform != "cpu":
+                raise ValueError(f"slowdown (speed emulation, DESIGN.md section 9) applies only to platform "
+                                 f"'cpu': island {isl.name!r} has platform {isl.platform!r} and slowdown "
+                                 f"{isl.slowdown}")
+
+    @staticmethod
+    def _validate_tp(st: StageSpec, where: str, cfg: Any) -> None:
+        heads = getattr(cfg, "num_attention_heads")
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        if heads % st.tp:
+            raise ValueError(f"TP degree must divide the number of attention heads: {where} has tp={st.tp}, "
+                             f"model has {heads} heads")
+        if kv % st.tp and st.tp % kv:
+            raise ValueError(f"TP degree must divide the number of KV heads or be a multiple of it (KV heads "
+                             f"then replicated): {where} has tp={st.tp}, model has {kv} KV heads")
+
+    def _validate_batch(self) -> None:
+        gbs, mbs, n = self.global_batch_size, self.microbatch_size, len(self.replicas)
+        if gbs < 1 or mbs < 1:
+            raise ValueError(f"global_batch_size and microbatch_size must be >= 1, got {gbs} and {mbs}")
+        if gbs % mbs:
+            raise ValueError(f"global_batch_size must be divisible by microbatch_size: {gbs} % {mbs} = {gbs % mbs}")
+        shares = self.batch_shares()  # raises for a global batch smaller than the number of replicas
+        for r, share in enumerate(shares):
+            if share < mbs:
+                raise ValueError(f"each replica's batch share must be at least one microbatch: replicas[{r}] "
+                                 f"has batch_share {share} < microbatch_size {mbs}")
+            if share % mbs:
+                raise ValueError(f"each replica's batch share must be divisible by microbatch_size: "
+                                 f"replicas[{r}] has batch_share {share}, microbatch_size {mbs}")
+        if sum(shares) != gbs:
+            raise ValueError(f"batch shares must sum to global_batch_size: {shares} sums to {sum(shares)}, "
+                             f"global_batch_size is {gbs}")
+        for r, rep in enumerate(self.replicas):
+            for s, st in enumerate(rep.stages):
+                if mbs % st.dp:
+                    raise ValueError(f"microbatch_size must be divisible by each stage's dp: microbatch_size "
+                                     f"{mbs}, replicas[{r}].stages[{s}] has dp={st.dp}")
