@@ -154,7 +154,7 @@ def proportional_shares(global_units: int, throughputs: Sequence[float]) -> List
     if global_units < n:
         raise ValueError(f"global batch of {global_units} units is smaller than the number of replicas ({n}): "
                          f"every replica needs at least one")
-    thr = [Fraction(t) for t in throughputs]
+    thr = [Fraction(float(t)) for t in throughputs]
     total = sum(thr)
     shares = [max(1, math.floor(global_units * t / total)) for t in thr]
     if sum(shares) > global_units:  # only when many replicas are raised to 1; start from the minimum
