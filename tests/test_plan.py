@@ -288,3 +288,11 @@ def test_dataclasses_are_frozen_and_positions_set():
         p.global_batch_size = 3
     rep = ReplicaSpec(stages=[StageSpec("a", 1, 1, 0, 1), StageSpec("a", 1, 1, 2, 3)])
     assert [(s.index, s.is_first, s.is_last) for s in rep.stages] == [(0, True, False), (1, False, True)]
+
+
+def test_pure_python_modules_do_not_import_jax():
+    import subprocess
+    import sys
+    code = ("import sys, hethub_jax.parallel.plan, hethub_jax.parallel.schedule, hethub_jax.planner.simulator; "
+            "assert not any(m == 'jax' or m.startswith(('jax.', 'jaxlib')) for m in sys.modules), 'jax imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 from dataclasses import dataclass, replace
 from fractions import Fraction
@@ -148,12 +149,12 @@ def proportional_shares(global_units: int, throughputs: Sequence[float]) -> List
     if n == 0:
         raise ValueError("proportional_shares needs at least one replica")
     for i, t in enumerate(throughputs):
-        if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
+        if not (isinstance(t, numbers.Real) and not isinstance(t, bool) and math.isfinite(t) and t > 0):
             raise ValueError(f"throughput of replica {i} must be finite and > 0, got {t!r}")
     if global_units < n:
         raise ValueError(f"global batch of {global_units} units is smaller than the number of replicas ({n}): "
                          f"every replica needs at least one")
-    thr = [Fraction(t) for t in throughputs]
+    thr = [Fraction(float(t)) for t in throughputs]
     total = sum(thr)
     shares = [max(1, math.floor(global_units * t / total)) for t in thr]
     if sum(shares) > global_units:  # only when many replicas are raised to 1; start from the minimum
