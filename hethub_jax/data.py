@@ -484,17 +484,20 @@ def collate_rows(
             )
         window[i, : r.size] = r
         lengths[i] = r.size - 1
-    return _windows_to_batch(window, lengths, eos_id=eos_id, bos_id=bos_id)
+    return _windows_to_batch(window, lengths, eos_id=eos_id, bos_id=bos_id, pad_id=pad_id)
 
 
 def _windows_to_batch(
-    windows: np.ndarray, lengths: np.ndarray | None, *, eos_id: int, bos_id: int
+    windows: np.ndarray, lengths: np.ndarray | None, *, eos_id: int, bos_id: int, pad_id: int = 0
 ) -> Batch:
     tokens = np.ascontiguousarray(windows[:, :-1], dtype=np.int32)
     targets = np.ascontiguousarray(windows[:, 1:], dtype=np.int32)
     mask = (tokens != eos_id) & (targets != bos_id)
     if lengths is not None:
-        mask &= np.arange(tokens.shape[1])[None, :] < np.asarray(lengths)[:, None]
+        real = np.arange(tokens.shape[1])[None, :] < np.asarray(lengths)[:, None]
+        mask &= real
+        tokens[~real] = pad_id
+        targets[~real] = pad_id
     return {"tokens": tokens, "targets": targets, "loss_mask": mask.astype(np.float32)}
 
 
