@@ -586,6 +586,21 @@ class TokenDataset:
         """:data:`Batch` ``[len(indices), seq_len]`` from full windows (no padding)."""
         return _windows_to_batch(self.windows(indices), None, eos_id=self.eos_id, bos_id=self.bos_id)
 
+    def target_ids(self) -> np.ndarray:
+        """The targets that count towards the loss over all windows (loss_mask 1), int32 ``[n]``.
+
+        For the validation split these are exactly the targets a mask-weighted loss over
+        :meth:`batches` averages over, so ``unigram_entropy(val.target_ids(), vocab_size)`` is the
+        loss of the best context-free (unigram) model on them: a bar a model must beat to have
+        learned context.
+        """
+        n = self.num_windows
+        if n == 0:
+            return np.zeros(0, dtype=np.int32)
+        inputs = self.stream[: n * self.seq_len]
+        targets = self.stream[1 : n * self.seq_len + 1]
+        return targets[(inputs != self.eos_id) & (targets != self.bos_id)].copy()
+
     def _check_batch_size(self, batch_size: int, needed: int) -> int:
         batch_size = _check_positive_int("batch_size", batch_size)
         minimum = batch_size if self.shuffle else 1

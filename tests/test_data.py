@@ -398,3 +398,11 @@ def test_unigram_entropy_by_hand(shakespeare):
     distinct = np.unique(train.stream).size
     assert 0 < h < math.log(distinct) < math.log(32000)
     assert 5.0 < h < 8.0
+
+
+def test_validation_target_ids_are_the_masked_targets(shakespeare, tiny_dir, tmp_path):
+    for _, val, tok in (shakespeare, tiny_datasets(tiny_dir, tmp_path)):
+        from_batches = np.concatenate([b["targets"][b["loss_mask"] > 0] for b in val.batches(16)])
+        np.testing.assert_array_equal(val.target_ids(), from_batches)
+    h_val = D.unigram_entropy(shakespeare.val.target_ids(), 32000)
+    assert 0 < h_val < math.log(32000)
