@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.util
-import math
 import os
 import re
 import sys
@@ -410,6 +409,9 @@ def tokenize_corpus(
                 if (
                     stream.dtype == np.int32
                     and stream.ndim == 1
+                    and stream.size > 0
+                    and 0 <= int(stream.min())
+                    and int(stream.max()) < tokenizer.vocab_size
                     and int(np.count_nonzero(stream == tokenizer.bos_id)) == len(docs)
                 ):
                     return stream
@@ -525,7 +527,8 @@ def pad_batch(batch: Mapping[str, np.ndarray], seq_len: int, pad_id: int) -> Bat
     if seq_len < s:
         raise ValueError(f"pad_batch: seq_len={seq_len} is shorter than the batch's sequence length {s}")
     out: Batch = {}
-    for key, fill, dtype in (("tokens", pad_id, np.int32), ("targets", pad_id, np.int32), ("loss_mask", 0.0, np.float32)):
+    fills = (("tokens", pad_id, np.int32), ("targets", pad_id, np.int32), ("loss_mask", 0.0, np.float32))
+    for key, fill, dtype in fills:
         a = np.full((b, seq_len), fill, dtype=dtype)
         a[:, :s] = batch[key]
         out[key] = a
@@ -627,7 +630,9 @@ class TokenDataset:
             return np.arange(self.num_windows)
         return np.random.default_rng([self.seed, int(epoch)]).permutation(self.num_windows)
 
-    def batches(self, batch_size: int, *, start_step: int = 0, max_batches: int | None = None) -> Iterator[Batch]:
+    def batches(
+        self, batch_size: int, *, start_step: int = 0, max_batches: int | None = None
+    ) -> Iterator[Batch]:
         """Batches of full windows.
 
         Train (``shuffle=True``): loops over epochs forever; each epoch is a fresh seeded permutation
@@ -642,24 +647,42 @@ class TokenDataset:
           start_step: batches to skip (>= 0).
           max_batches: stop after this many batches (None: no limit).
 
-        Yields:
-          :data:`Batch` with arrays ``[batch_size, seq_len]``.
+        Returns:
+          An iterator of :data:`Batch` with arrays ``[batch_size, seq_len]``.
 
-        Raises:
-          ValueError / TypeError: bad ``batch_size`` or too few windows (raised on the first ``next``).
+        Raises (at the call, before any batch is made):
+          TypeError: ``batch_size`` is not an int.
+          ValueError: ``batch_size < 1``, the train split has fewer than ``batch_size`` windows (the
+            validation split: none), ``start_step < 0`` or ``max_batches < 1``.
         """
         batch_size = self._check_batch_size(batch_size, self.num_windows)
-        if start_step < 0:
-            raise ValueError(f"start_step must be >= 0, got {start_step}")
-        per_epoch = self.num_batches(batch_size)
-        step = int(start_step)
-        produced = 0
+        self._check_steps(start_step, max_batches)
+        return self._iterate(self.num_windows, batch_size, start_step, max_batches, self.batch_from_windows)
+
+    def _check_steps(self, start_step: int, max_batches: int | None) -> None:
+        if isinstance(start_step, bool) or not isinstance(start_step, (int, np.integer)) or start_step < 0:
+            raise ValueError(f"start_step must be an int >= 0, got {start_step!r}")
+        if max_batches is not None:
+            _check_positive_int("max_batches", max_batches)
+
+    def _iterate(self, n_items, batch_size, start_step, max_batches, make_batch) -> Iterator[Batch]:
+        """Shared batching loop over ``n_items`` rows (windows or document chunks)."""
+        per_epoch = n_items // batch_size if self.shuffle else -(-n_items // batch_size)
+        step, produced = int(start_step), 0
+        order_epoch, order = None, None
         while max_batches is None or produced < max_batches:
             epoch, k = divmod(step, per_epoch)
             if epoch > 0 and not self.shuffle:
                 return
-            idx = self.epoch_order(epoch)[k * batch_size : (k + 1) * batch_size]
-            batch = self.batch_from_windows(idx)
+            if epoch != order_epoch:
+                order_epoch = epoch
+                order = (
+                    np.random.default_rng([self.seed, epoch]).permutation(n_items)
+                    if self.shuffle
+                    else np.arange(n_items)
+                )
+            idx = order[k * batch_size : (k + 1) * batch_size]
+            batch = make_batch(idx)
             if idx.size < batch_size:
                 batch = _pad_rows(batch, batch_size, self.pad_id)
             yield batch
@@ -686,7 +709,12 @@ class TokenDataset:
         return chunks
 
     def padded_batches(
-        self, batch_size: int, *, seq_len: int | None = None, start_step: int = 0, max_batches: int | None = None
+        self,
+        batch_size: int,
+        *,
+        seq_len: int | None = None,
+        start_step: int = 0,
+        max_batches: int | None = None,
     ) -> Iterator[Batch]:
         """Batches with one document chunk per row, right-padded (see :meth:`document_chunks`).
 
@@ -698,32 +726,25 @@ class TokenDataset:
           batch_size: rows per batch.
           seq_len: padded row length, ``>= self.seq_len`` (default ``self.seq_len``).
 
-        Yields:
-          :data:`Batch` with arrays ``[batch_size, seq_len]``.
+        Returns:
+          An iterator of :data:`Batch` with arrays ``[batch_size, seq_len]``.
+
+        Raises:
+          As :meth:`batches` (counting chunks instead of windows), and ValueError if ``seq_len`` is
+          shorter than the dataset's.
         """
         chunks = self.document_chunks()
         batch_size = self._check_batch_size(batch_size, len(chunks))
+        self._check_steps(start_step, max_batches)
         width = self.seq_len if seq_len is None else _check_positive_int("seq_len", seq_len)
         if width < self.seq_len:
             raise ValueError(f"seq_len={width} is shorter than the dataset's seq_len={self.seq_len}")
-        per_epoch = len(chunks) // batch_size if self.shuffle else -(-len(chunks) // batch_size)
-        step, produced = int(start_step), 0
-        while max_batches is None or produced < max_batches:
-            epoch, k = divmod(step, per_epoch)
-            if epoch > 0 and not self.shuffle:
-                return
-            order = (
-                np.random.default_rng([self.seed, epoch]).permutation(len(chunks))
-                if self.shuffle
-                else np.arange(len(chunks))
-            )
-            rows = [chunks[i] for i in order[k * batch_size : (k + 1) * batch_size]]
-            batch = collate_rows(rows, width, pad_id=self.pad_id, eos_id=self.eos_id, bos_id=self.bos_id)
-            if len(rows) < batch_size:
-                batch = _pad_rows(batch, batch_size, self.pad_id)
-            yield batch
-            step += 1
-            produced += 1
+
+        def make_batch(idx: np.ndarray) -> Batch:
+            rows = [chunks[i] for i in idx]
+            return collate_rows(rows, width, pad_id=self.pad_id, eos_id=self.eos_id, bos_id=self.bos_id)
+
+        return self._iterate(len(chunks), batch_size, start_step, max_batches, make_batch)
 
     def __repr__(self) -> str:
         return (

@@ -5,7 +5,6 @@ plain ``sentencepiece``, boundaries from document lengths, entropies by hand.
 """
 
 import math
-import os
 import subprocess
 import sys
 
@@ -372,10 +371,13 @@ def test_config_validation_names_field(tiny_dir, tmp_path):
     assert D.DataConfig.from_dict({"seq_len": 7}).seq_len == 7
     train, val, _ = tiny_datasets(tiny_dir, tmp_path)
     with pytest.raises(ValueError, match="batch_size must be >= 1"):
-        next(train.batches(0))
+        train.batches(0)  # raised at the call, before iteration
     n = train.num_windows
     with pytest.raises(ValueError, match=rf"batch_size={n + 1} .* only {n} .*seq_len=5"):
-        next(train.batches(n + 1))
+        train.batches(n + 1)
+    with pytest.raises(ValueError, match="start_step"):
+        train.batches(1, start_step=-1)
+    assert len(list(val.batches(n + 1))) == 1  # validation pads a short last batch instead
     with pytest.raises(ValueError, match="seq_len\\+1=1001"):
         tiny_datasets(tiny_dir, tmp_path, seq_len=1000)
 
