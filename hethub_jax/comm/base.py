@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import abc
 import math
+import os
 import struct
 import sys
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -57,20 +57,37 @@ class CommTimeoutError(CommError, TimeoutError):
     """A blocking communication did not complete before its deadline."""
 
 
+_BY_NAME: dict[str, np.dtype] = {}
+_NAME_OF: dict[np.dtype, str] = {}  # validated dtypes -> wire name
+
+
 def dtype_from_name(name: str) -> np.dtype:
     """numpy dtype for a header's dtype name; ml_dtypes names (bfloat16, float8_e4m3fn, ...) too.
 
     Raises:
       CommError: the name is neither a numpy nor an ml_dtypes type.
     """
+    d = _BY_NAME.get(name)
+    if d is not None:
+        return d
     try:
-        return np.dtype(name)
+        d = np.dtype(name)
     except TypeError:
-        pass
-    t = getattr(ml_dtypes, name, None)
-    if t is None:
-        raise CommError(f"unknown dtype name {name!r} in message header")
-    return np.dtype(t)
+        t = getattr(ml_dtypes, name, None)
+        if t is None:
+            raise CommError(f"unknown dtype name {name!r} in message header") from None
+        d = np.dtype(t)
+    _BY_NAME[name] = d
+    return d
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """Wire name of a sendable dtype (cached). Raises TypeError for unsupported dtypes."""
+    name = _NAME_OF.get(dtype)
+    if name is None:
+        _check_dtype(dtype)
+        name = _NAME_OF[dtype] = dtype.name
+    return name
 
 
 def _check_dtype(dtype: np.dtype) -> None:
@@ -93,6 +110,8 @@ def as_host_array(x: Any) -> np.ndarray:
       TypeError: unsupported dtype (object, string, structured) or a JAX array that is not fully
         addressable from this process (a multi-process sharded array).
     """
+    if type(x) is np.ndarray and x.flags.c_contiguous and x.dtype in _NAME_OF:
+        return x  # fast path: already a sendable host buffer (validated dtypes are native)
     jax = sys.modules.get("jax")
     if jax is not None and isinstance(x, jax.Array):
         if not x.is_fully_addressable:
@@ -102,8 +121,8 @@ def as_host_array(x: Any) -> np.ndarray:
     arr = np.asarray(x)
     if not arr.dtype.isnative:
         arr = arr.astype(arr.dtype.newbyteorder("="))
-    _check_dtype(arr.dtype)
-    return np.ascontiguousarray(arr)
+    dtype_name(arr.dtype)
+    return arr if arr.flags.c_contiguous else arr.copy(order="C")  # keeps 0-d arrays 0-d
 
 
 def place(arr: np.ndarray, device: Any = None, sharding: Any = None) -> Any:
@@ -155,8 +174,27 @@ def reduce_arrays(arrays: Sequence[np.ndarray], op: str) -> np.ndarray:
     return acc.astype(dtype) if red != dtype else acc
 
 
-@dataclass(frozen=True)
-class Header:
+_SHAPES = [struct.Struct(f"<{n}q") for n in range(MAX_NDIM + 1)]
+_NAME_BYTES: dict[str, bytes] = {}
+
+
+def encode_header(arr: np.ndarray, tag: int, chunk_bytes: int = 0, part: int = 0,
+                  parts: int = 1) -> bytes:
+    """Wire header of ``arr`` (C-contiguous, sendable dtype), without building a Header."""
+    ndim = arr.ndim
+    if ndim > MAX_NDIM:
+        raise ValueError(f"arrays of at most {MAX_NDIM} dimensions can be sent, got {ndim}")
+    name = dtype_name(arr.dtype)
+    nb = _NAME_BYTES.get(name)
+    if nb is None:
+        nb = _NAME_BYTES[name] = name.encode("ascii")
+        if len(nb) > _MAX_DTYPE_NAME:
+            raise ValueError(f"dtype name too long for a header: {name!r}")
+    return (_FIXED.pack(_MAGIC, tag, arr.nbytes, chunk_bytes, part, parts, ndim, len(nb)) + nb
+            + _SHAPES[ndim].pack(*arr.shape))
+
+
+class Header(NamedTuple):
     """What precedes every message.
 
     Attributes:
@@ -169,7 +207,7 @@ class Header:
     """
 
     dtype: str
-    shape: tuple[int, ...]
+    shape: tuple
     tag: int
     nbytes: int
     chunk_bytes: int = 0
@@ -181,41 +219,55 @@ class Header:
                   parts: int = 1) -> "Header":
         if arr.ndim > MAX_NDIM:
             raise ValueError(f"arrays of at most {MAX_NDIM} dimensions can be sent, got {arr.ndim}")
-        return cls(arr.dtype.name, tuple(int(s) for s in arr.shape), int(tag), int(arr.nbytes),
+        return cls(dtype_name(arr.dtype), tuple(int(s) for s in arr.shape), int(tag), int(arr.nbytes),
                    int(chunk_bytes), part, parts)
 
     def encode(self) -> bytes:
+        """Wire format (see module comment); at most HEADER_MAX bytes."""
         name = self.dtype.encode("ascii")
         if len(name) > _MAX_DTYPE_NAME:
             raise ValueError(f"dtype name too long for a header: {self.dtype!r}")
         out = _FIXED.pack(_MAGIC, self.tag, self.nbytes, self.chunk_bytes, self.part, self.parts,
                           len(self.shape), len(name))
-        return out + name + struct.pack(f"<{len(self.shape)}q", *self.shape)
+        return out + name + _SHAPES[len(self.shape)].pack(*self.shape)
 
     @classmethod
     def decode(cls, buf: bytes | memoryview | np.ndarray) -> "Header":
-        """Parse a header; trailing padding is ignored.
+        """Parse a header from a buffer; trailing bytes (padding) are ignored.
 
         Raises:
-          CommError: not a header (bad magic) or inconsistent fields.
+          CommError: not a header (bad magic, too short) or inconsistent fields.
         """
-        b = bytes(buf)
-        if len(b) < _FIXED.size:
-            raise CommError(f"message header too short ({len(b)} bytes)")
-        magic, tag, nbytes, chunk, part, parts, ndim, nlen = _FIXED.unpack_from(b)
+        try:
+            magic, tag, nbytes, chunk, part, parts, ndim, nlen = _FIXED.unpack_from(buf)
+            o = _FIXED.size
+            name = bytes(buf[o:o + nlen]).decode("ascii")
+            shape = _SHAPES[ndim].unpack_from(buf, o + nlen)
+        except (struct.error, IndexError, UnicodeDecodeError) as e:
+            raise CommError(f"malformed message header: {e}") from None
         if magic != _MAGIC:
             raise CommError(f"bad message header magic {magic!r}: peer is not speaking this protocol")
-        o = _FIXED.size
-        name = b[o:o + nlen].decode("ascii")
-        shape = struct.unpack_from(f"<{ndim}q", b, o + nlen)
-        h = cls(name, tuple(shape), tag, nbytes, chunk, part, parts)
         if math.prod(shape) * dtype_from_name(name).itemsize != nbytes:
             raise CommError(f"inconsistent header: shape {shape} dtype {name} but {nbytes} bytes")
-        return h
+        return cls(name, shape, tag, nbytes, chunk, part, parts)
 
-    def empty(self) -> np.ndarray:
-        """An uninitialised C-contiguous array this header describes."""
-        return np.empty(self.shape, dtype=dtype_from_name(self.dtype))
+    def empty(self, out: np.ndarray | None = None) -> np.ndarray:
+        """An uninitialised C-contiguous array this header describes, or ``out`` after checking it.
+
+        Raises:
+          CommError: ``out`` has another dtype or shape, or is not C-contiguous and writeable.
+        """
+        dtype = dtype_from_name(self.dtype)
+        if out is None:
+            return np.empty(self.shape, dtype=dtype)
+        if (not isinstance(out, np.ndarray) or out.dtype != dtype or out.shape != self.shape
+                or not out.flags.c_contiguous or not out.flags.writeable):
+            got = (f"{out.dtype.name}{list(out.shape)}" if isinstance(out, np.ndarray)
+                   else type(out).__name__)
+            raise CommError(f"out= buffer {got} cannot hold message {self.describe()} (tag "
+                            f"{self.tag}): need a writeable C-contiguous numpy array of that "
+                            "dtype and shape")
+        return out
 
     def describe(self) -> str:
         return f"{self.dtype}{list(self.shape)}"
@@ -261,26 +313,38 @@ def check_tag(tag: int, max_tag: int) -> int:
 
 
 def poll_until(done: Callable[[], bool], deadline: float, describe: Callable[[], str],
-               spin_s: float = 0.002, max_sleep_s: float = 0.0005) -> None:
+               spin_s: float = 0.05, max_sleep_s: float = 0.001) -> None:
     """Call ``done()`` until it is True; raise CommTimeoutError at ``deadline`` (time.monotonic).
 
-    Spins without sleeping for ``spin_s`` seconds (low latency), then sleeps between polls with a
-    back-off growing to ``max_sleep_s`` seconds so that oversubscribed ranks still progress.
+    For ``spin_s`` seconds it polls back to back (yielding the CPU with ``sched_yield`` every 16
+    polls so oversubscribed ranks still run), then sleeps between bursts of 16 polls with a back-off
+    growing from 10 us to ``max_sleep_s`` seconds.
+
+    Raises:
+      CommTimeoutError: with ``describe()`` in the message.
     """
     if done():
         return
     start = time.monotonic()
+    spin_end = start + spin_s
     sleep = 1e-5
-    while True:
-        if done():
-            return
+    n = 0
+    while not done():
+        n += 1
+        if n & 15:
+            continue
         now = time.monotonic()
         if now >= deadline:
             raise CommTimeoutError(f"{describe()} did not complete within "
                                    f"{now - start:.3g} s (deadline)")
-        if now - start > spin_s:
+        if now < spin_end:
+            _yield()
+        else:
             time.sleep(sleep)
             sleep = min(sleep * 2, max_sleep_s)
+
+
+_yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
 class Communicator(abc.ABC):
@@ -335,11 +399,15 @@ class Communicator(abc.ABC):
         """
 
     @abc.abstractmethod
-    def irecv(self, source: int, tag: int = 0, *, device: Any = None, sharding: Any = None) -> Request:
+    def irecv(self, source: int, tag: int = 0, *, device: Any = None, sharding: Any = None,
+              out: np.ndarray | None = None) -> Request:
         """Start receiving the next message from ``source`` on ``tag``.
 
         ``wait()`` returns a C-contiguous numpy array with the sender's dtype and shape, or a JAX
-        array placed on ``device`` / ``sharding`` when one is given.
+        array placed on ``device`` / ``sharding`` when one is given. With ``out`` (a writeable
+        C-contiguous numpy array of the message's dtype and shape) the payload lands in ``out``
+        and no buffer is allocated; ``wait()`` raises CommError if the message does not fit it
+        (the message is consumed all the same).
         """
 
     def send(self, x: Any, dest: int, tag: int = 0, *, timeout: float | None = None) -> None:
@@ -351,13 +419,14 @@ class Communicator(abc.ABC):
         self.isend(x, dest, tag).wait(timeout)
 
     def recv(self, source: int, tag: int = 0, *, device: Any = None, sharding: Any = None,
-             timeout: float | None = None) -> Any:
+             out: np.ndarray | None = None, timeout: float | None = None) -> Any:
         """Blocking receive; returns the array (see ``irecv``).
 
         Raises:
           CommTimeoutError: nothing arrived within ``timeout`` seconds.
+          CommError: the message does not fit ``out``.
         """
-        return self.irecv(source, tag, device=device, sharding=sharding).wait(timeout)
+        return self.irecv(source, tag, device=device, sharding=sharding, out=out).wait(timeout)
 
     def sendrecv(self, x: Any, dest: int, source: int, sendtag: int = 0, recvtag: int | None = None,
                  *, device: Any = None, sharding: Any = None, timeout: float | None = None) -> Any:

@@ -47,9 +47,10 @@ class _Hub:
 
 
 class _LocalRecv(Request):
-    def __init__(self, comm: "LocalCommunicator", key: tuple, raw: bool, device=None, sharding=None):
+    def __init__(self, comm: "LocalCommunicator", key: tuple, raw: bool, device=None, sharding=None,
+                 out=None):
         self._comm, self._key, self._raw = comm, key, raw
-        self._device, self._sharding = device, sharding
+        self._device, self._sharding, self._out = device, sharding, out
         self._value = None  # (Header, ndarray) once matched
         self._result = None
         self._finished = False
@@ -67,10 +68,16 @@ class _LocalRecv(Request):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     _, src, dst, tag = self._key
+                    hub.posted[self._key].remove(self)  # abandon: later messages go to later recvs
                     raise CommTimeoutError(f"recv on rank {dst} from rank {src} (tag {tag}) did not "
                                            f"complete within {self._comm._t(timeout):.3g} s")
                 hub.cond.wait(min(left, 1.0))
         h, arr = self._value
+        if self._out is not None:
+            out, self._out = self._out, None
+            self._value = (h, None)  # a retried wait finds no array
+            np.copyto(h.empty(out), arr)  # raises CommError if it does not fit
+            arr = out
         self._result = (h, arr) if self._raw else place(arr, self._device, self._sharding)
         self._finished = True
         return self._result
@@ -129,10 +136,10 @@ class LocalCommunicator(Communicator):
     def _irecv_raw(self, source: int, tag: int) -> Request:
         return self._post(source, tag, raw=True)
 
-    def _post(self, source, tag, raw, device=None, sharding=None) -> Request:
+    def _post(self, source, tag, raw, device=None, sharding=None, out=None) -> Request:
         source = self._check_peer(source, "source")
         key = (self._group, source, self._rank, int(tag))
-        req = _LocalRecv(self, key, raw, device, sharding)
+        req = _LocalRecv(self, key, raw, device, sharding, out)
         with self._hub.cond:
             self._hub.posted[key].append(req)
             self._hub.match(key)
@@ -141,10 +148,11 @@ class LocalCommunicator(Communicator):
     def isend(self, x: Any, dest: int, tag: int = 0) -> Request:
         return self._isend_part(x, dest, check_tag(tag, self.max_tag), 0, 1)
 
-    def irecv(self, source: int, tag: int = 0, *, device: Any = None, sharding: Any = None) -> Request:
+    def irecv(self, source: int, tag: int = 0, *, device: Any = None, sharding: Any = None,
+              out: np.ndarray | None = None) -> Request:
         if device is not None and sharding is not None:
             raise ValueError("give at most one of device= and sharding=")
-        return self._post(source, check_tag(tag, self.max_tag), False, device, sharding)
+        return self._post(source, check_tag(tag, self.max_tag), False, device, sharding, out)
 
     # ---- groups ----------------------------------------------------------------------------
     def split(self, color: int | None, key: int = 0, *, timeout: float | None = None

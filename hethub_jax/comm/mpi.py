@@ -31,8 +31,10 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .base import (HEADER_MAX, REDUCE_OPS, CommError, Communicator, Header, Request,
-                   as_host_array, check_tag, place, poll_until, reduction_dtype)
+from .base import (HEADER_MAX, REDUCE_OPS, CommError, CommTimeoutError, Communicator, Header,
+                   Request,
+                   as_host_array, check_tag, encode_header, place, poll_until,
+                   reduction_dtype)
 
 __all__ = ["MPIHostBridge", "DEFAULT_CHUNK_BYTES"]
 
@@ -66,8 +68,10 @@ class _SendRequest(Request):
         self._done = False
 
     def test(self) -> bool:
-        if not self._done and MPI.Request.Testall(self._reqs):
-            self._done, self._keep = True, None
+        if not self._done:
+            self._comm._progress()
+            if MPI.Request.Testall(self._reqs):
+                self._done, self._keep = True, None
         return self._done
 
     def wait(self, timeout: float | None = None) -> None:
@@ -79,13 +83,15 @@ class _SendRequest(Request):
 class _RecvRequest(Request):
     """Header receive posted at once; payload receives posted when this is the head of its channel."""
 
-    def __init__(self, comm: "MPIHostBridge", source: int, tag: int, raw: bool, device, sharding):
+    def __init__(self, comm: "MPIHostBridge", source: int, tag: int, raw: bool, device, sharding,
+                 out):
         self._comm, self._source, self._tag = comm, source, tag
-        self._raw, self._device, self._sharding = raw, device, sharding
+        self._raw, self._device, self._sharding, self._out = raw, device, sharding, out
         self._hbuf = np.empty(HEADER_MAX, np.uint8)
         self._hreq = comm._comm.Irecv([self._hbuf, MPI.BYTE], source, comm._mpi_tag(tag, 0))
         self._header: Header | None = None
         self._arr: np.ndarray | None = None
+        self._error: Exception | None = None
         self._reqs: list | None = None  # payload receives, once posted
         self._done = False
         self._result = None
@@ -98,33 +104,61 @@ class _RecvRequest(Request):
         if not self._hreq.Test():
             return False
         h = self._header = Header.decode(self._hbuf)
-        if h.tag != self._tag:
-            raise CommError(f"header tag {h.tag} on channel tag {self._tag} from rank {self._source}")
-        self._arr = h.empty()
-        view = _bytes_of(self._arr)
-        mtag = self._comm._mpi_tag(self._tag, 1)
-        self._reqs = [self._comm._comm.Irecv([view[o:o + n], MPI.BYTE], self._source, mtag)
-                      for o, n in _chunks(h.nbytes, h.chunk_bytes or h.nbytes or 1)]
+        try:
+            self._arr = h.empty(self._out)
+        except CommError as e:  # still consume the message so the channel stays in step
+            self._error, self._arr = e, h.empty()
+        mtag, comm, nbytes = self._comm._mpi_tag(self._tag, 1), self._comm._comm, h.nbytes
+        if not nbytes:
+            self._reqs = []
+            return True
+        view = self._arr.reshape(-1).view(np.uint8)
+        if nbytes <= h.chunk_bytes:
+            self._reqs = [comm.Irecv([view, MPI.BYTE], self._source, mtag)]
+        else:
+            self._reqs = [comm.Irecv([view[o:o + n], MPI.BYTE], self._source, mtag)
+                          for o, n in _chunks(nbytes, h.chunk_bytes or nbytes)]
         return True
 
     def test(self) -> bool:
         if self._done:
             return True
-        self._comm._progress(self._source, self._tag)
-        if self._reqs is not None and MPI.Request.Testall(self._reqs):
+        if self._reqs is None:
+            self._comm._progress()
+            if self._reqs is None:
+                return False
+        if MPI.Request.Testall(self._reqs):
             self._done = True
         return self._done
+
+    def _cancel_header(self) -> None:
+        """After a timeout with no header: withdraw the header receive from the channel."""
+        if self._reqs is not None:
+            return
+        self._hreq.Cancel()
+        status = MPI.Status()
+        self._hreq.Wait(status)
+        if status.Is_cancelled():
+            q = self._comm._pending.get((self._source, self._tag))
+            if q is not None and self in q:
+                q.remove(self)
 
     def wait(self, timeout: float | None = None) -> Any:
         if self._finished:
             return self._result
-        poll_until(self.test, self._comm._deadline(timeout),
-                   lambda: (f"recv on rank {self._comm.rank} from rank {self._source} (tag "
-                            f"{self._tag}){'' if self._header else ', no header yet'}"),
-                   self._comm.spin_s)
+        try:
+            poll_until(self.test, self._comm._deadline(timeout),
+                       lambda: (f"recv on rank {self._comm.rank} from rank {self._source} (tag "
+                                f"{self._tag}){'' if self._header else ', no header yet'}"),
+                       self._comm.spin_s)
+        except CommTimeoutError:
+            self._cancel_header()
+            raise
+        self._finished = True
+        if self._error is not None:
+            raise self._error
         h, arr = self._header, self._arr
         self._result = (h, arr) if self._raw else place(arr, self._device, self._sharding)
-        self._finished = True
         return self._result
 
 
@@ -133,7 +167,11 @@ class _CollRequest:
         self.comm, self.what = comm, what
 
     def wait(self, req, deadline: float) -> None:
-        poll_until(req.Test, deadline,
+        def done():
+            self.comm._progress()
+            return req.Test()
+
+        poll_until(done, deadline,
                    lambda: f"{self.what} on rank {self.comm.rank} of {self.comm.size}",
                    self.comm.spin_s)
 
@@ -153,7 +191,7 @@ class MPIHostBridge(Communicator):
     """
 
     def __init__(self, comm: Any = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 timeout: float = 300.0, spin_s: float = 0.005):
+                 timeout: float = 300.0, spin_s: float = 0.05):
         self._comm = MPI.COMM_WORLD if comm is None else comm
         if not 1 <= int(chunk_bytes) <= _MAX_CHUNK:
             raise ValueError(f"chunk_bytes must be in [1, {_MAX_CHUNK}], got {chunk_bytes}")
@@ -191,40 +229,57 @@ class MPIHostBridge(Communicator):
         t = tag if tag >= 0 else self.max_tag - tag  # internal tags above the user range
         return 2 * t + payload
 
-    def _progress(self, source: int, tag: int) -> None:
-        q = self._pending.get((source, tag))
-        while q and q[0]._start_payload():
-            q.popleft()
+    def _progress(self) -> None:
+        """Post payload receives for every receive whose header arrived (all channels, in order).
+
+        Called from every poll (sends and collectives included): a large send completes only once
+        its receiver has posted the payload receive, so e.g. in ``sendrecv`` waiting on the send
+        must also progress the receive.
+        """
+        if not self._pending:
+            return
+        for key in list(self._pending):
+            q = self._pending[key]
+            while q and q[0]._start_payload():
+                q.popleft()
+            if not q:
+                del self._pending[key]
 
     # ---- point-to-point --------------------------------------------------------------------
     def _isend_part(self, x: Any, dest: int, tag: int, part: int, parts: int) -> Request:
-        dest = self._check_peer(dest, "dest")
+        if type(dest) is not int or not 0 <= dest < self._size:
+            dest = self._check_peer(dest, "dest")
         arr = as_host_array(x)
-        hdr = np.frombuffer(Header.for_array(arr, tag, self.chunk_bytes, part, parts).encode(),
-                            np.uint8)
-        view = _bytes_of(arr)
-        reqs = [self._comm.Isend([hdr, MPI.BYTE], dest, self._mpi_tag(tag, 0))]
-        mtag = self._mpi_tag(tag, 1)
-        reqs += [self._comm.Isend([view[o:o + n], MPI.BYTE], dest, mtag)
-                 for o, n in _chunks(arr.nbytes, self.chunk_bytes)]
-        return _SendRequest(self, reqs, (arr, hdr, view), dest, tag)
+        hdr = encode_header(arr, tag, self.chunk_bytes, part, parts)
+        t = tag if tag >= 0 else self.max_tag - tag
+        comm, nbytes = self._comm, arr.nbytes
+        reqs = [comm.Isend([hdr, MPI.BYTE], dest, 2 * t)]
+        if nbytes:
+            view = arr.reshape(-1).view(np.uint8)
+            if nbytes <= self.chunk_bytes:
+                reqs.append(comm.Isend([view, MPI.BYTE], dest, 2 * t + 1))
+            else:
+                reqs += [comm.Isend([view[o:o + n], MPI.BYTE], dest, 2 * t + 1)
+                         for o, n in _chunks(nbytes, self.chunk_bytes)]
+        return _SendRequest(self, reqs, (arr, hdr), dest, tag)
 
     def _irecv_raw(self, source: int, tag: int) -> Request:
-        return self._post(source, tag, True, None, None)
+        return self._post(source, tag, True, None, None, None)
 
-    def _post(self, source, tag, raw, device, sharding) -> Request:
+    def _post(self, source, tag, raw, device, sharding, out) -> Request:
         source = self._check_peer(source, "source")
-        req = _RecvRequest(self, source, tag, raw, device, sharding)
+        req = _RecvRequest(self, source, tag, raw, device, sharding, out)
         self._pending[(source, tag)].append(req)
         return req
 
     def isend(self, x: Any, dest: int, tag: int = 0) -> Request:
         return self._isend_part(x, dest, check_tag(tag, self.max_tag), 0, 1)
 
-    def irecv(self, source: int, tag: int = 0, *, device: Any = None, sharding: Any = None) -> Request:
+    def irecv(self, source: int, tag: int = 0, *, device: Any = None, sharding: Any = None,
+              out: np.ndarray | None = None) -> Request:
         if device is not None and sharding is not None:
             raise ValueError("give at most one of device= and sharding=")
-        return self._post(source, check_tag(tag, self.max_tag), False, device, sharding)
+        return self._post(source, check_tag(tag, self.max_tag), False, device, sharding, out)
 
     # ---- collectives -----------------------------------------------------------------------
     def _headers(self, arr: np.ndarray, what: str, deadline: float) -> list[Header]:
