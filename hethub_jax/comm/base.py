@@ -292,6 +292,9 @@ class Request(abc.ABC):
           CommTimeoutError: the deadline passed; names the peer and tag.
         """
 
+    def cancel(self) -> None:
+        """Withdraw a receive whose message has not started to arrive (no-op otherwise)."""
+
 
 class DoneRequest(Request):
     """A request that is already complete."""
@@ -662,9 +665,13 @@ class _AllRequest(Request):
         self._done = False
         self._value = None
 
+    def cancel(self) -> None:
+        for r in self._reqs:
+            r.cancel()
+
     def test(self) -> bool:
         if not self._done:
-            self._done = all(r.test() for r in self._reqs)  # noqa: all tested in order
+            self._done = all(r.test() for r in self._reqs)
         return self._done
 
     def wait(self, timeout: float | None = None) -> Any:
@@ -672,9 +679,14 @@ class _AllRequest(Request):
             return self._value
         start = time.monotonic()
         values = []
-        for r in self._reqs:
-            left = None if timeout is None else max(timeout - (time.monotonic() - start), 0.0)
-            values.append(r.wait(left))
-        self._value = self._finish(values)
+        try:
+            for r in self._reqs:
+                left = None if timeout is None else max(timeout - (time.monotonic() - start), 0.0)
+                values.append(r.wait(left))
+            self._value = self._finish(values)
+        except BaseException:
+            for r in self._reqs[len(values):]:
+                r.cancel()  # e.g. a pytree of the wrong length: leave nothing posted
+            raise
         self._finish = None
         return self._value

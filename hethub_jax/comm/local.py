@@ -58,6 +58,12 @@ class _LocalRecv(Request):
     def test(self) -> bool:
         return self._value is not None
 
+    def cancel(self) -> None:
+        hub = self._comm._hub
+        with hub.cond:
+            if self._value is None and self in hub.posted[self._key]:
+                hub.posted[self._key].remove(self)
+
     def wait(self, timeout: float | None = None) -> Any:
         if self._finished:
             return self._result

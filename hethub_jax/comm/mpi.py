@@ -131,8 +131,14 @@ class _RecvRequest(Request):
             self._done = True
         return self._done
 
+    def cancel(self) -> None:
+        self._cancel_header()
+
     def _cancel_header(self) -> None:
-        """After a timeout with no header: withdraw the header receive from the channel."""
+        """With no header yet: withdraw the header receive from the channel."""
+        if self._reqs is not None or self._finished:
+            return
+        self._comm._progress()
         if self._reqs is not None:
             return
         self._hreq.Cancel()
