@@ -27,6 +27,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -49,7 +50,12 @@ _HANDSHAKE_TAG = 7001
 
 
 class HandshakeError(CommError):
-    """Ranks disagree at start-up (config/plan hash, versions, platform or device count)."""
+    """Ranks disagree at start-up (config/plan hash, versions, platform or device count).
+
+    Raised with the same message on every rank; the abort hook lets rank 0 report it.
+    """
+
+    reported_by_rank0 = True
 
 
 # ---- pure helpers ----------------------------------------------------------------------------
@@ -330,6 +336,8 @@ def install_abort_on_exception(rank: int | None = None, island: str | None = Non
 
     def hook(exc_type, exc, tb):
         out = stream or sys.stderr
+        if r != 0 and getattr(exc, "reported_by_rank0", False):
+            time.sleep(5)  # the same error is raised on rank 0, whose abort normally ends us first
         try:
             text = "".join(traceback.format_exception(exc_type, exc, tb))
             out.write("".join(prefix + line + "\n" for line in text.rstrip("\n").split("\n")))

@@ -51,6 +51,14 @@ _MPI_TYPES = {np.dtype(t): m for t, m in [
     (np.complex64, MPI.C_FLOAT_COMPLEX), (np.complex128, MPI.C_DOUBLE_COMPLEX)]}
 
 
+def _poll(done, deadline: float, describe, spin_s: float) -> None:
+    """poll_until, with MPI errors (truncation, ...) turned into CommError naming the operation."""
+    try:
+        poll_until(done, deadline, describe, spin_s)
+    except MPI.Exception as e:
+        raise CommError(f"{describe()} failed in MPI: {e.Get_error_string()}") from e
+
+
 def _bytes_of(arr: np.ndarray) -> np.ndarray:
     """uint8 view of a C-contiguous array's memory (no copy)."""
     return arr.reshape(-1).view(np.uint8)
@@ -75,7 +83,7 @@ class _SendRequest(Request):
         return self._done
 
     def wait(self, timeout: float | None = None) -> None:
-        poll_until(self.test, self._comm._deadline(timeout),
+        _poll(self.test, self._comm._deadline(timeout),
                    lambda: f"send from rank {self._comm.rank} to rank {self._dest} (tag {self._tag})",
                    self._comm.spin_s)
 
@@ -153,7 +161,7 @@ class _RecvRequest(Request):
         if self._finished:
             return self._result
         try:
-            poll_until(self.test, self._comm._deadline(timeout),
+            _poll(self.test, self._comm._deadline(timeout),
                        lambda: (f"recv on rank {self._comm.rank} from rank {self._source} (tag "
                                 f"{self._tag}){'' if self._header else ', no header yet'}"),
                        self._comm.spin_s)
@@ -177,7 +185,7 @@ class _CollRequest:
             self.comm._progress()
             return req.Test()
 
-        poll_until(done, deadline,
+        _poll(done, deadline,
                    lambda: f"{self.what} on rank {self.comm.rank} of {self.comm.size}",
                    self.comm.spin_s)
 
