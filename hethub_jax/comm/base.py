@@ -316,12 +316,16 @@ def check_tag(tag: int, max_tag: int) -> int:
 
 
 def poll_until(done: Callable[[], bool], deadline: float, describe: Callable[[], str],
-               spin_s: float = 0.05, max_sleep_s: float = 0.001) -> None:
+               spin_s: float = 0.05, max_sleep_s: float = 0.001,
+               every: Callable[[], Any] | None = None) -> None:
     """Call ``done()`` until it is True; raise CommTimeoutError at ``deadline`` (time.monotonic).
 
-    For ``spin_s`` seconds it polls back to back (yielding the CPU with ``sched_yield`` every 16
-    polls so oversubscribed ranks still run), then sleeps between bursts of 16 polls with a back-off
-    growing from 10 us to ``max_sleep_s`` seconds.
+    ``done`` should be cheap (it runs back to back while a transfer is in flight: in MPI, each
+    test also drives the copy); ``every()``, if given, runs every 16 polls (e.g. other progress).
+
+    For ``spin_s`` seconds it polls back to back (checking the clock every 16 polls and yielding the
+    CPU with ``sched_yield`` every 256 so oversubscribed ranks still run), then sleeps between
+    bursts of 16 polls with a back-off growing from 10 us to ``max_sleep_s`` seconds.
 
     Raises:
       CommTimeoutError: with ``describe()`` in the message.
@@ -336,12 +340,15 @@ def poll_until(done: Callable[[], bool], deadline: float, describe: Callable[[],
         n += 1
         if n & 15:
             continue
+        if every is not None:
+            every()
         now = time.monotonic()
         if now >= deadline:
             raise CommTimeoutError(f"{describe()} did not complete within "
                                    f"{now - start:.3g} s (deadline)")
         if now < spin_end:
-            _yield()
+            if not n & 255:
+                _yield()
         else:
             time.sleep(sleep)
             sleep = min(sleep * 2, max_sleep_s)

@@ -25,6 +25,7 @@ A communicator must not be used by two threads at once.
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from typing import Any
 
@@ -51,10 +52,10 @@ _MPI_TYPES = {np.dtype(t): m for t, m in [
     (np.complex64, MPI.C_FLOAT_COMPLEX), (np.complex128, MPI.C_DOUBLE_COMPLEX)]}
 
 
-def _poll(done, deadline: float, describe, spin_s: float) -> None:
+def _poll(done, deadline: float, describe, spin_s: float, every=None) -> None:
     """poll_until, with MPI errors (truncation, ...) turned into CommError naming the operation."""
     try:
-        poll_until(done, deadline, describe, spin_s)
+        poll_until(done, deadline, describe, spin_s, every=every)
     except MPI.Exception as e:
         raise CommError(f"{describe()} failed in MPI: {e.Get_error_string()}") from e
 
@@ -83,9 +84,14 @@ class _SendRequest(Request):
         return self._done
 
     def wait(self, timeout: float | None = None) -> None:
-        _poll(self.test, self._comm._deadline(timeout),
-                   lambda: f"send from rank {self._comm.rank} to rank {self._dest} (tag {self._tag})",
-                   self._comm.spin_s)
+        if self.test():
+            return
+        reqs = self._reqs
+        fast = reqs[0].Test if len(reqs) == 1 else functools.partial(MPI.Request.Testall, reqs)
+        _poll(fast, self._comm._deadline(timeout),
+              lambda: f"send from rank {self._comm.rank} to rank {self._dest} (tag {self._tag})",
+              self._comm.spin_s, every=self._comm._progress)
+        self._done, self._keep = True, None
 
 
 class _RecvRequest(Request):
@@ -139,6 +145,10 @@ class _RecvRequest(Request):
             self._done = True
         return self._done
 
+    def _posted(self) -> bool:
+        self._comm._progress()
+        return self._reqs is not None
+
     def cancel(self) -> None:
         self._cancel_header()
 
@@ -160,11 +170,22 @@ class _RecvRequest(Request):
     def wait(self, timeout: float | None = None) -> Any:
         if self._finished:
             return self._result
+        deadline = self._comm._deadline(timeout)
+
+        def describe():
+            return (f"recv on rank {self._comm.rank} from rank {self._source} (tag "
+                    f"{self._tag}){'' if self._header else ', no header yet'}")
+
         try:
-            _poll(self.test, self._comm._deadline(timeout),
-                       lambda: (f"recv on rank {self._comm.rank} from rank {self._source} (tag "
-                                f"{self._tag}){'' if self._header else ', no header yet'}"),
-                       self._comm.spin_s)
+            if not self.test():
+                if self._reqs is None:  # phase 1: until the payload receives are posted
+                    _poll(self._posted, deadline, describe, self._comm.spin_s)
+                reqs = self._reqs  # phase 2: only the payload requests, tested back to back
+                if reqs:
+                    fast = (reqs[0].Test if len(reqs) == 1
+                            else functools.partial(MPI.Request.Testall, reqs))
+                    _poll(fast, deadline, describe, self._comm.spin_s, every=self._comm._progress)
+                self._done = True
         except CommTimeoutError:
             self._cancel_header()
             raise
