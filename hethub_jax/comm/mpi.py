@@ -66,6 +66,9 @@ def _bytes_of(arr: np.ndarray) -> np.ndarray:
 
 
 def _chunks(nbytes: int, chunk: int):
+    """(offset, length) of the payload messages: ceil(nbytes/chunk), and one empty one if nbytes=0."""
+    if nbytes == 0:
+        yield 0, 0
     for off in range(0, nbytes, chunk):
         yield off, min(chunk, nbytes - off)
 
@@ -107,6 +110,7 @@ class _RecvRequest(Request):
         self._arr: np.ndarray | None = None
         self._error: Exception | None = None
         self._reqs: list | None = None  # payload receives, once posted
+        self._pre = None  # payload receive posted into out= before the header arrived
         self._done = False
         self._result = None
         self._finished = False
@@ -123,11 +127,12 @@ class _RecvRequest(Request):
         except CommError as e:  # still consume the message so the channel stays in step
             self._error, self._arr = e, h.empty()
         mtag, comm, nbytes = self._comm._mpi_tag(self._tag, 1), self._comm._comm, h.nbytes
-        if not nbytes:
-            self._reqs = []
-            return True
         view = self._arr.reshape(-1).view(np.uint8)
-        if nbytes <= h.chunk_bytes:
+        if self._pre is not None:  # first payload message already has a receive (into out=)
+            self._reqs = [self._pre] + [
+                comm.Irecv([view[o:o + n], MPI.BYTE], self._source, mtag)
+                for o, n in _chunks(nbytes, h.chunk_bytes or nbytes) if o > 0]
+        elif nbytes <= h.chunk_bytes:
             self._reqs = [comm.Irecv([view, MPI.BYTE], self._source, mtag)]
         else:
             self._reqs = [comm.Irecv([view[o:o + n], MPI.BYTE], self._source, mtag)
@@ -138,7 +143,7 @@ class _RecvRequest(Request):
         if self._done:
             return True
         if self._reqs is None:
-            self._comm._progress()
+            self._posted()
             if self._reqs is None:
                 return False
         if MPI.Request.Testall(self._reqs):
@@ -146,7 +151,10 @@ class _RecvRequest(Request):
         return self._done
 
     def _posted(self) -> bool:
-        self._comm._progress()
+        if self._pre is not None:  # not queued on the channel: handle our own header
+            self._start_payload()
+        else:
+            self._comm._progress()
         return self._reqs is not None
 
     def cancel(self) -> None:
@@ -162,6 +170,9 @@ class _RecvRequest(Request):
         self._hreq.Cancel()
         status = MPI.Status()
         self._hreq.Wait(status)
+        if status.Is_cancelled() and self._pre is not None:
+            self._pre.Cancel()
+            self._pre.Wait(status)
         if status.Is_cancelled():
             q = self._comm._pending.get((self._source, self._tag))
             if q is not None and self in q:
@@ -184,7 +195,12 @@ class _RecvRequest(Request):
                 if reqs:
                     fast = (reqs[0].Test if len(reqs) == 1
                             else functools.partial(MPI.Request.Testall, reqs))
-                    _poll(fast, deadline, describe, self._comm.spin_s, every=self._comm._progress)
+                    try:
+                        _poll(fast, deadline, describe, self._comm.spin_s,
+                              every=self._comm._progress)
+                    except CommError:
+                        if self._error is None or isinstance(self._error, CommTimeoutError):
+                            raise
                 self._done = True
         except CommTimeoutError:
             self._cancel_header()
@@ -288,14 +304,15 @@ class MPIHostBridge(Communicator):
         hdr = encode_header(arr, tag, self.chunk_bytes, part, parts)
         t = tag if tag >= 0 else self.max_tag - tag
         comm, nbytes = self._comm, arr.nbytes
-        reqs = [comm.Isend([hdr, MPI.BYTE], dest, 2 * t)]
-        if nbytes:
-            view = arr.reshape(-1).view(np.uint8)
-            if nbytes <= self.chunk_bytes:
-                reqs.append(comm.Isend([view, MPI.BYTE], dest, 2 * t + 1))
-            else:
-                reqs += [comm.Isend([view[o:o + n], MPI.BYTE], dest, 2 * t + 1)
-                         for o, n in _chunks(nbytes, self.chunk_bytes)]
+        view = arr.reshape(-1).view(np.uint8)
+        # payload first (a receive may already be posted for it), then the header; each of the two
+        # MPI tags keeps its own order. At least one payload message, empty if nbytes == 0.
+        if nbytes <= self.chunk_bytes:
+            reqs = [comm.Isend([view, MPI.BYTE], dest, 2 * t + 1)]
+        else:
+            reqs = [comm.Isend([view[o:o + n], MPI.BYTE], dest, 2 * t + 1)
+                    for o, n in _chunks(nbytes, self.chunk_bytes)]
+        reqs.append(comm.Isend([hdr, MPI.BYTE], dest, 2 * t))
         return _SendRequest(self, reqs, (arr, hdr), dest, tag)
 
     def _irecv_raw(self, source: int, tag: int) -> Request:
@@ -304,7 +321,15 @@ class MPIHostBridge(Communicator):
     def _post(self, source, tag, raw, device, sharding, out) -> Request:
         source = self._check_peer(source, "source")
         req = _RecvRequest(self, source, tag, raw, device, sharding, out)
-        self._pending[(source, tag)].append(req)
+        if (type(out) is np.ndarray and 0 < out.nbytes <= _MAX_CHUNK and out.flags.c_contiguous
+                and out.flags.writeable and not self._pending.get((source, tag))):
+            # Nothing earlier on this channel waits for its header: post the first payload
+            # message's receive into out= now, so data lands without waiting for our header
+            # processing (the header is checked against out= when it arrives).
+            req._pre = self._comm.Irecv([out.reshape(-1).view(np.uint8), MPI.BYTE], source,
+                                        self._mpi_tag(tag, 1))
+        else:
+            self._pending[(source, tag)].append(req)
         return req
 
     def isend(self, x: Any, dest: int, tag: int = 0) -> Request:
