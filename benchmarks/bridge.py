@@ -4,9 +4,12 @@
 
 Ping-pong between 2 ranks for message sizes 4 KiB .. 64 MiB: one-way time = round trip / 2,
 bandwidth = bytes / one-way time (bytes/s). Raw and bridge repetitions are interleaved in the same
-run; figures are medians over repetitions. Separately (rank 0, after the MPI part) the cost of
-host->device (``jax.device_put`` + ``block_until_ready``) and device->host (``np.array``, a copy) copies
-on the default JAX device.
+run (the order rotates); bandwidths are medians over repetitions, ratios are medians of the
+per-repetition ratios (bridge and raw measured back to back). The bridge receives into a
+preallocated buffer (``out=``, like raw ``Recv``) and, separately, into fresh arrays ("fresh").
+Separately (rank 0, after the MPI part) the cost of host->device (``jax.device_put`` +
+``block_until_ready``) and device->host (``np.array``, a copy) copies on the default JAX device
+(on a CPU device, ``device_put`` may alias the host buffer, so h2d figures are not copy costs).
 
 JSON: {"figures": {"ratio_vs_raw_mpi_min_ge_1MiB": ..., ...}, "rows": [...], "copies": [...],
 "machine": {...}, "command": ...}. The ratio is bridge bandwidth / raw bandwidth at the worst size
@@ -57,8 +60,8 @@ def pingpong(comm, rank, send, recv, iters):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", required=True, help="output path")
-    ap.add_argument("--reps", type=int, default=7, help="interleaved repetitions per size")
-    ap.add_argument("--min-time", type=float, default=0.02, help="seconds per repetition (about)")
+    ap.add_argument("--reps", type=int, default=15, help="interleaved repetitions per size")
+    ap.add_argument("--min-time", type=float, default=0.01, help="seconds per repetition (about)")
     ap.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")], default=SIZES,
                     help="comma-separated message sizes in bytes (default 4 KiB .. 64 MiB)")
     args = ap.parse_args()
@@ -109,11 +112,14 @@ def main() -> None:
         got = bridge.sendrecv(buf, 1 - rank, 1 - rank, sendtag=13)
         assert np.array_equal(got, buf)
         t_raw, t_br, t_bo = statistics.median(raw), statistics.median(br), statistics.median(bo)
+        # ratios of adjacent (same repetition) measurements, then the median: robust to the
+        # machine's load drifting during the run
         rows.append({"bytes": size, "iters": iters, "reps": args.reps,
                      "raw_s": t_raw, "bridge_s": t_bo, "bridge_fresh_s": t_br,
                      "raw_Bps": size / t_raw, "bridge_Bps": size / t_bo,
                      "bridge_fresh_Bps": size / t_br,
-                     "ratio": t_raw / t_bo, "ratio_fresh": t_raw / t_br})
+                     "ratio": statistics.median(a / b for a, b in zip(raw, bo)),
+                     "ratio_fresh": statistics.median(a / b for a, b in zip(raw, br))})
     copies = []
     if rank == 0:
         import jax
