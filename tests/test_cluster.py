@@ -145,10 +145,9 @@ def test_two_process_cpu_island_sums_over_its_four_device_mesh():
 def _mpmd(segments, script_args, extra=None, timeout=60):
     """mpiexec [extra] -n N1 -env K V python script : -n N2 ... (hydra MPMD with per-segment env)."""
     import os
-    import subprocess
     import sys
 
-    from test_comm_contract import ROOT, mpiexec
+    from test_comm_contract import ROOT, mpiexec, run_group
 
     cmd = [mpiexec(), *(extra or [])]
     for i, (n, env) in enumerate(segments):
@@ -159,4 +158,4 @@ def _mpmd(segments, script_args, extra=None, timeout=60):
             cmd += ["-env", k, v]
         cmd += [sys.executable, *script_args]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return run_group(cmd, timeout, env)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -43,8 +44,22 @@ def run_mpi(args: list[str], n: int, timeout: float, env: dict | None = None,
     full_env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     full_env.update(env or {})
     cmd = [mpiexec(), *(mpiexec_args or []), "-n", str(n), sys.executable, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
-                          cwd=ROOT)
+    return run_group(cmd, timeout, full_env)
+
+
+def run_group(cmd: list[str], timeout: float, env: dict) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own process group; on timeout kill the whole group (mpiexec and ranks)
+    and fail the test with the output so far."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=ROOT, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} still running after {timeout} s (killed):\n"
+                    f"{out[-2000:]}\n{err[-2000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def run_local(check, n=comm_checks.SIZE, timeout=60.0):
