@@ -101,8 +101,10 @@ class PipelineRuntime:
                 raise ValueError(f"island {isl.name!r} has num_processes={isl.num_processes}: the pipeline "
                                  f"runtime runs one process per island for now")
         all_keys = [(r, s) for r in range(plan.num_replicas) for s in range(plan.num_stages(r))]
-        self.owner = {k: plan.island_ranks(plan.stage(*k).island).start for k in all_keys}
-        self.local_keys = [k for k in all_keys if comm is None or self.owner[k] == self.rank]
+        # Rank that runs each stage: the first process of its island (every stage is local without comm).
+        self.owner = {k: (plan.island_ranks(plan.stage(*k).island).start if comm is not None else 0)
+                      for k in all_keys}
+        self.local_keys = [k for k in all_keys if self.owner[k] == self.rank]
         devices = list(jax.devices()) if devices is None else list(devices)
         tx = make_optimizer(optim)
         self.stages: dict[StageKey, PipelineStage] = {}
@@ -216,12 +218,13 @@ class PipelineRuntime:
                 self._emulate(k, out, t0)
             elif a.kind == ActionKind.B:
                 g = jnp.ones((), jnp.float32) if st.is_last else outbox.pop(("gout", k, mb))
+                first = np.bool_(n_acc[k] == 0)
                 if st.recompute:
                     x, pos, extra = saved.pop((k, mb))
-                    grads = st.backward_recompute(st.params, x, pos, *extra, g)
+                    grads = st.backward_recompute(st.params, x, pos, *extra, g, acc[k], first)
                 else:
-                    grads = st.backward_saved(saved.pop((k, mb)), g)
-                acc[k] = (st.accumulate if n_acc[k] else st.accumulate_first)(acc[k], grads[0])
+                    grads = st.backward_saved(saved.pop((k, mb)), g, acc[k], first)
+                acc[k] = grads[0]
                 n_acc[k] += 1
                 if not st.is_first:
                     outbox[("gin", k, mb)] = grads[1]
