@@ -72,7 +72,8 @@ def test_warmup_measurement_gives_the_slow_replica_a_smaller_share():
     assert shares[0] > shares[1]
     rt.set_batch_shares(shares)
     before = rt.params()
-    res = rt.train_step(data[1])
+    rt.train_step(data[1])  # learning rate 0 at step 0 (warm-up from 0)
+    res = rt.train_step(data[2])
     assert np.isfinite(res.loss) and any(np.any(before[n] != p) for n, p in rt.params().items())
     with pytest.raises(ValueError, match="summing to global_batch_size"):
         rt.set_batch_shares([4, 3])

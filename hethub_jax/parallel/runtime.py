@@ -328,8 +328,8 @@ class PipelineRuntime:
                     np.asarray(jax.device_get(parts[0]), np.float32) if len(parts) > 1 else parts[0]
             if len(group) > 1:
                 sub = self._group_comms[group]
-                local_sum = {n: np.asarray(sub.allreduce(np.asarray(jax.device_get(v), np.float32), op="sum"))
-                             for n, v in local_sum.items()}
+                host = {n: np.asarray(jax.device_get(v), np.float32) for n, v in local_sum.items()}
+                local_sum = sub.allreduce_tree(host, op="sum")  # one all-reduce for all of them
             for name, total in local_sum.items():
                 for k in self.shared[name]:
                     if k in new:
