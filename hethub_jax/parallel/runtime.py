@@ -1,0 +1,434 @@
+"""The pipeline runtime: executes each local stage's action list (GPipe or 1F1B) and applies the update.
+
+One `PipelineRuntime` runs in every process. In a single process (no communicator) it runs every
+stage of every island itself; under MPI each process runs the stages of its island and exchanges
+activations and gradients with other islands through the communicator's non-blocking send/recv
+(`hethub_jax.comm`). Between two stages in the same process, arrays move device to device
+(re-placement onto the next stage's sharding); between islands in the same process they take the
+host path, as they would over the bridge.
+
+Execution: every local stage advances through its list until it reaches a receive whose message has
+not arrived; the process then switches to another local stage, and polls when none can advance
+(so several stages per process and any schedule in `schedule.py` run without deadlock).
+
+Loss and gradients (DESIGN.md section 6): the last stage returns the *summed* token cross-entropy of
+each microbatch; gradients are accumulated as sums over microbatches, summed over data-parallel
+replicas and over the two copies of tied embeddings, divided once by the number of non-pad tokens of
+the global batch, clipped by the global norm (squared norms summed over all stages, each parameter
+counted once), and applied by each stage's own optax state. The result equals the unsplit model's
+step on the whole global batch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hethub_jax.models.config import LlamaConfig
+from hethub_jax.models.llama import Llama
+from hethub_jax.optim import OptimConfig, make_optimizer
+from hethub_jax.parallel.plan import Plan
+from hethub_jax.parallel.schedule import Action, ActionKind
+from hethub_jax.parallel.stage import PipelineStage
+from hethub_jax.planner.simulator import ActionRecord
+
+StageKey = tuple[int, int]  # (replica index, stage index)
+_KIND_CODE = {"act": 0, "grad": 1}
+
+
+@dataclass
+class StepResult:
+    """Outcome of one training step, identical on every rank.
+
+    Attributes:
+      loss: mean token cross-entropy over the non-pad tokens of the global batch (nats).
+      num_tokens: non-pad tokens in the global batch.
+      grad_norm: global L2 norm of the gradient before clipping.
+      step_time_s: wall time of the step on this rank, seconds.
+      records: start/end of every action of this rank's stages (`time.perf_counter()` seconds).
+    """
+
+    loss: float
+    num_tokens: int
+    grad_norm: float
+    step_time_s: float
+    records: list[ActionRecord] = field(default_factory=list)
+
+
+def stage_param_names(config: LlamaConfig, first_layer: int, last_layer: int) -> list[str]:
+    """Global flat parameter names held by the stage [first_layer, last_layer] (no allocation)."""
+    abstract = nnx.eval_shape(partial(Llama, config, first_layer=first_layer, last_layer=last_layer))
+    return list(abstract.param_table())
+
+
+class PipelineRuntime:
+    """Runs a validated `Plan` for training and evaluation.
+
+    Args:
+      plan: the plan (validated here against `model_config`).
+      model_config: the full model's config.
+      optim: optimizer settings (AdamW + schedule + global-norm clipping).
+      seed: initialisation seed; every stage gets the unsplit model's initial weights.
+      comm: None for a single process running every stage; else a communicator of the whole job
+        (`hethub_jax.comm` contract) whose rank layout is the plan's (`Plan.island_ranks`).
+      rank: this process's rank in `comm` (ignored without a communicator).
+      devices: the island's JAX devices in island-local order (default `jax.devices()`).
+      debug_nan: fill gradient accumulators and not-yet-written message buffers with NaN, to prove in
+        tests that no unwritten buffer reaches the results.
+      timeout_s: deadline for waiting on a message from another process, seconds.
+
+    Raises:
+      ValueError: if the plan is invalid for the model (the message names the constraint), or asks for
+        an island layout this runtime cannot run (multi-process islands: not yet supported).
+    """
+
+    def __init__(self, plan: Plan, model_config: LlamaConfig, optim: OptimConfig, *, seed: int = 0,
+                 comm: Any = None, rank: int = 0, devices: list | None = None, debug_nan: bool = False,
+                 timeout_s: float = 300.0):
+        plan.validate(model_config)
+        self.plan, self.config, self.optim = plan, model_config, optim
+        self.comm, self.rank, self.debug_nan, self.timeout_s = comm, (rank if comm is not None else 0), debug_nan, timeout_s
+        for isl in plan.islands:
+            if comm is not None and isl.num_processes > 1:
+                raise ValueError(f"island {isl.name!r} has num_processes={isl.num_processes}: the pipeline "
+                                 f"runtime runs one process per island for now")
+        all_keys = [(r, s) for r in range(plan.num_replicas) for s in range(plan.num_stages(r))]
+        self.owner = {k: plan.island_ranks(plan.stage(*k).island).start for k in all_keys}
+        self.local_keys = [k for k in all_keys if comm is None or self.owner[k] == self.rank]
+        devices = list(jax.devices()) if devices is None else list(devices)
+        tx = make_optimizer(optim)
+        self.stages: dict[StageKey, PipelineStage] = {}
+        for k in self.local_keys:
+            spec = plan.stage(*k)
+            devs = [devices[i] for i in plan.stage_devices(*k)]
+            self.stages[k] = PipelineStage(
+                model_config, spec.first_layer, spec.last_layer, devs, spec.dp, spec.tp, seed=seed,
+                recompute=plan.recompute == "full", optimizer=tx, clip_norm=optim.grad_clip_norm,
+                debug_nan=debug_nan)
+        self.shares = plan.batch_shares()
+        self.offsets = [sum(self.shares[:r]) for r in range(plan.num_replicas)]
+        self.train_actions = {r: plan.actions(r) for r in range(plan.num_replicas)}
+        self.eval_actions = {r: _forward_only(plan.num_stages(r), plan.num_microbatches(r))
+                             for r in range(plan.num_replicas)}
+        # Parameters held by more than one stage (tied embeddings, data-parallel replicas): their
+        # gradients are summed over the holders; the first holder counts them in the global norm.
+        holders: dict[str, list[StageKey]] = {}
+        for k in all_keys:
+            spec = plan.stage(*k)
+            for name in stage_param_names(model_config, spec.first_layer, spec.last_layer):
+                holders.setdefault(name, []).append(k)
+        self.shared = {n: h for n, h in holders.items() if len(h) > 1}
+        self.norm_owner = {n: h[0] for n, h in holders.items()}
+        self._group_comms: dict[tuple[int, ...], Any] = {}
+        if comm is not None:
+            self._make_group_comms()
+        self.step = 0
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.rank == 0
+
+    def emulation_lines(self) -> list[str]:
+        """One line per island with an emulated slowdown (DESIGN.md section 9)."""
+        return [f"island {i.name}: EMULATED {i.slowdown:g}x slowdown on platform {i.platform} "
+                f"(after each compute action the runtime waits (factor - 1) x its measured time)"
+                for i in self.plan.islands if i.slowdown > 1]
+
+    # ---- batch slicing --------------------------------------------------------------------------
+    def _microbatch(self, batch: dict[str, np.ndarray], key: StageKey, mb: int) -> dict[str, np.ndarray]:
+        r = key[0]
+        mbs = self.plan.microbatch_size
+        lo = self.offsets[r] + mb * mbs
+        return {k: v[lo:lo + mbs] for k, v in batch.items()}
+
+    @staticmethod
+    def _check_batch(batch: dict[str, np.ndarray], gbs: int) -> float:
+        for k in ("tokens", "targets", "loss_mask"):
+            if k not in batch:
+                raise ValueError(f"batch is missing {k!r}")
+            if batch[k].shape[0] != gbs:
+                raise ValueError(f"batch[{k!r}] has {batch[k].shape[0]} rows, the plan's global_batch_size is {gbs}")
+        tokens = float(np.sum(batch["loss_mask"]))
+        if tokens <= 0:
+            raise ValueError("the global batch has no non-pad tokens (loss_mask sums to 0)")
+        return tokens
+
+    # ---- execution ------------------------------------------------------------------------------
+    def _run(self, batch: dict[str, np.ndarray], train: bool) -> tuple[dict, dict, list[ActionRecord]]:
+        actions = self.train_actions if train else self.eval_actions
+        lists = {k: actions[k[0]][k[1]] for k in self.local_keys}
+        ptr = {k: 0 for k in self.local_keys}
+        mailbox: dict[tuple, Any] = {}
+        outbox: dict[tuple, Any] = {}
+        saved: dict[tuple, Any] = {}
+        acc = {k: self.stages[k].new_grad_buffer() for k in self.local_keys} if train else {}
+        n_acc = {k: 0 for k in self.local_keys}
+        loss_sums: dict[StageKey, list] = {k: [] for k in self.local_keys}
+        records: list[ActionRecord] = []
+        pending_sends: list = []
+        recvs = self._post_receives(lists, batch) if self.comm is not None else {}
+
+        def message(kind: str, src: StageKey, dst: StageKey, mb: int) -> tuple:
+            return (kind, src, dst, mb)
+
+        def ready(k: StageKey, a: Action) -> bool:
+            if not a.is_recv:
+                return True
+            kind = "act" if a.kind == ActionKind.RECV_ACT else "grad"
+            m = message(kind, (k[0], a.peer), k, a.microbatch)
+            if m in mailbox:
+                return True
+            h = recvs.get(m)
+            if h is not None and h.test():
+                mailbox[m] = h.wait()
+                return True
+            return False
+
+        def execute(k: StageKey, a: Action) -> None:
+            st, r, mb = self.stages[k], k[0], a.microbatch
+            t0 = time.perf_counter()
+            if a.kind == ActionKind.F:
+                data = self._microbatch(batch, k, mb)
+                pos = np.broadcast_to(np.arange(data["tokens"].shape[1], dtype=np.int32), data["tokens"].shape)
+                x = st.place_tokens(data["tokens"]) if st.is_first else outbox.pop(("in", k, mb))
+                extra = (st.place_tokens(data["targets"]), st.place_tokens(data["loss_mask"].astype(np.float32))) if st.is_last else ()
+                pos = st.place_tokens(pos)
+                if not train:
+                    out = st.forward(st.params, x, pos, *extra)
+                elif st.recompute:
+                    out = st.forward(st.params, x, pos, *extra)
+                    saved[(k, mb)] = (x, pos, extra)
+                else:
+                    out, saved[(k, mb)] = st.forward_saving(st.params, x, pos, *extra)
+                if st.is_last:
+                    loss_sums[k].append(out)
+                else:
+                    outbox[("out", k, mb)] = out
+                self._emulate(k, out, t0)
+            elif a.kind == ActionKind.B:
+                g = jnp.ones((), jnp.float32) if st.is_last else outbox.pop(("gout", k, mb))
+                if st.recompute:
+                    x, pos, extra = saved.pop((k, mb))
+                    grads = st.backward_recompute(st.params, x, pos, *extra, g)
+                else:
+                    grads = st.backward_saved(saved.pop((k, mb)), g)
+                acc[k] = (st.accumulate if n_acc[k] else st.accumulate_first)(acc[k], grads[0])
+                n_acc[k] += 1
+                if not st.is_first:
+                    outbox[("gin", k, mb)] = grads[1]
+                self._emulate(k, acc[k], t0)
+            elif a.is_send:
+                kind, box = ("act", "out") if a.kind == ActionKind.SEND_ACT else ("grad", "gin")
+                dst = (r, a.peer)
+                x = outbox.pop((box, k, mb))
+                self._send(message(kind, k, dst, mb), x, mailbox, pending_sends)
+            else:  # receive: the message is in the mailbox (ready() checked)
+                kind, box = ("act", "in") if a.kind == ActionKind.RECV_ACT else ("grad", "gout")
+                x = mailbox.pop(message(kind, (r, a.peer), k, mb))
+                outbox[(box, k, mb)] = jax.device_put(x, st.act_sharding)
+            records.append(ActionRecord(k[1], str(a), t0, time.perf_counter(),
+                                        island=self.plan.stage(*k).island, replica=r))
+
+        deadline = None
+        while any(ptr[k] < len(lists[k]) for k in self.local_keys):
+            progressed = False
+            for k in self.local_keys:
+                while ptr[k] < len(lists[k]) and ready(k, lists[k][ptr[k]]):
+                    execute(k, lists[k][ptr[k]])
+                    ptr[k] += 1
+                    progressed = True
+            if progressed:
+                deadline = None
+                continue
+            if self.comm is None:
+                stuck = {k: str(lists[k][ptr[k]]) for k in self.local_keys if ptr[k] < len(lists[k])}
+                raise RuntimeError(f"pipeline deadlock: every stage waits on a message: {stuck}")
+            deadline = deadline or time.monotonic() + self.timeout_s
+            if time.monotonic() > deadline:
+                stuck = {k: str(lists[k][ptr[k]]) for k in self.local_keys if ptr[k] < len(lists[k])}
+                raise TimeoutError(f"rank {self.rank}: no message for {self.timeout_s:.0f} s; waiting on {stuck}")
+            time.sleep(0.0002)
+        for h in pending_sends:
+            h.wait()
+        return acc, loss_sums, records
+
+    def _emulate(self, k: StageKey, out: Any, t0: float) -> None:
+        """Waits for the action's result; on an emulated slow island also sleeps (factor-1) x its time."""
+        jax.block_until_ready(out)
+        factor = self.plan.island(self.plan.stage(*k).island).slowdown
+        if factor > 1:
+            time.sleep((factor - 1) * (time.perf_counter() - t0))
+
+    def _send(self, m: tuple, x: Any, mailbox: dict, pending: list) -> None:
+        kind, src, dst, mb = m
+        if self.comm is not None and self.owner[dst] != self.rank:
+            pending.append(self.comm.isend(np.asarray(jax.device_get(x)), self.owner[dst], self._tag(m)))
+            return
+        same_island = self.plan.stage(*src).island == self.plan.stage(*dst).island
+        mailbox[m] = x if same_island else np.asarray(jax.device_get(x))  # other island: host path
+
+    def _tag(self, m: tuple) -> int:
+        kind, src, dst, mb = m
+        max_stages = max(self.plan.num_stages(r) for r in range(self.plan.num_replicas))
+        max_mb = max(self.plan.num_microbatches(r) for r in range(self.plan.num_replicas))
+        return ((dst[0] * max_stages + dst[1]) * max_mb + mb) * 2 + _KIND_CODE[kind]
+
+    def _post_receives(self, lists: dict, batch: dict) -> dict:
+        recvs = {}
+        for k, acts in lists.items():
+            for a in acts:
+                if a.is_recv and self.owner[(k[0], a.peer)] != self.rank:
+                    kind = "act" if a.kind == ActionKind.RECV_ACT else "grad"
+                    m = (kind, (k[0], a.peer), k, a.microbatch)
+                    recvs[m] = self.comm.irecv(self.owner[(k[0], a.peer)], self._tag(m))
+        return recvs
+
+    # ---- cross-stage reductions ----------------------------------------------------------------
+    def _make_group_comms(self) -> None:
+        """One sub-communicator per set of ranks that share parameters (created on every rank)."""
+        groups = sorted({tuple(sorted({self.owner[k] for k in h})) for h in self.shared.values()})
+        for g in groups:
+            if len(g) < 2:
+                continue
+            sub = self.comm.split(0 if self.rank in g else None, self.rank)
+            if self.rank in g:
+                self._group_comms[g] = sub
+
+    def _allreduce_world(self, x: np.ndarray) -> np.ndarray:
+        return x if self.comm is None else np.asarray(self.comm.allreduce(x, op="sum"))
+
+    def _reduce_shared(self, acc: dict[StageKey, Any]) -> dict[StageKey, Any]:
+        """Sums the gradients of parameters held by several stages and gives every holder the sum."""
+        if not self.shared:
+            return acc
+        flats = {k: self.stages[k].flat(acc[k]) for k in self.local_keys}
+        by_group: dict[tuple[int, ...], list[str]] = {}
+        for name, hs in self.shared.items():
+            by_group.setdefault(tuple(sorted({self.owner[k] for k in hs})), []).append(name)
+        new = {k: dict(f) for k, f in flats.items()}
+        for group, names in by_group.items():
+            if self.rank not in group:
+                continue
+            local_sum = {}
+            for name in names:
+                parts = [flats[k][name] for k in self.shared[name] if k in flats]
+                local_sum[name] = sum(np.asarray(jax.device_get(p), np.float32) for p in parts[1:]) + \
+                    np.asarray(jax.device_get(parts[0]), np.float32) if len(parts) > 1 else parts[0]
+            if len(group) > 1:
+                sub = self._group_comms[group]
+                local_sum = {n: np.asarray(sub.allreduce(np.asarray(jax.device_get(v), np.float32), op="sum"))
+                             for n, v in local_sum.items()}
+            for name, total in local_sum.items():
+                for k in self.shared[name]:
+                    if k in new:
+                        new[k][name] = total
+        out = {}
+        for k in self.local_keys:
+            st = self.stages[k]
+            tree = st.unflat(new[k], like=acc[k])
+            out[k] = jax.tree.map(lambda v, like, s: jax.device_put(jnp.asarray(v, like.dtype), s),
+                                  tree, acc[k], st.param_shardings)
+        return out
+
+    def _forward_backward(self, batch: dict[str, np.ndarray]):
+        num_tokens = self._check_batch(batch, self.plan.global_batch_size)
+        acc, loss_sums, records = self._run(batch, train=True)
+        acc = self._reduce_shared(acc)
+        inv = jnp.float32(1.0 / num_tokens)
+        sq = 0.0
+        for k in self.local_keys:
+            st = self.stages[k]
+            counted = {n: v for n, v in st.flat(acc[k]).items() if self.norm_owner[n] == k}
+            if counted:
+                sq += float(st.sq_norm(counted, inv))
+        loss_sum = sum(float(x) for xs in loss_sums.values() for x in xs)
+        loss_sum, sq = self._allreduce_world(np.array([loss_sum, sq], np.float64))
+        return acc, float(loss_sum) / num_tokens, num_tokens, math.sqrt(sq), records
+
+    # ---- public API -----------------------------------------------------------------------------
+    def train_step(self, batch: dict[str, np.ndarray]) -> StepResult:
+        """One optimizer step on the global batch.
+
+        Args:
+          batch: `tokens`, `targets` `[global_batch_size, S] int32` and `loss_mask`
+            `[global_batch_size, S] float32` (0 on pads and across document boundaries); the same on
+            every rank (each rank takes its replica's rows).
+
+        Raises:
+          ValueError: if the batch does not match the plan or has no non-pad tokens.
+          TimeoutError: if a message from another process does not arrive within `timeout_s`.
+        """
+        t0 = time.perf_counter()
+        acc, loss, num_tokens, norm, records = self._forward_backward(batch)
+        inv, gnorm = jnp.float32(1.0 / num_tokens), jnp.float32(norm)
+        for k in self.local_keys:
+            st = self.stages[k]
+            st.params, st.opt_state = st.update(st.params, st.opt_state, acc[k], inv, gnorm)
+        jax.block_until_ready([self.stages[k].params for k in self.local_keys])
+        self.step += 1
+        return StepResult(loss, int(num_tokens), norm, time.perf_counter() - t0, records)
+
+    def gradients(self, batch: dict[str, np.ndarray]) -> tuple[float, dict[str, np.ndarray]]:
+        """(loss, gradients of the mean loss) without updating; flat global names of this rank's
+        stages (a tied embedding or a replicated parameter appears once, holding the total)."""
+        acc, loss, num_tokens, _, _ = self._forward_backward(batch)
+        out = {}
+        for k in self.local_keys:
+            for n, v in self.stages[k].flat(acc[k]).items():
+                out[n] = np.asarray(jax.device_get(v), np.float32) / np.float32(num_tokens)
+        return loss, out
+
+    def eval_loss(self, batch: dict[str, np.ndarray]) -> tuple[float, float]:
+        """(summed token cross-entropy in nats, number of non-pad tokens) of a batch of
+        `global_batch_size` rows, forward only; identical on every rank."""
+        num_tokens = self._check_batch(batch, self.plan.global_batch_size)
+        _, loss_sums, _ = self._run(batch, train=False)
+        loss_sum = sum(float(x) for xs in loss_sums.values() for x in xs)
+        return float(self._allreduce_world(np.array([loss_sum], np.float64))[0]), num_tokens
+
+    def params(self) -> dict[str, np.ndarray]:
+        """Flat global names -> host arrays of this rank's stages' parameters."""
+        out = {}
+        for k in self.local_keys:
+            out.update({n: np.asarray(jax.device_get(v)) for n, v in self.stages[k].flat().items()})
+        return out
+
+    def stage_params(self, key: StageKey) -> dict[str, np.ndarray]:
+        return {n: np.asarray(jax.device_get(v)) for n, v in self.stages[key].flat().items()}
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """{"r{replica}s{stage}": {"params": ..., "opt_state": ...}} for this rank's stages."""
+        return {f"r{r}s{s}": {"params": self.stages[(r, s)].params, "opt_state": self.stages[(r, s)].opt_state}
+                for r, s in self.local_keys}
+
+    def restore_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Inverse of `checkpoint_state`; arrays are placed onto each stage's shardings."""
+        for r, s in self.local_keys:
+            st, item = self.stages[(r, s)], state[f"r{r}s{s}"]
+            st.params = jax.device_put(item["params"], st.param_shardings)
+            st.opt_state = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding),
+                                        item["opt_state"], st.opt_state)
+
+
+def _forward_only(num_stages: int, num_microbatches: int) -> list[list[Action]]:
+    """Forward-only action lists for evaluation: per stage, [RECV_ACT] F [SEND_ACT] per microbatch."""
+    out = []
+    for s in range(num_stages):
+        acts = []
+        for mb in range(num_microbatches):
+            if s > 0:
+                acts.append(Action(ActionKind.RECV_ACT, mb, s - 1))
+            acts.append(Action(ActionKind.F, mb))
+            if s < num_stages - 1:
+                acts.append(Action(ActionKind.SEND_ACT, mb, s + 1))
+        out.append(acts)
+    return out

@@ -1,0 +1,190 @@
+"""One pipeline stage: a layer range of the model on its own `Mesh(('dp', 'tp'))` with jitted
+forward/backward functions and its own optimizer state.
+
+Layout (Megatron-LM, Shoeybi et al. 2019, section 3): q/k/v/gate/up are column-parallel (their
+output dimension -- heads or MLP width -- is split over `tp`), o/down are row-parallel (their input
+dimension split), the embedding and LM head are split over the vocabulary when `tp` divides it.
+With more TP shards than KV heads the KV projections are replicated. Activations are
+`[microbatch, S, D]` split over `dp` on the batch dimension. XLA (GSPMD) inserts the collectives.
+
+Gradients are *sums* over tokens (the loss of a microbatch is the summed token cross-entropy), so
+accumulating them over microbatches and replicas and dividing once by the global token count gives
+exactly the gradient of the global mean loss.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from hethub_jax.models.config import LlamaConfig
+from hethub_jax.models.llama import Llama
+from hethub_jax.optim import clip_by_norm
+
+Params = Any  # nested dict of arrays (nnx pure dict)
+
+
+def check_tp(config: LlamaConfig, tp: int) -> None:
+    """Raises ValueError if TP degree `tp` is incompatible with the model's heads or MLP width."""
+    h, k, f = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+    if h % tp:
+        raise ValueError(f"TP degree {tp} must divide num_attention_heads ({h})")
+    if k % tp and tp % k:
+        raise ValueError(f"TP degree {tp} must divide num_key_value_heads ({k}) or be a multiple of it "
+                         f"(then KV heads are replicated)")
+    if f % tp:
+        raise ValueError(f"TP degree {tp} must divide intermediate_size ({f})")
+
+
+def logical_rules(config: LlamaConfig, tp: int) -> dict[str, str | None]:
+    """Logical axis name -> mesh axis ("tp") or None (replicated), for TP degree `tp`."""
+    return {
+        "q_heads": "tp", "mlp": "tp",
+        "kv_heads": "tp" if config.num_key_value_heads % tp == 0 else None,
+        "vocab": "tp" if config.vocab_size % tp == 0 else None,
+        "embed": None, "head_dim": None, "norm": None,
+    }
+
+
+def _flat_name(path: tuple, first_layer: int) -> str:
+    """nnx pure-dict path -> global flat name as `Llama.param_table` ("layers.7.mlp.up_proj")."""
+    keys = [getattr(p, "key", getattr(p, "idx", p)) for p in path]
+    if keys[0] == "layers":
+        keys[1] = first_layer + int(keys[1])
+    if keys[-1] == "weight":  # RMSNorm weights are named by their module
+        keys = keys[:-1]
+    return ".".join(str(k) for k in keys)
+
+
+class PipelineStage:
+    """Parameters, optimizer state and jitted functions of one stage.
+
+    Args:
+      config: full model config.
+      first_layer, last_layer: inclusive global layer range.
+      devices: the `dp * tp` JAX devices of the stage, row-major over the mesh `(dp, tp)`.
+      dp, tp: mesh shape.
+      seed: initialisation seed (equal seeds give the unsplit model's weights per layer).
+      recompute: True: backward recomputes the forward from the saved stage input; False: it applies
+        the `jax.vjp` residuals saved by the forward (more memory, less compute).
+      optimizer: optax transformation for this stage's parameters.
+      clip_norm: global gradient-norm clipping threshold (None: no clipping).
+      debug_nan: fill unused gradient buffers with NaN (tests prove they never leak into results).
+
+    Raises:
+      ValueError: if the TP degree does not fit the model (see `check_tp`).
+    """
+
+    def __init__(self, config: LlamaConfig, first_layer: int, last_layer: int, devices: Sequence[Any],
+                 dp: int, tp: int, *, seed: int, recompute: bool, optimizer, clip_norm: float | None = None,
+                 debug_nan: bool = False):
+        check_tp(config, tp)
+        self.config, self.first_layer, self.last_layer = config, first_layer, last_layer
+        self.is_first, self.is_last = first_layer == 0, last_layer == config.num_hidden_layers - 1
+        self.recompute, self.debug_nan = recompute, debug_nan
+        self.mesh = Mesh(np.asarray(devices, dtype=object).reshape(dp, tp), ("dp", "tp"))
+        make = partial(Llama, config, first_layer=first_layer, last_layer=last_layer, seed=seed)
+        self._graphdef, self._abstract = nnx.split(nnx.eval_shape(make))
+        rules = logical_rules(config, tp)
+        is_var = lambda x: isinstance(x, nnx.Variable)
+        logical = nnx.State(jax.tree.map(lambda v: v.logical_axes, self._abstract, is_leaf=is_var)).to_pure_dict()
+        is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x)
+        self.param_shardings = jax.tree.map(
+            lambda axes: NamedSharding(self.mesh, P(*(rules[a] for a in axes))), logical, is_leaf=is_axes)
+        self.act_sharding = NamedSharding(self.mesh, P("dp", None, None))   # [mb, S, D]
+        self.tok_sharding = NamedSharding(self.mesh, P("dp", None))         # [mb, S]
+        # Initialise directly into the sharded layout (no full copy on one device first).
+        self.params: Params = jax.jit(lambda: nnx.split(make())[1].to_pure_dict(),
+                                      out_shardings=self.param_shardings)()
+        self.optimizer, self._clip_norm = optimizer, clip_norm
+        self.opt_state = jax.jit(optimizer.init)(self.params)
+        self._build_functions()
+
+    # ---- the pure model function ---------------------------------------------------------------
+    def _apply(self, params: Params, x: jax.Array, positions: jax.Array) -> jax.Array:
+        state = nnx.State(jax.tree.map(lambda v: v, self._abstract))
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(self._graphdef, state)(x, positions)
+
+    def _stage_fn(self, params, x, positions, targets=None, mask=None):
+        """Non-last stage: hidden `[mb, S, D]`. Last stage: summed token cross-entropy (f32 scalar)."""
+        out = self._apply(params, x, positions)
+        if not self.is_last:
+            return jax.lax.with_sharding_constraint(out, self.act_sharding)
+        logits = out.astype(jnp.float32)
+        ce = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
+        return jnp.sum(ce * mask)
+
+    def _build_functions(self) -> None:
+        ps, act, tok = self.param_shardings, self.act_sharding, self.tok_sharding
+        x_sh = tok if self.is_first else act
+        extra_sh = (tok, tok) if self.is_last else ()
+        in_sh = (ps, x_sh, tok) + extra_sh
+
+        def vjp(params, x, positions, *extra):
+            if self.is_first:  # token ids are not differentiable: only the parameters are
+                return jax.vjp(lambda p: self._stage_fn(p, x, positions, *extra), params)
+            return jax.vjp(lambda p, h: self._stage_fn(p, h, positions, *extra), params, x)
+
+        def constrain_grads(grads):
+            gp = jax.lax.with_sharding_constraint(grads[0], ps)
+            return (gp,) if self.is_first else (gp, jax.lax.with_sharding_constraint(grads[1], act))
+
+        self.forward = jax.jit(self._stage_fn, in_shardings=in_sh)
+        self.forward_saving = jax.jit(vjp, in_shardings=in_sh)
+        self.backward_saved = jax.jit(lambda f, g: constrain_grads(f(g)))
+        self.backward_recompute = jax.jit(
+            lambda params, x, positions, *rest: constrain_grads(vjp(params, x, positions, *rest[:-1])[1](rest[-1])),
+            in_shardings=in_sh + ((None if self.is_last else act),))
+        self.accumulate = jax.jit(lambda acc, g: jax.tree.map(jnp.add, acc, g), donate_argnums=0)
+        # First microbatch: select, so a NaN-filled buffer (debug_nan) is overwritten, not added to.
+        self.accumulate_first = jax.jit(
+            lambda acc, g: jax.tree.map(lambda a, b: jnp.where(True, b, a), acc, g), donate_argnums=0)
+
+        def sq_norm(grads, inv_tokens):
+            """Squared L2 norm (f32) of token-summed grads after division by the token count."""
+            return sum(jnp.sum(jnp.square(g.astype(jnp.float32) * inv_tokens)) for g in jax.tree.leaves(grads))
+        self.sq_norm = jax.jit(sq_norm)
+
+        clip = self._clip_norm
+
+        def update(params, opt_state, grads, inv_tokens, global_norm):
+            """grads: token-summed; divided by the global token count, clipped by the global norm."""
+            grads = jax.tree.map(lambda g: g * inv_tokens.astype(g.dtype), grads)
+            grads = clip_by_norm(grads, global_norm, clip)
+            updates, opt_state = self.optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+        self.update = jax.jit(update, donate_argnums=(0, 1, 2), out_shardings=(ps, None))
+
+    # ---- helpers for the runtime ---------------------------------------------------------------
+    def new_grad_buffer(self) -> Params:
+        """A gradient accumulator: zeros, or NaNs when `debug_nan` (first microbatch overwrites it)."""
+        fill = jnp.nan if self.debug_nan else 0.0
+        return jax.jit(lambda: jax.tree.map(lambda s: jnp.full(s.shape, fill, s.dtype), self.params),
+                       out_shardings=self.param_shardings)()
+
+    def place_input(self, x: Any) -> jax.Array:
+        return jax.device_put(x, self.tok_sharding if self.is_first else self.act_sharding)
+
+    def place_tokens(self, x: Any) -> jax.Array:
+        return jax.device_put(x, self.tok_sharding)
+
+    def flat(self, tree: Params | None = None) -> dict[str, jax.Array]:
+        """Global flat names (as `Llama.param_table`) -> arrays, for params or a gradient tree."""
+        tree = self.params if tree is None else tree
+        leaves = jax.tree_util.tree_leaves_with_path(tree)
+        return {_flat_name(path, self.first_layer): leaf for path, leaf in leaves}
+
+    def unflat(self, flat: dict[str, Any], like: Params | None = None) -> Params:
+        """Inverse of `flat` (same tree structure as `like`, default the params)."""
+        like = self.params if like is None else like
+        paths = jax.tree_util.tree_leaves_with_path(like)
+        treedef = jax.tree.structure(like)
+        return jax.tree.unflatten(treedef, [flat[_flat_name(p, self.first_layer)] for p, _ in paths])
