@@ -170,7 +170,10 @@ def _world() -> tuple[Any, int, int]:
             break
     if size <= 1:
         return None, 0, 1
-    from hethub_jax import cluster  # noqa: F401  (multi-process start-up; see issue 4)
+    try:
+        from hethub_jax import cluster  # multi-process start-up (DESIGN.md section 3)
+    except ImportError as e:
+        raise ValueError(f"an MPI job of {size} ranks needs hethub_jax.cluster: {e}") from None
     island = cluster.start()
     return island.world, island.world.rank, island.world.size
 
@@ -262,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # ---- set-up: every failure here is a configuration error, reported before any compilation ----
     _prepare_devices(args.plan, args.island)
     try:
-        from hethub_jax.config import ConfigError, load_config
+        from hethub_jax.config import load_config
         cfg = load_config(args.config, overrides, _flags(args))
     except ValueError as e:  # ConfigError is a ValueError
         return _fail(str(e))
@@ -296,7 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         return _fail(f"train.global_batch_size: {e}")
 
-    comm, rank, world_size = _world()
+    try:
+        comm, rank, world_size = _world()
+    except ValueError as e:
+        return _fail(str(e))
     if comm is None and plan.world_size > 1 and args.island is not None:
         return _fail(f"--island {args.island}: the plan has {plan.world_size} ranks; run it under "
                      f"mpiexec -n {plan.world_size}, or without --island to run every island in one process")
