@@ -126,15 +126,26 @@ def _run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     (["--plan", os.path.join(REPO, "configs/plans/tiny_single.json"), "--global-batch-size", "7"],
      r"global_batch_size must be divisible by microbatch_size: 7 % 2"),
     (["--set", "data.corpus_path=/nonexistent/corpus"], r"data: .*/nonexistent/corpus"),
+    (["--set", "model.vocab_size=1000"], r"model\.vocab_size \(1000\) must be >= the tokenizer's vocabulary"),
 ])
-def test_cli_config_errors_are_one_line_exit_2(args, pattern):
-    r = _run_cli(*args, "--no-checkpoint", "--metrics-file", os.devnull)
-    assert r.returncode == 2, r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
-    assert lines[0].startswith("python -m hethub_jax.train: error: ")
+def test_config_errors_return_2_with_one_line(args, pattern, capsys):
     import re
+    rc = main([*args, "--no-checkpoint", "--metrics-file", os.devnull, "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("python -m hethub_jax.train: error: "), err
     assert re.search(pattern, lines[0]), lines[0]
+
+
+def test_cli_config_error_is_one_line_exit_2_without_traceback():
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "hethub_jax.train", "--set", "train.global_batch_size=10",
+                        "--set", "train.microbatch_size=4", "--metrics-file", os.devnull],
+                       capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr.strip() == ("python -m hethub_jax.train: error: train.global_batch_size must be "
+                                "divisible by train.microbatch_size: 10 % 4 = 2")
 
 
 # ---- a real short training run ------------------------------------------------------------------
