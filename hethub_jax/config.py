@@ -72,7 +72,7 @@ class TrainSettings:
       trace_file: write a Chrome trace (Perfetto) of the last step's actions here (``None``: none).
     """
 
-    steps: int = 300
+    steps: int = 200
     global_batch_size: int | None = None
     microbatch_size: int | None = None
     eval_every: int = 50
