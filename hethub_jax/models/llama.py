@@ -15,6 +15,7 @@ initial values as the first stage's.
 from __future__ import annotations
 
 import zlib
+from functools import partial
 from typing import Any
 
 import jax
@@ -27,16 +28,29 @@ from hethub_jax.models.config import LlamaConfig
 Array = jax.Array
 
 
-def _key(seed: int, *path: int | str) -> Array:
-    """Deterministic PRNG key for one parameter: seed folded with each path element."""
-    key = jax.random.key(seed)
-    for p in path:
-        key = jax.random.fold_in(key, p if isinstance(p, int) else zlib.crc32(p.encode()) & 0x7FFFFFFF)
-    return key
+def _path_ints(path: tuple) -> list[int]:
+    return [p if isinstance(p, int) else zlib.crc32(p.encode()) for p in path]
+
+
+def _host_normal(seed: int, path: tuple, shape: tuple[int, ...], std: float, dtype: str) -> np.ndarray:
+    rng = np.random.default_rng(np.random.SeedSequence([seed, *_path_ints(path)]))
+    return (np.float32(std) * rng.standard_normal(shape, dtype=np.float32)).astype(jnp.dtype(dtype))
+
+
+def _tracing() -> bool:
+    from jax._src import core  # no public equivalent in jax 0.10
+
+    return not core.trace_state_clean()
 
 
 def _normal(seed: int, path: tuple, shape: tuple[int, ...], std: float, dtype: str) -> Array:
-    return (std * jax.random.normal(_key(seed, *path), shape, jnp.float32)).astype(dtype)
+    """N(0, std^2) initial values, a pure function of (seed, path): drawn on the host with numpy
+    (no XLA compilation per shape). Under tracing (`nnx.eval_shape`, `jax.jit`) the draw is a host
+    callback, so abstract evaluation allocates nothing and a jitted init gives the same values."""
+    fn = partial(_host_normal, seed, path, shape, std, dtype)
+    if _tracing():
+        return jax.pure_callback(fn, jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)))
+    return jnp.asarray(fn())
 
 
 class RMSNorm(nnx.Module):

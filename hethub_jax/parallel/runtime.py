@@ -101,8 +101,10 @@ class PipelineRuntime:
                 raise ValueError(f"island {isl.name!r} has num_processes={isl.num_processes}: the pipeline "
                                  f"runtime runs one process per island for now")
         all_keys = [(r, s) for r in range(plan.num_replicas) for s in range(plan.num_stages(r))]
-        self.owner = {k: plan.island_ranks(plan.stage(*k).island).start for k in all_keys}
-        self.local_keys = [k for k in all_keys if comm is None or self.owner[k] == self.rank]
+        # Rank that runs each stage: the first process of its island (every stage is local without comm).
+        self.owner = {k: (plan.island_ranks(plan.stage(*k).island).start if comm is not None else 0)
+                      for k in all_keys}
+        self.local_keys = [k for k in all_keys if self.owner[k] == self.rank]
         devices = list(jax.devices()) if devices is None else list(devices)
         tx = make_optimizer(optim)
         self.stages: dict[StageKey, PipelineStage] = {}
@@ -113,7 +115,7 @@ class PipelineRuntime:
                 model_config, spec.first_layer, spec.last_layer, devs, spec.dp, spec.tp, seed=seed,
                 recompute=plan.recompute == "full", optimizer=tx, clip_norm=optim.grad_clip_norm,
                 debug_nan=debug_nan)
-        self.shares = plan.batch_shares()
+        self.shares = plan.batch_shares()  # samples per replica (see set_batch_shares)
         self.offsets = [sum(self.shares[:r]) for r in range(plan.num_replicas)]
         self.train_actions = {r: plan.actions(r) for r in range(plan.num_replicas)}
         self.eval_actions = {r: _forward_only(plan.num_stages(r), plan.num_microbatches(r))
@@ -216,12 +218,13 @@ class PipelineRuntime:
                 self._emulate(k, out, t0)
             elif a.kind == ActionKind.B:
                 g = jnp.ones((), jnp.float32) if st.is_last else outbox.pop(("gout", k, mb))
+                first = np.bool_(n_acc[k] == 0)
                 if st.recompute:
                     x, pos, extra = saved.pop((k, mb))
-                    grads = st.backward_recompute(st.params, x, pos, *extra, g)
+                    grads = st.backward_recompute(st.params, x, pos, *extra, g, acc[k], first)
                 else:
-                    grads = st.backward_saved(saved.pop((k, mb)), g)
-                acc[k] = (st.accumulate if n_acc[k] else st.accumulate_first)(acc[k], grads[0])
+                    grads = st.backward_saved(saved.pop((k, mb)), g, acc[k], first)
+                acc[k] = grads[0]
                 n_acc[k] += 1
                 if not st.is_first:
                     outbox[("gin", k, mb)] = grads[1]
@@ -279,7 +282,7 @@ class PipelineRuntime:
     def _tag(self, m: tuple) -> int:
         kind, src, dst, mb = m
         max_stages = max(self.plan.num_stages(r) for r in range(self.plan.num_replicas))
-        max_mb = max(self.plan.num_microbatches(r) for r in range(self.plan.num_replicas))
+        max_mb = max(s // self.plan.microbatch_size for s in self.shares)
         return ((dst[0] * max_stages + dst[1]) * max_mb + mb) * 2 + _KIND_CODE[kind]
 
     def _post_receives(self, lists: dict, batch: dict) -> dict:
@@ -386,6 +389,42 @@ class PipelineRuntime:
             for n, v in self.stages[k].flat(acc[k]).items():
                 out[n] = np.asarray(jax.device_get(v), np.float32) / np.float32(num_tokens)
         return loss, out
+
+    def measure_throughputs(self, batch: dict[str, np.ndarray], steps: int = 2) -> list[float]:
+        """Warm-up measurement for heterogeneous DP: samples/s of each replica, from forward/backward
+        passes on `batch` under the current shares (no update is applied; the first pass, which
+        compiles, is not timed). A replica's time is its busiest stage's compute time per step
+        (emulated slowdowns included); identical on every rank."""
+        self._forward_backward(batch)
+        busy = np.zeros((self.plan.num_replicas, max(self.plan.num_stages(r) for r in range(self.plan.num_replicas))))
+        for _ in range(steps):
+            for rec in self._forward_backward(batch)[4]:
+                if rec.action[0] in "FB":
+                    busy[rec.replica, rec.stage] += rec.end_s - rec.start_s
+        busy = self._allreduce_world(busy)
+        return [self.shares[r] * steps / float(busy[r].max()) for r in range(self.plan.num_replicas)]
+
+    def set_batch_shares(self, shares: list[int]) -> None:
+        """Changes the replicas' shares of the global batch (samples). Each share must be a multiple
+        of the microbatch size, at least one microbatch, and the shares must sum to the global batch.
+
+        Raises:
+          ValueError: naming the constraint that failed.
+        """
+        mbs, gbs = self.plan.microbatch_size, self.plan.global_batch_size
+        if len(shares) != self.plan.num_replicas or sum(shares) != gbs:
+            raise ValueError(f"batch shares {shares} must be {self.plan.num_replicas} values summing to "
+                             f"global_batch_size {gbs}")
+        if any(s < mbs or s % mbs for s in shares):
+            raise ValueError(f"every batch share must be a positive multiple of microbatch_size {mbs}, got {shares}")
+        from hethub_jax.parallel.schedule import get_schedule
+
+        self.shares = list(shares)
+        self.offsets = [sum(self.shares[:r]) for r in range(self.plan.num_replicas)]
+        for r in range(self.plan.num_replicas):
+            m = self.shares[r] // mbs
+            self.train_actions[r] = get_schedule(self.plan.schedule)(self.plan.num_stages(r), m)
+            self.eval_actions[r] = _forward_only(self.plan.num_stages(r), m)
 
     def eval_loss(self, batch: dict[str, np.ndarray]) -> tuple[float, float]:
         """(summed token cross-entropy in nats, number of non-pad tokens) of a batch of

@@ -100,11 +100,20 @@ class PipelineStage:
             lambda axes: NamedSharding(self.mesh, P(*(rules[a] for a in axes))), logical, is_leaf=is_axes)
         self.act_sharding = NamedSharding(self.mesh, P("dp", None, None))   # [mb, S, D]
         self.tok_sharding = NamedSharding(self.mesh, P("dp", None))         # [mb, S]
-        # Initialise directly into the sharded layout (no full copy on one device first).
-        self.params: Params = jax.jit(lambda: nnx.split(make())[1].to_pure_dict(),
-                                      out_shardings=self.param_shardings)()
+        # Eager initialisation on the stage's first device, then placement onto the mesh. (A jitted
+        # init with out_shardings would avoid the unsharded copy; eager is much faster to start for
+        # the small models this runs on today.)
+        with jax.default_device(devices[0]):
+            init = nnx.split(make())[1].to_pure_dict()
+        self.params: Params = jax.device_put(init, self.param_shardings)
         self.optimizer, self._clip_norm = optimizer, clip_norm
-        self.opt_state = jax.jit(optimizer.init)(self.params)
+        replicated = NamedSharding(self.mesh, P())
+        mesh_devices = set(self.mesh.devices.flat)
+        self.opt_state = jax.tree.map(  # scalars (step counts) replicated on the stage mesh too
+            lambda x: x if x.committed and set(x.sharding.device_set) == mesh_devices
+            else jax.device_put(x, replicated),
+            optimizer.init(self.params))
+        self.opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
         self._build_functions()
 
     # ---- the pure model function ---------------------------------------------------------------
@@ -133,20 +142,24 @@ class PipelineStage:
                 return jax.vjp(lambda p: self._stage_fn(p, x, positions, *extra), params)
             return jax.vjp(lambda p, h: self._stage_fn(p, h, positions, *extra), params, x)
 
-        def constrain_grads(grads):
-            gp = jax.lax.with_sharding_constraint(grads[0], ps)
+        def accumulate(grads, acc, first):
+            """(acc + param grads, or the grads alone on the first microbatch; input grads).
+            `where` rather than `+` on the first microbatch: a NaN-filled buffer never leaks."""
+            gp = jax.tree.map(lambda a, g: jnp.where(first, g, a + g), acc, grads[0])
+            gp = jax.lax.with_sharding_constraint(gp, ps)
             return (gp,) if self.is_first else (gp, jax.lax.with_sharding_constraint(grads[1], act))
 
         self.forward = jax.jit(self._stage_fn, in_shardings=in_sh)
         self.forward_saving = jax.jit(vjp, in_shardings=in_sh)
-        self.backward_saved = jax.jit(lambda f, g: constrain_grads(f(g)))
+        # backward(..., g, acc, first) -> (new acc, grad w.r.t. the stage input unless first stage);
+        # g: [mb, S, D] cotangent of the output, or the f32 scalar 1.0 on the last stage.
+        self.backward_saved = jax.jit(lambda f, g, acc, first: accumulate(f(g), acc, first), donate_argnums=2)
         self.backward_recompute = jax.jit(
-            lambda params, x, positions, *rest: constrain_grads(vjp(params, x, positions, *rest[:-1])[1](rest[-1])),
-            in_shardings=in_sh + ((None if self.is_last else act),))
-        self.accumulate = jax.jit(lambda acc, g: jax.tree.map(jnp.add, acc, g), donate_argnums=0)
-        # First microbatch: select, so a NaN-filled buffer (debug_nan) is overwritten, not added to.
-        self.accumulate_first = jax.jit(
-            lambda acc, g: jax.tree.map(lambda a, b: jnp.where(True, b, a), acc, g), donate_argnums=0)
+            lambda params, x, positions, *rest: accumulate(
+                vjp(params, x, positions, *rest[:-3])[1](rest[-3]), rest[-2], rest[-1]),
+            donate_argnums=(), static_argnums=())
+        self._host_zeros = jax.tree.map(
+            lambda x: np.full(x.shape, np.nan if self.debug_nan else 0, x.dtype), self.params)
 
         def sq_norm(grads, inv_tokens):
             """Squared L2 norm (f32) of token-summed grads after division by the token count."""
@@ -161,14 +174,12 @@ class PipelineStage:
             grads = clip_by_norm(grads, global_norm, clip)
             updates, opt_state = self.optimizer.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state
-        self.update = jax.jit(update, donate_argnums=(0, 1, 2), out_shardings=(ps, None))
+        self.update = jax.jit(update, donate_argnums=(0, 1), out_shardings=(ps, self.opt_shardings))
 
     # ---- helpers for the runtime ---------------------------------------------------------------
     def new_grad_buffer(self) -> Params:
         """A gradient accumulator: zeros, or NaNs when `debug_nan` (first microbatch overwrites it)."""
-        fill = jnp.nan if self.debug_nan else 0.0
-        return jax.jit(lambda: jax.tree.map(lambda s: jnp.full(s.shape, fill, s.dtype), self.params),
-                       out_shardings=self.param_shardings)()
+        return jax.device_put(self._host_zeros, self.param_shardings)
 
     def place_input(self, x: Any) -> jax.Array:
         return jax.device_put(x, self.tok_sharding if self.is_first else self.act_sharding)

@@ -1,0 +1,349 @@
+"""Islands and start-up of a multi-process job (DESIGN.md section 3).
+
+Order on every rank (``start`` does 1-4, ``handshake`` 5):
+
+1. learn the island name from ``--island NAME`` or ``$HETHUB_ISLAND``, and its JAX platform from the
+   caller (the plan), ``--platform``, ``$HETHUB_PLATFORM``, or the island name when it is a platform;
+2. set ``JAX_PLATFORMS`` **before jax is imported** (``set_jax_platform``);
+3. split ``MPI.COMM_WORLD`` by island (islands numbered in sorted name order, ranks in world order);
+4. for an island of several processes: rank 0 of the island picks a free TCP port, broadcasts
+   ``host:port``, and every process calls ``jax.distributed.initialize`` with that coordinator, the
+   island size and its island rank (automatic cluster detection deactivated, so islands stay separate
+   JAX runtimes). CPU islands use JAX's gloo CPU collectives so an island mesh spans its processes;
+5. all ranks exchange a handshake record (config/plan hash, package versions, platform, island,
+   local device count); rank 0 compares them and every rank raises ``HandshakeError`` with the same
+   message naming the differing field and ranks.
+
+``install_abort_on_exception`` turns any uncaught exception (main or other thread) into a
+``[rank R, island X]`` traceback on stderr followed by ``MPI.COMM_WORLD.Abort(1)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .comm.base import CommError, Communicator
+
+__all__ = [
+    "ENV_ISLAND", "ENV_PLATFORM", "HandshakeError", "Island", "island_from_args", "platform_for",
+    "set_jax_platform", "start", "config_hash", "package_versions", "handshake_record",
+    "compare_records", "handshake", "install_abort_on_exception",
+]
+
+ENV_ISLAND = "HETHUB_ISLAND"
+ENV_PLATFORM = "HETHUB_PLATFORM"
+JAX_PLATFORM_NAMES = ("cpu", "cuda", "rocm", "tpu", "gpu", "metal")
+_NAME_BYTES = 64
+_HANDSHAKE_TAG = 7001
+
+
+class HandshakeError(CommError):
+    """Ranks disagree at start-up (config/plan hash, versions, platform or device count).
+
+    Raised with the same message on every rank; the abort hook lets rank 0 report it.
+    """
+
+    reported_by_rank0 = True
+
+
+# ---- pure helpers ----------------------------------------------------------------------------
+def _flag(argv: Sequence[str], name: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(name + "="):
+            return a[len(name) + 1:]
+    return None
+
+
+def island_from_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None,
+                     default: str | None = None) -> str:
+    """Island name from ``--island NAME`` / ``--island=NAME`` in argv, else ``$HETHUB_ISLAND``.
+
+    Raises:
+      ValueError: no island given and no default, or the name is empty or longer than 64 bytes.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    environ = os.environ if environ is None else environ
+    name = _flag(argv, "--island") or environ.get(ENV_ISLAND) or default
+    if not name:
+        raise ValueError(f"no island given: pass --island NAME or set {ENV_ISLAND}")
+    if len(name.encode()) > _NAME_BYTES:
+        raise ValueError(f"island name longer than {_NAME_BYTES} bytes: {name!r}")
+    return name
+
+
+def platform_for(island: str, platform: str | None = None, argv: Sequence[str] | None = None,
+                 environ: Mapping[str, str] | None = None) -> str:
+    """JAX platform of ``island``: ``platform`` (from the plan), else ``--platform``, else
+    ``$HETHUB_PLATFORM``, else the island name itself when it is a JAX platform name.
+
+    Raises:
+      ValueError: none of these gives a platform.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    environ = os.environ if environ is None else environ
+    p = platform or _flag(argv, "--platform") or environ.get(ENV_PLATFORM)
+    if not p and island in JAX_PLATFORM_NAMES:
+        p = island
+    if not p:
+        raise ValueError(f"no JAX platform for island {island!r}: give it in the plan, with "
+                         f"--platform or {ENV_PLATFORM}")
+    return p
+
+
+def set_jax_platform(platform: str, environ: Any = None) -> None:
+    """Set ``JAX_PLATFORMS=platform`` for this process, before jax is imported.
+
+    If jax is already imported, its configured platform must be ``platform`` already (or unset
+    with no backend initialised yet, in which case it is updated).
+
+    Raises:
+      RuntimeError: jax was imported with a different platform, or already initialised a backend
+        without one set.
+    """
+    environ = os.environ if environ is None else environ
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        current = jax.config.jax_platforms
+        if current:
+            if current.split(",")[0] != platform:
+                raise RuntimeError(f"jax was imported with JAX_PLATFORMS={current!r} before the "
+                                   f"island's platform {platform!r} could be set; set it first")
+        else:
+            from jax._src import xla_bridge
+
+            if getattr(xla_bridge, "_backends", None):
+                raise RuntimeError("jax already initialised its backends without JAX_PLATFORMS; "
+                                   f"cannot switch to platform {platform!r}")
+            jax.config.update("jax_platforms", platform)
+    environ["JAX_PLATFORMS"] = platform
+
+
+def config_hash(*objs: Any) -> str:
+    """SHA-256 hex digest of the objects as canonical JSON (sorted keys; non-JSON via str)."""
+    blob = json.dumps(objs, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def package_versions(names: Sequence[str] = ("jax", "jaxlib", "flax", "optax", "hethub-jax")
+                     ) -> dict[str, str]:
+    """Installed versions (``"missing"`` when absent); hethub-jax falls back to its __version__."""
+    out = {}
+    for n in names:
+        try:
+            out[n] = importlib.metadata.version(n)
+        except importlib.metadata.PackageNotFoundError:
+            if n == "hethub-jax":
+                from . import __version__
+
+                out[n] = __version__
+            else:
+                out[n] = "missing"
+    return out
+
+
+def handshake_record(config_digest: str, island: str, platform: str, local_device_count: int,
+                     versions: Mapping[str, str] | None = None) -> dict:
+    """What one rank contributes to the handshake (JSON-able)."""
+    return {"config_hash": config_digest, "island": island, "platform": platform,
+            "local_device_count": int(local_device_count),
+            "versions": dict(package_versions() if versions is None else versions)}
+
+
+def _groups(values: Sequence[Any], ranks: Sequence[int]) -> str:
+    by: dict[str, list[int]] = {}
+    for v, r in zip(values, ranks):
+        by.setdefault(json.dumps(v, sort_keys=True), []).append(r)
+    return "; ".join(f"ranks {rs} have {v}" for v, rs in by.items())
+
+
+def compare_records(records: Sequence[Mapping]) -> list[str]:
+    """Problems among handshake records (index = world rank); empty when consistent.
+
+    config_hash must be equal on all ranks; platform, local_device_count and versions must be equal
+    within each island (versions may differ between islands with different installs).
+    """
+    problems = []
+    ranks = list(range(len(records)))
+    hashes = [r["config_hash"] for r in records]
+    if len(set(hashes)) > 1:
+        problems.append(f"config/plan hash differs: {_groups(hashes, ranks)}")
+    islands: dict[str, list[int]] = {}
+    for r, rec in enumerate(records):
+        islands.setdefault(rec["island"], []).append(r)
+    for name, members in sorted(islands.items()):
+        for field in ("platform", "local_device_count", "versions"):
+            vals = [records[r][field] for r in members]
+            if any(v != vals[0] for v in vals):
+                problems.append(f"{field} differs within island {name!r}: {_groups(vals, members)}")
+    return problems
+
+
+def handshake(world: Communicator, record: Mapping, *, timeout: float | None = None) -> list[dict]:
+    """Collective over ``world``: gather every record on rank 0, compare, share the verdict.
+
+    Returns all records (index = rank) on every rank.
+
+    Raises:
+      HandshakeError: on every rank, with one message listing what differs and on which ranks.
+      CommTimeoutError: a rank did not take part within ``timeout`` seconds.
+    """
+    mine = np.frombuffer(json.dumps(dict(record), sort_keys=True).encode(), np.uint8)
+    if world.rank == 0:
+        blobs = [mine] + [world.recv(r, _HANDSHAKE_TAG, timeout=timeout)
+                          for r in range(1, world.size)]
+        records = [json.loads(bytes(b)) for b in blobs]
+        problems = compare_records(records)
+        verdict = {"problems": problems, "records": records}
+        out = np.frombuffer(json.dumps(verdict).encode(), np.uint8)
+        reqs = [world.isend(out, r, _HANDSHAKE_TAG) for r in range(1, world.size)]
+        for q in reqs:
+            q.wait(timeout)
+    else:
+        world.send(mine, 0, _HANDSHAKE_TAG, timeout=timeout)
+        verdict = json.loads(bytes(world.recv(0, _HANDSHAKE_TAG, timeout=timeout)))
+    if verdict["problems"]:
+        raise HandshakeError("start-up handshake failed: " + " | ".join(verdict["problems"]))
+    return verdict["records"]
+
+
+# ---- start-up under MPI ----------------------------------------------------------------------
+@dataclass
+class Island:
+    """This process's place in the job.
+
+    Attributes:
+      name, platform: island name and its JAX platform.
+      names: all island names (sorted); ``index`` is this island's position.
+      world: MPIHostBridge over all ranks; ``comm``: over this island's ranks.
+      world_ranks: world ranks of this island's processes, in island-rank order.
+      coordinator: ``host:port`` of the island's jax.distributed coordinator (None: one process).
+    """
+
+    name: str
+    platform: str
+    index: int
+    names: tuple[str, ...]
+    world: Any
+    comm: Any
+    world_ranks: tuple[int, ...]
+    coordinator: str | None
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def size(self) -> int:
+        return self.comm.size
+
+
+def _strings(comm: Communicator, s: str, timeout) -> list[str]:
+    buf = np.zeros(_NAME_BYTES, np.uint8)
+    raw = s.encode()[:_NAME_BYTES]
+    buf[:len(raw)] = np.frombuffer(raw, np.uint8)
+    table = comm.allgather(buf, timeout=timeout)
+    return [bytes(row).rstrip(b"\0").decode() for row in table]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def start(island: str | None = None, platform: str | None = None, *, argv: Sequence[str] | None = None,
+          environ: Any = None, mpi_comm: Any = None, timeout: float = 300.0,
+          coordinator_host: str | None = None, initialize_distributed: bool = True,
+          chunk_bytes: int | None = None) -> Island:
+    """Steps 1-4 of the module docstring. Collective over ``mpi_comm`` (default COMM_WORLD).
+
+    Args:
+      island, platform: override the flag/environment look-up.
+      timeout: deadline in seconds for the communicator calls and jax.distributed start-up.
+      coordinator_host: host name/IP of the island's coordinator; default 127.0.0.1 when all the
+        island's processes share a host, else the address of island rank 0's host name.
+      initialize_distributed: call jax.distributed.initialize for islands of several processes.
+
+    Raises:
+      ValueError: no island or platform. RuntimeError: jax imported with another platform.
+      CommTimeoutError: a rank did not arrive within ``timeout`` seconds.
+    """
+    environ = os.environ if environ is None else environ
+    name = island_from_args(argv, environ) if island is None else island
+    plat = platform_for(name, platform, argv, environ)
+    set_jax_platform(plat, environ)
+
+    from mpi4py import MPI
+
+    from .comm.mpi import DEFAULT_CHUNK_BYTES, MPIHostBridge
+
+    world = MPIHostBridge(MPI.COMM_WORLD if mpi_comm is None else mpi_comm, timeout=timeout,
+                          chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES)
+    all_names = _strings(world, name, timeout)
+    names = tuple(sorted(set(all_names)))
+    index = names.index(name)
+    comm = world.split(index, world.rank, timeout=timeout)
+    world_ranks = tuple(r for r, n in enumerate(all_names) if n == name)
+    coordinator = None
+    if comm.size > 1:
+        hosts = _strings(comm, socket.gethostname(), timeout)
+        if comm.rank == 0:
+            host = coordinator_host or ("127.0.0.1" if len(set(hosts)) == 1
+                                        else socket.gethostbyname(socket.gethostname()))
+            addr = f"{host}:{_free_port()}"
+        else:
+            addr = ""
+        coordinator = _strings(comm, addr, timeout)[0]
+        if initialize_distributed:
+            import jax
+
+            if plat == "cpu":
+                jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            jax.distributed.initialize(coordinator_address=coordinator, num_processes=comm.size,
+                                       process_id=comm.rank, cluster_detection_method="deactivate",
+                                       initialization_timeout=int(timeout))
+    return Island(name, plat, index, names, world, comm, world_ranks, coordinator)
+
+
+def install_abort_on_exception(rank: int | None = None, island: str | None = None,
+                               stream: Any = None) -> None:
+    """Make an uncaught exception on this rank (any thread) end the whole MPI job.
+
+    The hook prints ``[rank R, island X] <traceback>`` to stderr (``stream``) and calls
+    ``MPI.COMM_WORLD.Abort(1)``, which makes mpiexec end every rank with a non-zero status.
+    ``rank`` defaults to the world rank, ``island`` to ``$HETHUB_ISLAND`` / ``--island``.
+    """
+    from mpi4py import MPI
+
+    r = MPI.COMM_WORLD.Get_rank() if rank is None else rank
+    if island is None:
+        island = _flag(sys.argv[1:], "--island") or os.environ.get(ENV_ISLAND) or "?"
+    prefix = f"[rank {r}, island {island}] "
+
+    def hook(exc_type, exc, tb):
+        out = stream or sys.stderr
+        if r != 0 and getattr(exc, "reported_by_rank0", False):
+            time.sleep(5)  # the same error is raised on rank 0, whose abort normally ends us first
+        try:
+            text = "".join(traceback.format_exception(exc_type, exc, tb))
+            out.write("".join(prefix + line + "\n" for line in text.rstrip("\n").split("\n")))
+            out.flush()
+        finally:
+            MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = hook
+    threading.excepthook = lambda a: hook(a.exc_type, a.exc_value, a.exc_traceback)

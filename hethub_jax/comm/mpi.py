@@ -1,0 +1,433 @@
+"""MPI backend: device -> host numpy -> mpi4py byte messages -> host -> device.
+
+Wire protocol of one point-to-point message with user tag ``t`` on communicator ``comm``:
+
+1. a header (``base.Header.encode()``, < 512 bytes) on MPI tag ``2*t`` (internal tags: ``2*t`` with
+   ``t`` negative mapped above the user range);
+2. the payload as raw bytes (``MPI.BYTE`` views of the C-contiguous array, so every dtype, ml_dtypes
+   included, arrives bit-exact) on MPI tag ``2*t + 1``, in ``ceil(nbytes / chunk_bytes)`` chunks of
+   at most ``chunk_bytes`` (the sender's value, carried in the header).
+
+Headers and payloads use different MPI tags so receives of headers always match headers. MPI keeps
+messages of one (source, tag, communicator) in order; the receiver posts payload receives of one
+channel in the order their headers were matched, so several outstanding ``irecv`` on one channel
+match messages in order.
+
+Contiguous numpy inputs are sent from their own memory (no copy); the send request keeps the array
+alive until it completes. Every wait polls (``Test``) against a deadline and raises
+``CommTimeoutError`` naming the peer and tag. Collectives use MPI non-blocking collectives
+(``Iallreduce``, ``Ibcast``, ``Iallgather``, ``Ibarrier``) under the same deadline; float16,
+bfloat16 and float8 reduce in float32 and are cast back (see ``base.reduction_dtype``).
+
+A communicator must not be used by two threads at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import time
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from .base import (HEADER_MAX, REDUCE_OPS, CommError, CommTimeoutError, Communicator, Header,
+                   Request,
+                   as_host_array, check_tag, encode_header, place, poll_until,
+                   reduction_dtype)
+
+__all__ = ["MPIHostBridge", "DEFAULT_CHUNK_BYTES"]
+
+#: default payload chunk: 1 GiB, below MPI's 2**31-1 element count limit for MPI.BYTE.
+DEFAULT_CHUNK_BYTES = 1 << 30
+_MAX_CHUNK = (1 << 31) - 1
+_N_INTERNAL = 16  # internal (negative) tags -1 .. -16
+
+_MPI_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+_MPI_TYPES = {np.dtype(t): m for t, m in [
+    (np.int8, MPI.INT8_T), (np.int16, MPI.INT16_T), (np.int32, MPI.INT32_T), (np.int64, MPI.INT64_T),
+    (np.uint8, MPI.UINT8_T), (np.uint16, MPI.UINT16_T), (np.uint32, MPI.UINT32_T),
+    (np.uint64, MPI.UINT64_T), (np.float32, MPI.FLOAT), (np.float64, MPI.DOUBLE),
+    (np.complex64, MPI.C_FLOAT_COMPLEX), (np.complex128, MPI.C_DOUBLE_COMPLEX)]}
+
+
+def _poll(done, deadline: float, describe, spin_s: float, every=None) -> None:
+    """poll_until, with MPI errors (truncation, ...) turned into CommError naming the operation."""
+    try:
+        poll_until(done, deadline, describe, spin_s, every=every)
+    except MPI.Exception as e:
+        raise CommError(f"{describe()} failed in MPI: {e.Get_error_string()}") from e
+
+
+def _bytes_of(arr: np.ndarray) -> np.ndarray:
+    """uint8 view of a C-contiguous array's memory (no copy)."""
+    return arr.reshape(-1).view(np.uint8)
+
+
+def _chunks(nbytes: int, chunk: int):
+    """(offset, length) of the payload messages: ceil(nbytes/chunk), and one empty one if nbytes=0."""
+    if nbytes == 0:
+        yield 0, 0
+    for off in range(0, nbytes, chunk):
+        yield off, min(chunk, nbytes - off)
+
+
+class _SendRequest(Request):
+    def __init__(self, comm: "MPIHostBridge", reqs: list, keep: tuple, dest: int, tag: int):
+        self._comm, self._reqs, self._keep = comm, reqs, keep
+        self._dest, self._tag = dest, tag
+        self._done = False
+
+    def test(self) -> bool:
+        if not self._done:
+            self._comm._progress()
+            if MPI.Request.Testall(self._reqs):
+                self._done, self._keep = True, None
+        return self._done
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self.test():
+            return
+        reqs = self._reqs
+        fast = reqs[0].Test if len(reqs) == 1 else functools.partial(MPI.Request.Testall, reqs)
+        _poll(fast, self._comm._deadline(timeout),
+              lambda: f"send from rank {self._comm.rank} to rank {self._dest} (tag {self._tag})",
+              self._comm.spin_s, every=self._comm._progress)
+        self._done, self._keep = True, None
+
+
+class _RecvRequest(Request):
+    """Header receive posted at once; payload receives posted when this is the head of its channel."""
+
+    def __init__(self, comm: "MPIHostBridge", source: int, tag: int, raw: bool, device, sharding,
+                 out):
+        self._comm, self._source, self._tag = comm, source, tag
+        self._raw, self._device, self._sharding, self._out = raw, device, sharding, out
+        self._hbuf = np.empty(HEADER_MAX, np.uint8)
+        self._hreq = comm._comm.Irecv([self._hbuf, MPI.BYTE], source, comm._mpi_tag(tag, 0))
+        self._header: Header | None = None
+        self._arr: np.ndarray | None = None
+        self._error: Exception | None = None
+        self._reqs: list | None = None  # payload receives, once posted
+        self._pre = None  # payload receive posted into out= before the header arrived
+        self._done = False
+        self._result = None
+        self._finished = False
+
+    def _start_payload(self) -> bool:
+        """If the header arrived: allocate and post the payload receives. Returns True if posted."""
+        if self._reqs is not None:
+            return True
+        if not self._hreq.Test():
+            return False
+        h = self._header = Header.decode(self._hbuf)
+        try:
+            self._arr = h.empty(self._out)
+        except CommError as e:  # still consume the message so the channel stays in step
+            self._error, self._arr = e, h.empty()
+        mtag, comm, nbytes = self._comm._mpi_tag(self._tag, 1), self._comm._comm, h.nbytes
+        view = self._arr.reshape(-1).view(np.uint8)
+        if self._pre is not None:  # first payload message already has a receive (into out=)
+            self._reqs = [self._pre] + [
+                comm.Irecv([view[o:o + n], MPI.BYTE], self._source, mtag)
+                for o, n in _chunks(nbytes, h.chunk_bytes or nbytes) if o > 0]
+        elif nbytes <= h.chunk_bytes:
+            self._reqs = [comm.Irecv([view, MPI.BYTE], self._source, mtag)]
+        else:
+            self._reqs = [comm.Irecv([view[o:o + n], MPI.BYTE], self._source, mtag)
+                          for o, n in _chunks(nbytes, h.chunk_bytes or nbytes)]
+        return True
+
+    def test(self) -> bool:
+        if self._done:
+            return True
+        if self._reqs is None:
+            self._posted()
+            if self._reqs is None:
+                return False
+        if MPI.Request.Testall(self._reqs):
+            self._done = True
+        return self._done
+
+    def _posted(self) -> bool:
+        if self._pre is not None:  # not queued on the channel: handle our own header
+            self._start_payload()
+        else:
+            self._comm._progress()
+        return self._reqs is not None
+
+    def cancel(self) -> None:
+        self._cancel_header()
+
+    def _cancel_header(self) -> None:
+        """With no header yet: withdraw the header receive from the channel."""
+        if self._reqs is not None or self._finished:
+            return
+        self._comm._progress()
+        if self._reqs is not None:
+            return
+        self._hreq.Cancel()
+        status = MPI.Status()
+        self._hreq.Wait(status)
+        if status.Is_cancelled() and self._pre is not None:
+            self._pre.Cancel()
+            self._pre.Wait(status)
+        if status.Is_cancelled():
+            q = self._comm._pending.get((self._source, self._tag))
+            if q is not None and self in q:
+                q.remove(self)
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if self._finished:
+            return self._result
+        deadline = self._comm._deadline(timeout)
+
+        def describe():
+            return (f"recv on rank {self._comm.rank} from rank {self._source} (tag "
+                    f"{self._tag}){'' if self._header else ', no header yet'}")
+
+        try:
+            if not self.test():
+                if self._reqs is None:  # phase 1: until the payload receives are posted
+                    _poll(self._posted, deadline, describe, self._comm.spin_s)
+                reqs = self._reqs  # phase 2: only the payload requests, tested back to back
+                if reqs:
+                    fast = (reqs[0].Test if len(reqs) == 1
+                            else functools.partial(MPI.Request.Testall, reqs))
+                    try:
+                        _poll(fast, deadline, describe, self._comm.spin_s,
+                              every=self._comm._progress)
+                    except CommError:
+                        if self._error is None or isinstance(self._error, CommTimeoutError):
+                            raise
+                self._done = True
+        except CommTimeoutError:
+            self._cancel_header()
+            raise
+        self._finished = True
+        if self._error is not None:
+            raise self._error
+        h, arr = self._header, self._arr
+        self._result = (h, arr) if self._raw else place(arr, self._device, self._sharding)
+        return self._result
+
+
+class _CollRequest:
+    def __init__(self, comm: "MPIHostBridge", what: str):
+        self.comm, self.what = comm, what
+
+    def wait(self, req, deadline: float) -> None:
+        def done():
+            self.comm._progress()
+            return req.Test()
+
+        _poll(done, deadline,
+                   lambda: f"{self.what} on rank {self.comm.rank} of {self.comm.size}",
+                   self.comm.spin_s)
+
+
+class MPIHostBridge(Communicator):
+    """Communicator over an mpi4py communicator, moving host buffers.
+
+    Args:
+      comm: the MPI communicator (default ``MPI.COMM_WORLD``).
+      chunk_bytes: largest payload piece in one MPI message, bytes, in [1, 2**31-1]
+        (default 1 GiB).
+      timeout: default deadline of blocking calls, seconds (``math.inf``: none).
+      spin_s: seconds a wait polls without sleeping before backing off (latency vs CPU use).
+
+    Raises:
+      ValueError: chunk_bytes out of range.
+    """
+
+    def __init__(self, comm: Any = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 timeout: float = 300.0, spin_s: float = 0.05):
+        self._comm = MPI.COMM_WORLD if comm is None else comm
+        if not 1 <= int(chunk_bytes) <= _MAX_CHUNK:
+            raise ValueError(f"chunk_bytes must be in [1, {_MAX_CHUNK}], got {chunk_bytes}")
+        self.chunk_bytes = int(chunk_bytes)
+        self._timeout = float(timeout)
+        self.spin_s = float(spin_s)
+        self._rank, self._size = self._comm.Get_rank(), self._comm.Get_size()
+        tag_ub = self._comm.Get_attr(MPI.TAG_UB) or 32767
+        self.max_tag = min(Communicator.max_tag, (tag_ub - 1) // 2 - _N_INTERNAL)
+        # per (source, tag): receives whose payload receives are not posted yet, in post order
+        self._pending: dict[tuple[int, int], collections.deque] = collections.defaultdict(
+            collections.deque)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def timeout(self) -> float:
+        return self._timeout
+
+    @property
+    def mpi_comm(self) -> Any:
+        """The underlying mpi4py communicator."""
+        return self._comm
+
+    def __repr__(self):
+        return f"MPIHostBridge(rank={self._rank}, size={self._size}, chunk_bytes={self.chunk_bytes})"
+
+    def _mpi_tag(self, tag: int, payload: int) -> int:
+        t = tag if tag >= 0 else self.max_tag - tag  # internal tags above the user range
+        return 2 * t + payload
+
+    def _progress(self) -> None:
+        """Post payload receives for every receive whose header arrived (all channels, in order).
+
+        Called from every poll (sends and collectives included): a large send completes only once
+        its receiver has posted the payload receive, so e.g. in ``sendrecv`` waiting on the send
+        must also progress the receive.
+        """
+        if not self._pending:
+            return
+        for key in list(self._pending):
+            q = self._pending[key]
+            while q and q[0]._start_payload():
+                q.popleft()
+            if not q:
+                del self._pending[key]
+
+    # ---- point-to-point --------------------------------------------------------------------
+    def _isend_part(self, x: Any, dest: int, tag: int, part: int, parts: int) -> Request:
+        if type(dest) is not int or not 0 <= dest < self._size:
+            dest = self._check_peer(dest, "dest")
+        arr = as_host_array(x)
+        hdr = encode_header(arr, tag, self.chunk_bytes, part, parts)
+        t = tag if tag >= 0 else self.max_tag - tag
+        comm, nbytes = self._comm, arr.nbytes
+        view = arr.reshape(-1).view(np.uint8)
+        # payload first (a receive may already be posted for it), then the header; each of the two
+        # MPI tags keeps its own order. At least one payload message, empty if nbytes == 0.
+        if nbytes <= self.chunk_bytes:
+            reqs = [comm.Isend([view, MPI.BYTE], dest, 2 * t + 1)]
+        else:
+            reqs = [comm.Isend([view[o:o + n], MPI.BYTE], dest, 2 * t + 1)
+                    for o, n in _chunks(nbytes, self.chunk_bytes)]
+        reqs.append(comm.Isend([hdr, MPI.BYTE], dest, 2 * t))
+        return _SendRequest(self, reqs, (arr, hdr), dest, tag)
+
+    def _irecv_raw(self, source: int, tag: int) -> Request:
+        return self._post(source, tag, True, None, None, None)
+
+    def _post(self, source, tag, raw, device, sharding, out) -> Request:
+        source = self._check_peer(source, "source")
+        req = _RecvRequest(self, source, tag, raw, device, sharding, out)
+        if (type(out) is np.ndarray and 0 < out.nbytes <= _MAX_CHUNK and out.flags.c_contiguous
+                and out.flags.writeable and not self._pending.get((source, tag))):
+            # Nothing earlier on this channel waits for its header: post the first payload
+            # message's receive into out= now, so data lands without waiting for our header
+            # processing (the header is checked against out= when it arrives).
+            req._pre = self._comm.Irecv([out.reshape(-1).view(np.uint8), MPI.BYTE], source,
+                                        self._mpi_tag(tag, 1))
+        else:
+            self._pending[(source, tag)].append(req)
+        return req
+
+    def isend(self, x: Any, dest: int, tag: int = 0) -> Request:
+        return self._isend_part(x, dest, check_tag(tag, self.max_tag), 0, 1)
+
+    def irecv(self, source: int, tag: int = 0, *, device: Any = None, sharding: Any = None,
+              out: np.ndarray | None = None) -> Request:
+        if device is not None and sharding is not None:
+            raise ValueError("give at most one of device= and sharding=")
+        return self._post(source, check_tag(tag, self.max_tag), False, device, sharding, out)
+
+    # ---- collectives -----------------------------------------------------------------------
+    def _headers(self, arr: np.ndarray, what: str, deadline: float) -> list[Header]:
+        """All-gather every rank's header (dtype/shape) under the deadline."""
+        mine = np.zeros(HEADER_MAX, np.uint8)
+        enc = Header.for_array(arr, 0).encode()
+        mine[:len(enc)] = np.frombuffer(enc, np.uint8)
+        table = np.empty((self._size, HEADER_MAX), np.uint8)
+        _CollRequest(self, what).wait(self._comm.Iallgather([mine, MPI.BYTE], [table, MPI.BYTE]),
+                                      deadline)
+        return [Header.decode(table[r]) for r in range(self._size)]
+
+    def _same(self, arr: np.ndarray, what: str, deadline: float) -> None:
+        hs = self._headers(arr, what, deadline)
+        if any((h.dtype, h.shape) != (hs[0].dtype, hs[0].shape) for h in hs):
+            desc = ", ".join(f"rank {r}: {h.describe()}" for r, h in enumerate(hs))
+            raise CommError(f"{what}: ranks disagree on dtype/shape ({desc})")
+
+    def allreduce(self, x: Any, op: str = "sum", *, timeout: float | None = None,
+                  device: Any = None, sharding: Any = None) -> Any:
+        if op not in REDUCE_OPS:
+            raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
+        deadline = self._deadline(timeout)
+        arr = as_host_array(x)
+        self._same(arr, f"allreduce({op})", deadline)
+        red = reduction_dtype(arr.dtype)
+        src = arr.astype(red, copy=False).reshape(-1)
+        out = np.empty_like(src)
+        mtype, waiter = _MPI_TYPES.get(red), _CollRequest(self, f"allreduce({op})")
+        if mtype is None:
+            raise TypeError(f"allreduce does not support dtype {arr.dtype}")
+        step = max(self.chunk_bytes // red.itemsize, 1)
+        for o in range(0, src.size, step):
+            n = min(step, src.size - o)
+            waiter.wait(self._comm.Iallreduce([src[o:o + n], n, mtype], [out[o:o + n], n, mtype],
+                                              _MPI_OPS[op]), deadline)
+        res = out.reshape(arr.shape)
+        if red != arr.dtype:
+            res = res.astype(arr.dtype) if arr.dtype != np.bool_ else res != 0
+        return place(res, device, sharding)
+
+    def broadcast(self, x: Any, root: int = 0, *, timeout: float | None = None,
+                  device: Any = None, sharding: Any = None) -> Any:
+        root = self._check_peer(root, "root")
+        deadline = self._deadline(timeout)
+        hbuf = np.zeros(HEADER_MAX, np.uint8)
+        if self._rank == root:
+            arr = as_host_array(x)
+            enc = Header.for_array(arr, 0).encode()
+            hbuf[:len(enc)] = np.frombuffer(enc, np.uint8)
+        waiter = _CollRequest(self, f"broadcast(root={root})")
+        waiter.wait(self._comm.Ibcast([hbuf, MPI.BYTE], root), deadline)
+        if self._rank != root:
+            arr = Header.decode(hbuf).empty()
+        view = _bytes_of(arr)
+        for o, n in _chunks(arr.nbytes, self.chunk_bytes):
+            waiter.wait(self._comm.Ibcast([view[o:o + n], MPI.BYTE], root), deadline)
+        return place(arr, device, sharding)
+
+    def allgather(self, x: Any, *, timeout: float | None = None, device: Any = None,
+                  sharding: Any = None) -> Any:
+        deadline = self._deadline(timeout)
+        arr = as_host_array(x)
+        self._same(arr, "allgather", deadline)
+        out = np.empty((self._size,) + arr.shape, arr.dtype)
+        mine, table = _bytes_of(arr), out.reshape(self._size, -1).view(np.uint8)
+        waiter = _CollRequest(self, "allgather")
+        if arr.nbytes <= self.chunk_bytes:
+            waiter.wait(self._comm.Iallgather([mine, MPI.BYTE], [table, MPI.BYTE]), deadline)
+        else:
+            for o, n in _chunks(arr.nbytes, self.chunk_bytes):
+                tmp = np.empty((self._size, n), np.uint8)
+                waiter.wait(self._comm.Iallgather([mine[o:o + n], MPI.BYTE], [tmp, MPI.BYTE]),
+                            deadline)
+                table[:, o:o + n] = tmp
+        return place(out, device, sharding)
+
+    def barrier(self, *, timeout: float | None = None) -> None:
+        _CollRequest(self, "barrier").wait(self._comm.Ibarrier(), self._deadline(timeout))
+
+    def split(self, color: int | None, key: int = 0, *, timeout: float | None = None
+              ) -> "MPIHostBridge | None":
+        if color is not None and (not isinstance(color, (int, np.integer)) or color < 0):
+            raise ValueError(f"color must be an int >= 0 or None, got {color!r}")
+        # MPI_Comm_split cannot time out: enter it only once every rank has arrived.
+        self.barrier(timeout=timeout)
+        sub = self._comm.Split(MPI.UNDEFINED if color is None else int(color), int(key))
+        if sub == MPI.COMM_NULL:
+            return None
+        return MPIHostBridge(sub, chunk_bytes=self.chunk_bytes, timeout=self._timeout,
+                             spin_s=self.spin_s)
