@@ -160,22 +160,48 @@ def _prepare_devices(plan_path: str | None, island: str | None) -> None:
                                    f" --xla_force_host_platform_device_count={max(cpu)}").strip()
 
 
-def _world() -> tuple[Any, int, int]:
-    """(communicator or None, rank, world size). Under ``mpiexec`` with several ranks the job is
-    started by ``hethub_jax.cluster`` (DESIGN.md section 3); otherwise one process runs every island."""
-    size = 1
-    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"):
+def _mpi_world_size() -> int:
+    """Ranks of the MPI job this process was launched in (1 without ``mpiexec``), read from the
+    launcher's environment so that MPI is not initialised for single-process runs."""
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"):
         if os.environ.get(var, "").isdigit():
-            size = int(os.environ[var])
-            break
-    if size <= 1:
-        return None, 0, 1
+            return int(os.environ[var])
+    return 1
+
+
+def _start_mpi(plan_path: str | None, island: str | None, size: int):
+    """Multi-process start-up (DESIGN.md section 3) before any JAX backend starts: find this rank's
+    island (``--island``, ``$HETHUB_ISLAND``, else the plan's island of this MPI rank), set its
+    platform, split the world by island (``hethub_jax.cluster.start``). Returns the Island.
+
+    Raises:
+      ValueError: no plan, an island not in the plan, or a rank/island mismatch with the plan.
+    """
+    from hethub_jax.parallel.plan import Plan
+
+    if plan_path is None:
+        raise ValueError(f"an MPI job of {size} ranks needs a plan: train.plan / --plan PLAN.json")
     try:
-        from hethub_jax import cluster  # multi-process start-up (DESIGN.md section 3)
-    except ImportError as e:
-        raise ValueError(f"an MPI job of {size} ranks needs hethub_jax.cluster: {e}") from None
-    island = cluster.start()
-    return island.world, island.world.rank, island.world.size
+        plan = Plan.from_json(plan_path)
+    except FileNotFoundError:
+        raise ValueError(f"train.plan: file not found: {plan_path}") from None
+    if plan.world_size != size:
+        raise ValueError(f"the plan needs {plan.world_size} MPI ranks (sum of the islands' num_processes), "
+                         f"the job has {size}")
+    from mpi4py import MPI
+
+    from hethub_jax import cluster
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    name = island or os.environ.get(cluster.ENV_ISLAND) or plan.rank_island(rank).name
+    if name not in [i.name for i in plan.islands]:
+        raise ValueError(f"--island {name!r} is not an island of the plan: {[i.name for i in plan.islands]}")
+    if plan.rank_island(rank).name != name:
+        raise ValueError(f"rank {rank} runs island {name!r} but the plan gives rank {rank} to island "
+                         f"{plan.rank_island(rank).name!r} (islands take consecutive ranks in plan order; "
+                         f"list the mpiexec parts in that order)")
+    cluster.install_abort_on_exception(rank=rank, island=name)
+    return cluster.start(island=name, platform=plan.island(name).platform)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -270,8 +296,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:  # ConfigError is a ValueError
         return _fail(str(e))
 
+    comm, rank, world_size, island = None, 0, 1, None
+    size = _mpi_world_size()
+    if size > 1:
+        try:
+            island = _start_mpi(cfg.train.plan, args.island, size)
+        except ValueError as e:
+            return _fail(str(e))
+        comm, rank, world_size = island.world, island.world.rank, island.world.size
+
     import jax
-    import numpy as np
 
     from hethub_jax import checkpoint as ckpt
     from hethub_jax.data import build_datasets
@@ -299,16 +333,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         return _fail(f"train.global_batch_size: {e}")
 
-    try:
-        comm, rank, world_size = _world()
-    except ValueError as e:
-        return _fail(str(e))
     if comm is None and plan.world_size > 1 and args.island is not None:
         return _fail(f"--island {args.island}: the plan has {plan.world_size} ranks; run it under "
                      f"mpiexec -n {plan.world_size}, or without --island to run every island in one process")
-    if comm is not None and world_size != plan.world_size:
-        return _fail(f"the plan needs {plan.world_size} MPI ranks (sum of the islands' num_processes), "
-                     f"the job has {world_size}")
+    if comm is not None:
+        from hethub_jax import cluster
+        digest = cluster.config_hash(cfg.to_dict(), plan.to_dict())
+        cluster.handshake(comm, cluster.handshake_record(digest, island.name, island.platform,
+                                                         jax.local_device_count()))
 
     from hethub_jax.parallel.runtime import PipelineRuntime
     try:
