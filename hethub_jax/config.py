@@ -5,7 +5,7 @@ model: tiny                    # preset name, or {preset: tiny, <LlamaConfig fie
                                # or a full mapping of LlamaConfig fields
 data:  {seq_len: 128, ...}     # hethub_jax.data.DataConfig
 optim: {learning_rate: 3e-3}   # hethub_jax.optim.OptimConfig (decay_steps defaults to train.steps)
-train: {steps: 300, ...}       # TrainSettings below
+train: {steps: 200, ...}       # TrainSettings below
 ```
 
 Every section is optional (defaults train the ``tiny`` preset on the Shakespeare corpus on CPU in a
