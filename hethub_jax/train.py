@@ -207,15 +207,15 @@ def _start_mpi(plan_path: str | None, island: str | None, size: int):
 # ---------------------------------------------------------------------------------------------------
 # reporting
 
-def plan_summary(plan, model_config) -> list[str]:
+def plan_summary(plan, model_config, shares=None) -> list[str]:
     """Human-readable lines: islands, each replica's stages (layer ranges, dp x tp, devices),
-    batch shares, microbatches, schedule."""
+    batch shares (samples; default the plan's), microbatches, schedule."""
     lines = []
     for isl in plan.islands:
         emu = f", EMULATED {isl.slowdown:g}x slower" if isl.slowdown > 1 else ""
         lines.append(f"  island {isl.name}: platform {isl.platform}, {isl.num_processes} process(es) x "
                      f"{isl.devices_per_process} device(s){emu}")
-    shares = plan.batch_shares()
+    shares = plan.batch_shares() if shares is None else shares
     for r, rep in enumerate(plan.replicas):
         head = f"  replica {r}: " if plan.num_replicas > 1 else "  "
         lines.append(f"{head}{rep.num_stages} stage(s), batch share {shares[r]} samples = "
@@ -350,6 +350,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = rt.is_logging_rank
     emulation = rt.emulation_lines()
 
+    # ---- heterogeneous DP: shares measured in a warm-up unless the plan gives shares or throughputs --
+    share_source = "plan"
+    if plan.num_replicas > 1 and all(r.batch_share is None and r.throughput is None for r in plan.replicas):
+        from hethub_jax.parallel.plan import proportional_shares
+
+        if log:
+            print("heterogeneous DP: measuring replica throughputs in a warm-up (forward/backward on one "
+                  "batch, no update)...", flush=True)
+        warm = next(iter(train_ds.batches(gbs)))
+        thr = rt.measure_throughputs(warm, steps=2)
+        units = proportional_shares(gbs // plan.microbatch_size, thr)
+        rt.set_batch_shares([u * plan.microbatch_size for u in units])
+        share_source = "warm-up: " + ", ".join(f"replica {r} {x:.1f} samples/s" for r, x in enumerate(thr))
+        if log:
+            print(f"heterogeneous DP: measured {share_source}" + (" (EMULATED slowdowns included)" if emulation else "")
+                  + f" -> batch shares {rt.shares}", flush=True)
+
     # ---- resume -------------------------------------------------------------------------------
     start_step = 0
     if t.resume:
@@ -376,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{cfg.data.seq_len}; {gbs * cfg.data.seq_len:,} tokens per step",
         f"plan ({t.plan or 'built-in'}): {plan.description}" if plan.description else
         f"plan ({t.plan or 'built-in'}):",
-        *plan_summary(plan, cfg.model), *(f"  note: {n}" for n in plan_notes),
+        *plan_summary(plan, cfg.model, rt.shares), *(f"  note: {n}" for n in plan_notes),
         f"jax {jax.__version__}, backend {jax.default_backend()}, {len(devs)} local device(s)"
         + (f"; rank {rank} of {world_size}" if comm is not None else "; single process"),
         f"optimizer: AdamW peak lr {cfg.optim.learning_rate:g}, warm-up {cfg.optim.warmup_steps}, cosine "
@@ -395,7 +412,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics = _Metrics(t.metrics_file if log else None, append=start_step > 0)
     metrics.write({
         "kind": "run", "start_step": start_step, "time_unix": time.time(), "config": cfg.to_dict(),
-        "plan": plan.to_dict(), "plan_file": t.plan, "batch_shares": plan.batch_shares(),
+        "plan": plan.to_dict(), "plan_file": t.plan, "batch_shares": list(rt.shares),
+        "batch_shares_source": share_source,
         "num_params": n_params, "emulation": {"active": bool(emulation), "lines": emulation,
                                               "slowdown": {i.name: i.slowdown for i in plan.islands}},
         "versions": _versions(), "host": {"platform": _platform.platform(), "backend": jax.default_backend(),

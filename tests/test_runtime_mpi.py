@@ -21,7 +21,7 @@ def _run(case: str, n: int) -> dict[int, str]:
     return {int(m.group(1)): m.group(2) for m in re.finditer(r"DIGEST rank (\d+) ([0-9a-f]{64})", res.stdout)}
 
 
-def test_three_stages_on_three_ranks():
+def test_three_stages_on_three_ranks_both_splits():
     _run("split3", 3)
 
 
