@@ -400,8 +400,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"decay over {cfg.optim.decay_steps} steps, clip {cfg.optim.grad_clip_norm}",
         f"steps {start_step}->{t.steps}, eval every {t.eval_every} steps on "
         f"{t.eval_batches if t.eval_batches is not None else 'all'} validation batch(es); metrics "
-        f"{t.metrics_file}; checkpoints {t.checkpoint_dir}",
+        f"{t.metrics_file or 'off'}; checkpoints {t.checkpoint_dir or 'off'}",
     ]
+    if cfg.optim.warmup_steps >= cfg.optim.decay_steps:
+        banner.append(f"  note: optim.warmup_steps ({cfg.optim.warmup_steps}) >= decay steps "
+                      f"({cfg.optim.decay_steps}): the peak learning rate is never reached")
     banner += emulation if emulation else []
     if emulation:
         banner.append("EMULATED: step times and tokens/s include the emulated slowdown waits; they are "
