@@ -34,21 +34,19 @@ class ReferenceTrainer:
         model = Llama(config, seed=seed)
         self._model = model
         graphdef, state = nnx.split(model)
-        self.params = jax.device_put(state.to_pure_dict(), device)
+        self.params = jax.device_put(nnx.to_pure_dict(state), device)
         self.tx = make_reference_optimizer(optim)
         self.opt_state = jax.device_put(self.tx.init(self.params), device)
 
         def loss_fn(params, batch):
-            st = nnx.State(jax.tree.map(lambda v: v, state))
-            nnx.replace_by_pure_dict(st, params)
-            logits = nnx.merge(graphdef, st)(batch["tokens"]).astype(jnp.float32)
+            logits = nnx.merge(graphdef, params)(batch["tokens"]).astype(jnp.float32)
             ce = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, batch["targets"][..., None], -1)[..., 0]
             return jnp.sum(ce * batch["loss_mask"]) / jnp.sum(batch["loss_mask"])
 
         def step(params, opt_state, batch):
             loss, grads = jax.value_and_grad(loss_fn)(params, batch)
             updates, opt_state = self.tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss, optax.global_norm(grads)
+            return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
 
         self._grad = jax.jit(jax.value_and_grad(loss_fn))
         self._step = jax.jit(step, donate_argnums=(0, 1))

@@ -94,7 +94,7 @@ class PipelineStage:
         self._graphdef, self._abstract = nnx.split(nnx.eval_shape(make))
         rules = logical_rules(config, tp)
         is_var = lambda x: isinstance(x, nnx.Variable)
-        logical = nnx.State(jax.tree.map(lambda v: v.logical_axes, self._abstract, is_leaf=is_var)).to_pure_dict()
+        logical = nnx.to_pure_dict(jax.tree.map(lambda v: v.logical_axes, self._abstract, is_leaf=is_var))
         is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x)
         self.param_shardings = jax.tree.map(
             lambda axes: NamedSharding(self.mesh, P(*(rules[a] for a in axes))), logical, is_leaf=is_axes)
@@ -104,7 +104,7 @@ class PipelineStage:
         # init with out_shardings would avoid the unsharded copy; eager is much faster to start for
         # the small models this runs on today.)
         with jax.default_device(devices[0]):
-            init = nnx.split(make())[1].to_pure_dict()
+            init = nnx.to_pure_dict(nnx.split(make())[1])
         self.params: Params = jax.device_put(init, self.param_shardings)
         self.optimizer, self._clip_norm = optimizer, clip_norm
         replicated = NamedSharding(self.mesh, P())
@@ -118,9 +118,7 @@ class PipelineStage:
 
     # ---- the pure model function ---------------------------------------------------------------
     def _apply(self, params: Params, x: jax.Array, positions: jax.Array) -> jax.Array:
-        state = nnx.State(jax.tree.map(lambda v: v, self._abstract))
-        nnx.replace_by_pure_dict(state, params)
-        return nnx.merge(self._graphdef, state)(x, positions)
+        return nnx.merge(self._graphdef, params)(x, positions)
 
     def _stage_fn(self, params, x, positions, targets=None, mask=None):
         """Non-last stage: hidden `[mb, S, D]`. Last stage: summed token cross-entropy (f32 scalar)."""
