@@ -360,7 +360,7 @@ _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 class Communicator(abc.ABC):
     """Abstract communicator: point-to-point messages and collectives among ``size`` ranks.
 
-    Subclasses implement ``rank``, ``size``, ``isend``, ``irecv``, ``split`` and ``_deadline``;
+    Subclasses set ``_rank``, ``_size``, ``_timeout`` and implement ``isend``, ``irecv`` and ``split``;
     the collectives here are reference implementations on top of point-to-point messages (rank 0
     gathers, reduces in rank order, and sends back) that backends may override.
     """
@@ -368,21 +368,25 @@ class Communicator(abc.ABC):
     #: largest user tag accepted.
     max_tag: int = 2**20
 
-    # ---- identity --------------------------------------------------------------------------
+    # ---- identity (backends set _rank, _size and _timeout in __init__) ------------------------
+    _rank: int
+    _size: int
+    _timeout: float
+
     @property
-    @abc.abstractmethod
     def rank(self) -> int:
         """This rank, 0 <= rank < size."""
+        return self._rank
 
     @property
-    @abc.abstractmethod
     def size(self) -> int:
         """Number of ranks."""
+        return self._size
 
     @property
-    @abc.abstractmethod
     def timeout(self) -> float:
         """Default deadline of blocking calls, seconds."""
+        return self._timeout
 
     def _deadline(self, timeout: float | None) -> float:
         t = self.timeout if timeout is None else timeout

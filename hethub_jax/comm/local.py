@@ -109,18 +109,6 @@ class LocalCommunicator(Communicator):
         hub = _Hub()
         return [cls(hub, ("world",), r, n, timeout) for r in range(n)]
 
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    @property
-    def timeout(self) -> float:
-        return self._timeout
-
     def _t(self, timeout):
         return self._timeout if timeout is None else timeout
 

@@ -257,18 +257,6 @@ class MPIHostBridge(Communicator):
             collections.deque)
 
     @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    @property
-    def timeout(self) -> float:
-        return self._timeout
-
-    @property
     def mpi_comm(self) -> Any:
         """The underlying mpi4py communicator."""
         return self._comm
