@@ -60,13 +60,16 @@ def profile_runtime(rt, batches, reps: int) -> dict[str, float]:
             return out
         return w
 
-    orig = {n: getattr(st, n) for n in ("forward_saving", "backward_saved", "update", "sq_norm",
-                                        "new_grad_buffer", "place_tokens", "flat")}
+    names = [n for n in ("forward_saving", "forward_backward", "backward_saved", "update",
+                         "new_grad_buffer", "place_tokens", "flat") if hasattr(st, n)]
+    orig = {n: getattr(st, n) for n in names + ["sq_norm"]}
     orig_rt = {n: getattr(rt, n) for n in ("_run", "_reduce_shared", "_check_batch", "_emulate")}
     # dispatch only (the call returns once the computation is enqueued) ...
-    for n in ("forward_saving", "backward_saved", "update", "new_grad_buffer", "place_tokens", "flat"):
-        setattr(st, n, timed(n, orig[n]))
-    st.sq_norm = timed("sq_norm(dispatch)", orig["sq_norm"])
+    for n in names:  # the F/B calls return once enqueued; update is waited for (train_step waits anyway)
+        setattr(st, n, timed(n + {"forward_saving": "(dispatch)", "forward_backward": "(dispatch)",
+                                  "backward_saved": "(dispatch)", "update": "(dispatch+compute)"}.get(n, ""),
+                             orig[n], sync=(n == "update")))
+    st.sq_norm = timed("sq_norm(dispatch+compute)", orig["sq_norm"], sync=True)
     # ... and the waits: _emulate blocks on each compute action's result
     rt._emulate = timed("block_until_ready(after F/B)", orig_rt["_emulate"])
     rt._run = timed("_run(total)", orig_rt["_run"])
@@ -88,6 +91,19 @@ def profile_runtime(rt, batches, reps: int) -> dict[str, float]:
     out = {"step(total)": median(steps)}
     for k in rows[0]:
         out[k] = median([r.get(k, 0.0) for r in rows])
+    # the gradient buffer: host zeros copied to the device (main) vs filled on the device
+    import numpy as np
+    for label, make in (("grad_buffer_device_put_host_zeros", lambda: jax.device_put(
+            jax.tree.map(np.zeros_like, st._host_zeros), st.param_shardings)),
+                        ("grad_buffer_jit_zeros", getattr(st, "_zeros", None))):
+        if make is None:
+            continue
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(make())
+            ts.append(time.perf_counter() - t0)
+        out[label + "(separate)"] = median(ts)
     del rmod
     return out
 
@@ -101,6 +117,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=25, help="interleaved timed repetitions per contender")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per contender after compiling")
     ap.add_argument("--microbatches", default="1,4", help="runtime rows: microbatch counts (first: goal row)")
+    ap.add_argument("--no-unfused", dest="unfused", action="store_false",
+                    help="leave out the row with the last-stage forward+backward fusion switched off")
     ap.add_argument("--profile", action="store_true", help="also break the 1-microbatch runtime step down")
     args = ap.parse_args()
 
@@ -125,6 +143,11 @@ def main() -> None:
     for m in mbs:
         contenders[f"runtime_mb{m}"] = PipelineRuntime(make_plan(args.batch, m, config.num_hidden_layers),
                                                      config, optim, seed=0)
+    if args.unfused and hasattr(contenders[f"runtime_mb{mbs[0]}"], "fuse_last_stage"):
+        # the same runtime with separate forward (saving vjp residuals) and backward jits on the last stage
+        rt = PipelineRuntime(make_plan(args.batch, mbs[0], config.num_hidden_layers), config, optim, seed=0)
+        rt.fuse_last_stage = False
+        contenders[f"runtime_mb{mbs[0]}_unfused"] = rt
 
     def step(name, batch):
         c = contenders[name]
@@ -159,8 +182,8 @@ def main() -> None:
              "min_step_s": min(times["plain_jit"]), "tokens_per_s": tokens / plain, "ratio_vs_plain_jit": 1.0,
              "paired_ratio_median": 1.0, "compile_and_first_step_s": compile_s["plain_jit"],
              "step_times_s": times["plain_jit"]}]
-    for m in mbs:
-        n = f"runtime_mb{m}"
+    for n in [c for c in contenders if c != "plain_jit"]:
+        m = int(n.split("_mb")[1].split("_")[0])
         t = median(times[n])
         rows.append({"contender": n, "microbatches": m, "median_step_s": t, "min_step_s": min(times[n]),
                      "tokens_per_s": tokens / t, "ratio_vs_plain_jit": t / plain,
@@ -178,7 +201,7 @@ def main() -> None:
         "plain_jit_median_step_s": plain,
         "runtime_tokens_per_s": goal_row["tokens_per_s"],
         "plain_jit_tokens_per_s": tokens / plain,
-        f"ratio_vs_plain_jit_mb{mbs[-1]}": round(rows[-1]["ratio_vs_plain_jit"], 4),
+        **{f"ratio_vs_plain_jit_{r['contender'][8:]}": round(r["ratio_vs_plain_jit"], 4) for r in rows[2:]},
         "max_abs_loss_gap_runtime_vs_plain": loss_gap,
     }
     result = {
@@ -194,17 +217,15 @@ def main() -> None:
         "rows": rows,
     }
     if args.profile:
-        rt = contenders[f"runtime_mb{mbs[0]}"]
-        result["profile_mb1"] = profile_runtime(rt, batches, args.reps)
-        rt4 = contenders[f"runtime_mb{mbs[-1]}"]
-        result[f"profile_mb{mbs[-1]}"] = profile_runtime(rt4, batches, args.reps)
+        for n in [c for c in contenders if c != "plain_jit"]:
+            result["profile_" + n[8:]] = profile_runtime(contenders[n], batches, max(5, args.reps // 2))
     write_json(args.json, result)
 
     print(f"runtime_overhead: {args.preset} model, batch {args.batch} x seq {args.seq}, 1 CPU device, "
           f"{args.reps} interleaved reps; load avg {load_start} -> {load_end}")
-    print(f"{'contender':<14} {'mb':>3} {'median s':>9} {'min s':>8} {'tokens/s':>9} {'ratio':>6} {'paired':>6}")
+    print(f"{'contender':<22} {'mb':>3} {'median s':>9} {'min s':>8} {'tokens/s':>9} {'ratio':>6} {'paired':>6}")
     for r in rows:
-        print(f"{r['contender']:<14} {r['microbatches']:>3} {r['median_step_s']:>9.4f} {r['min_step_s']:>8.4f} "
+        print(f"{r['contender']:<22} {r['microbatches']:>3} {r['median_step_s']:>9.4f} {r['min_step_s']:>8.4f} "
               f"{r['tokens_per_s']:>9.0f} {r['ratio_vs_plain_jit']:>6.3f} {r['paired_ratio_median']:>6.3f}")
     print(f"ratio_vs_plain_jit (1 microbatch) = {figures['ratio_vs_plain_jit']:.4f} "
           f"(goal <= 1.05: {'met' if figures['goal_met'] else 'NOT met'}); max |loss gap| {loss_gap:.2e}")
