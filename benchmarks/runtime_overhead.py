@@ -197,6 +197,7 @@ def main() -> None:
         "goal": 1.05,
         "goal_met": goal_row["ratio_vs_plain_jit"] <= 1.05,
         "paired_ratio_median": round(goal_row["paired_ratio_median"], 4),
+        "ratio_of_min_step": round(goal_row["min_step_s"] / rows[0]["min_step_s"], 4),
         "runtime_median_step_s": goal_row["median_step_s"],
         "plain_jit_median_step_s": plain,
         "runtime_tokens_per_s": goal_row["tokens_per_s"],
