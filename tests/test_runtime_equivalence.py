@@ -25,12 +25,20 @@ def model_config(tied: bool) -> LlamaConfig:
                        num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=tied)
 
 
-def batches(gbs: int, n: int = 4, seq: int = 16, seed: int = 0):
+def batches(gbs: int, n: int = 4, seq: int = 16, seed: int = 0, padded: bool = False):
+    """Random token batches. padded=False: pads at random places (mask 0 on a quarter of tokens);
+    padded=True: right-padded rows of very different lengths (1..seq non-pad tokens), so a plain
+    average of per-replica mean losses would weight tokens very unequally."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
         t = rng.integers(0, 128, (gbs, seq + 1)).astype(np.int32)
-        mask = (rng.random((gbs, seq)) > 0.25).astype(np.float32)  # pads at random places
+        if padded:
+            lengths = np.where(np.arange(gbs) % 3 == 0, seq, 1 + np.arange(gbs) % 3)
+            mask = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.float32)
+            t[:, 1:][mask == 0] = 0  # pad id
+        else:
+            mask = (rng.random((gbs, seq)) > 0.25).astype(np.float32)
         out.append({"tokens": t[:, :-1], "targets": t[:, 1:], "loss_mask": mask})
     return out
 
@@ -38,11 +46,11 @@ def batches(gbs: int, n: int = 4, seq: int = 16, seed: int = 0):
 _REF_CACHE = {}
 
 
-def reference(tied: bool, gbs: int):
-    key = (tied, gbs)
+def reference(tied: bool, gbs: int, padded: bool = False):
+    key = (tied, gbs, padded)
     if key not in _REF_CACHE:
         ref = ReferenceTrainer(model_config(tied), OPTIM, seed=7)
-        data = batches(gbs)
+        data = batches(gbs, padded=padded)
         loss0, grads = ref.gradients(data[0])
         losses = [ref.train_step(b)[0] for b in data[:3]]
         _REF_CACHE[key] = dict(loss0=loss0, grads=grads, losses=losses, params=ref.flat_params())

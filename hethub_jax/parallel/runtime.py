@@ -115,7 +115,7 @@ class PipelineRuntime:
                 model_config, spec.first_layer, spec.last_layer, devs, spec.dp, spec.tp, seed=seed,
                 recompute=plan.recompute == "full", optimizer=tx, clip_norm=optim.grad_clip_norm,
                 debug_nan=debug_nan)
-        self.shares = plan.batch_shares()
+        self.shares = plan.batch_shares()  # samples per replica (see set_batch_shares)
         self.offsets = [sum(self.shares[:r]) for r in range(plan.num_replicas)]
         self.train_actions = {r: plan.actions(r) for r in range(plan.num_replicas)}
         self.eval_actions = {r: _forward_only(plan.num_stages(r), plan.num_microbatches(r))
@@ -293,7 +293,7 @@ class PipelineRuntime:
     def _tag(self, m: tuple) -> int:
         kind, src, dst, mb = m
         max_stages = max(self.plan.num_stages(r) for r in range(self.plan.num_replicas))
-        max_mb = max(self.plan.num_microbatches(r) for r in range(self.plan.num_replicas))
+        max_mb = max(s // self.plan.microbatch_size for s in self.shares)
         return ((dst[0] * max_stages + dst[1]) * max_mb + mb) * 2 + _KIND_CODE[kind]
 
     def _post_receives(self, lists: dict, batch: dict) -> dict:
@@ -339,8 +339,8 @@ class PipelineRuntime:
                     np.asarray(jax.device_get(parts[0]), np.float32) if len(parts) > 1 else parts[0]
             if len(group) > 1:
                 sub = self._group_comms[group]
-                local_sum = {n: np.asarray(sub.allreduce(np.asarray(jax.device_get(v), np.float32), op="sum"))
-                             for n, v in local_sum.items()}
+                host = {n: np.asarray(jax.device_get(v), np.float32) for n, v in local_sum.items()}
+                local_sum = sub.allreduce_tree(host, op="sum")  # one all-reduce for all of them
             for name, total in local_sum.items():
                 for k in self.shared[name]:
                     if k in new:
@@ -400,6 +400,42 @@ class PipelineRuntime:
             for n, v in self.stages[k].flat(acc[k]).items():
                 out[n] = np.asarray(jax.device_get(v), np.float32) / np.float32(num_tokens)
         return loss, out
+
+    def measure_throughputs(self, batch: dict[str, np.ndarray], steps: int = 2) -> list[float]:
+        """Warm-up measurement for heterogeneous DP: samples/s of each replica, from forward/backward
+        passes on `batch` under the current shares (no update is applied; the first pass, which
+        compiles, is not timed). A replica's time is its busiest stage's compute time per step
+        (emulated slowdowns included); identical on every rank."""
+        self._forward_backward(batch)
+        busy = np.zeros((self.plan.num_replicas, max(self.plan.num_stages(r) for r in range(self.plan.num_replicas))))
+        for _ in range(steps):
+            for rec in self._forward_backward(batch)[4]:
+                if rec.action[0] in "FB":
+                    busy[rec.replica, rec.stage] += rec.end_s - rec.start_s
+        busy = self._allreduce_world(busy)
+        return [self.shares[r] * steps / float(busy[r].max()) for r in range(self.plan.num_replicas)]
+
+    def set_batch_shares(self, shares: list[int]) -> None:
+        """Changes the replicas' shares of the global batch (samples). Each share must be a multiple
+        of the microbatch size, at least one microbatch, and the shares must sum to the global batch.
+
+        Raises:
+          ValueError: naming the constraint that failed.
+        """
+        mbs, gbs = self.plan.microbatch_size, self.plan.global_batch_size
+        if len(shares) != self.plan.num_replicas or sum(shares) != gbs:
+            raise ValueError(f"batch shares {shares} must be {self.plan.num_replicas} values summing to "
+                             f"global_batch_size {gbs}")
+        if any(s < mbs or s % mbs for s in shares):
+            raise ValueError(f"every batch share must be a positive multiple of microbatch_size {mbs}, got {shares}")
+        from hethub_jax.parallel.schedule import get_schedule
+
+        self.shares = list(shares)
+        self.offsets = [sum(self.shares[:r]) for r in range(self.plan.num_replicas)]
+        for r in range(self.plan.num_replicas):
+            m = self.shares[r] // mbs
+            self.train_actions[r] = get_schedule(self.plan.schedule)(self.plan.num_stages(r), m)
+            self.eval_actions[r] = _forward_only(self.plan.num_stages(r), m)
 
     def eval_loss(self, batch: dict[str, np.ndarray]) -> tuple[float, float]:
         """(summed token cross-entropy in nats, number of non-pad tokens) of a batch of
