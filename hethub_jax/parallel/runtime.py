@@ -133,6 +133,9 @@ class PipelineRuntime:
         if comm is not None:
             self._make_group_comms()
         self.step = 0
+        # Last stage: a forward immediately followed by the backward of the same microbatch (1F1B,
+        # one-stage replicas) runs as one jitted forward+backward (no vjp residuals leave the jit).
+        self.fuse_last_stage = True
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -177,6 +180,7 @@ class PipelineRuntime:
         loss_sums: dict[StageKey, list] = {k: [] for k in self.local_keys}
         records: list[ActionRecord] = []
         pending_sends: list = []
+        fused: dict[tuple, Any] = {}
         recvs = self._post_receives(lists, batch) if self.comm is not None else {}
 
         def message(kind: str, src: StageKey, dst: StageKey, mb: int) -> tuple:
@@ -195,7 +199,7 @@ class PipelineRuntime:
                 return True
             return False
 
-        def execute(k: StageKey, a: Action) -> None:
+        def execute(k: StageKey, a: Action, nxt: Action | None) -> None:
             st, r, mb = self.stages[k], k[0], a.microbatch
             t0 = time.perf_counter()
             if a.kind == ActionKind.F:
@@ -206,6 +210,11 @@ class PipelineRuntime:
                 pos = st.place_tokens(pos)
                 if not train:
                     out = st.forward(st.params, x, pos, *extra)
+                elif (st.is_last and self.fuse_last_stage and nxt is not None and nxt.kind == ActionKind.B
+                      and nxt.microbatch == mb):
+                    out, *fused[(k, mb)] = st.forward_backward(st.params, x, pos, *extra, acc[k],
+                                                              np.bool_(n_acc[k] == 0))
+                    acc[k] = fused[(k, mb)][0]  # the donated buffer is replaced at once
                 elif st.recompute:
                     out = st.forward(st.params, x, pos, *extra)
                     saved[(k, mb)] = (x, pos, extra)
@@ -215,11 +224,13 @@ class PipelineRuntime:
                     loss_sums[k].append(out)
                 else:
                     outbox[("out", k, mb)] = out
-                self._emulate(k, out, t0)
+                self._emulate(k, (out, fused.get((k, mb))), t0)
             elif a.kind == ActionKind.B:
                 g = jnp.ones((), jnp.float32) if st.is_last else outbox.pop(("gout", k, mb))
                 first = np.bool_(n_acc[k] == 0)
-                if st.recompute:
+                if (k, mb) in fused:  # computed with the forward
+                    grads = fused.pop((k, mb))
+                elif st.recompute:
                     x, pos, extra = saved.pop((k, mb))
                     grads = st.backward_recompute(st.params, x, pos, *extra, g, acc[k], first)
                 else:
@@ -246,7 +257,7 @@ class PipelineRuntime:
             progressed = False
             for k in self.local_keys:
                 while ptr[k] < len(lists[k]) and ready(k, lists[k][ptr[k]]):
-                    execute(k, lists[k][ptr[k]])
+                    execute(k, lists[k][ptr[k]], lists[k][ptr[k] + 1] if ptr[k] + 1 < len(lists[k]) else None)
                     ptr[k] += 1
                     progressed = True
             if progressed:

@@ -114,6 +114,7 @@ class PipelineStage:
             else jax.device_put(x, replicated),
             optimizer.init(self.params))
         self.opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
+        self._abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.params)
         self._build_functions()
 
     # ---- the pure model function ---------------------------------------------------------------
@@ -156,6 +157,18 @@ class PipelineStage:
             lambda params, x, positions, *rest: accumulate(
                 vjp(params, x, positions, *rest[:-3])[1](rest[-3]), rest[-2], rest[-1]),
             donate_argnums=(), static_argnums=())
+
+        def forward_backward(params, x, positions, *rest):
+            """Last stage: forward and backward of one microbatch in one jit (no residuals leave it).
+            rest = (targets, mask, acc, first) -> (summed loss, new acc[, grad w.r.t. the input])."""
+            *extra, acc, first = rest
+            out, f = vjp(params, x, positions, *extra)
+            return (out,) + accumulate(f(jnp.ones((), jnp.float32)), acc, first)
+        if self.is_last:
+            self.forward_backward = jax.jit(forward_backward, donate_argnums=3 + len(extra_sh))
+        self._zeros = jax.jit(lambda: jax.tree.map(
+            lambda x: jnp.full(x.shape, jnp.nan if self.debug_nan else 0, x.dtype), self._abstract_params),
+            out_shardings=ps)
         self._host_zeros = jax.tree.map(
             lambda x: np.full(x.shape, np.nan if self.debug_nan else 0, x.dtype), self.params)
 
@@ -177,7 +190,7 @@ class PipelineStage:
     # ---- helpers for the runtime ---------------------------------------------------------------
     def new_grad_buffer(self) -> Params:
         """A gradient accumulator: zeros, or NaNs when `debug_nan` (first microbatch overwrites it)."""
-        return jax.device_put(self._host_zeros, self.param_shardings)
+        return self._zeros()  # filled on the device: no host->device copy of the whole tree
 
     def place_input(self, x: Any) -> jax.Array:
         return jax.device_put(x, self.tok_sharding if self.is_first else self.act_sharding)

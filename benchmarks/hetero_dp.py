@@ -1,0 +1,274 @@
+"""Heterogeneous data parallelism over two CPU islands, one EMULATED 3x slower (issue 5).
+
+    PYTHONPATH=. python benchmarks/hetero_dp.py --json hetero_dp.json   # re-launches: mpiexec -n 2
+
+Two MPI ranks, one per island ("fast" = rank 0, "slow" = rank 1), each pinned to its own core
+(`os.sched_setaffinity` before JAX starts) and run with one XLA compute thread
+(`--xla_cpu_multi_thread_eigen=false`, `OMP_NUM_THREADS=1`). The slow island carries
+`"slowdown": 3.0`: an EMULATED speed difference (DESIGN.md section 9: after each compute action the
+runtime sleeps 2 x its measured time), not two real accelerator types. Each island holds one full
+replica of the model (heterogeneous DP); the token-summed gradients are all-reduced over the
+MPI host bridge every step.
+
+Measured in one run, the configurations interleaved step by step (rotating order, a barrier before
+every step; warm-up steps excluded; medians over steps):
+  (a) `proportional`: batch shares proportional to the islands' speeds (throughputs 3:1: global batch
+      16 -> shares 12/4); tokens/s = global non-pad tokens / step time (the slower rank's time);
+  (b) `equal`: equal shares 8/8;
+  (c) `alone`: each island trains the same model on its own (a one-replica plan on that island, no
+      communicator), both at the same time on their own cores, each with the global batch of its share
+      in (a) (12 and 4 rows: the same per-step work as in (a)); tokens/s of each island alone.
+Figures: `fraction_of_upper_bound` = (a) / (c_fast + c_slow), `over_equal_shares` = (a) / (b).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+_CHILD = "HETHUB_BENCH_CHILD"
+XLA_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false"
+
+
+def _rank_from_env() -> int | None:
+    for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        if k in os.environ:
+            return int(os.environ[k])
+    return None
+
+
+def relaunch(argv: list[str]) -> None:
+    exe = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    exe = exe if os.path.exists(exe) else shutil.which("mpiexec")
+    if exe is None:
+        sys.exit("mpiexec not found next to the Python executable nor on PATH")
+    env = dict(os.environ, **{_CHILD: "1"})
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    os.execve(exe, [exe, "-n", "2", sys.executable, os.path.abspath(__file__), *argv], env)
+
+
+def pin_and_limit_threads(rank: int) -> int | None:
+    """Pins this process to core `rank` and asks XLA/OpenMP/BLAS for one thread (before JAX starts)."""
+    core = None
+    if hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        core = cpus[rank % len(cpus)]
+        os.sched_setaffinity(0, {core})
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_cpu_multi_thread_eigen" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " " + XLA_ONE_THREAD).strip()
+    for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(k, "1")
+    return core
+
+
+ISLANDS = [{"name": "fast", "platform": "cpu", "num_processes": 1, "devices_per_process": 1, "slowdown": 1.0},
+           {"name": "slow", "platform": "cpu", "num_processes": 1, "devices_per_process": 1}]
+
+
+def dp_plan(layers: int, gbs: int, mbs: int, slowdown: float, shares=None, throughputs=None) -> dict:
+    islands = [dict(ISLANDS[0]), dict(ISLANDS[1], slowdown=slowdown)]
+    reps = []
+    for i, isl in enumerate(islands):
+        reps.append({"stages": [{"island": isl["name"], "dp": 1, "tp": 1, "first_layer": 0, "last_layer": layers - 1}],
+                     "batch_share": None if shares is None else shares[i],
+                     "throughput": None if throughputs is None else throughputs[i]})
+    return {"description": "hetero_dp benchmark", "islands": islands, "replicas": reps,
+            "global_batch_size": gbs, "microbatch_size": mbs, "schedule": "1f1b", "recompute": "none"}
+
+
+def alone_plan(layers: int, island: dict, gbs: int, mbs: int) -> dict:
+    return {"description": f"hetero_dp benchmark: island {island['name']} alone", "islands": [island],
+            "stages": [{"island": island["name"], "dp": 1, "tp": 1, "first_layer": 0, "last_layer": layers - 1}],
+            "global_batch_size": gbs, "microbatch_size": mbs, "schedule": "1f1b", "recompute": "none"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", required=True, help="output path (written by rank 0)")
+    ap.add_argument("--preset", default="tiny", help="model preset")
+    ap.add_argument("--batch", type=int, default=16, help="global batch (rows) of the DP configurations")
+    ap.add_argument("--microbatch", type=int, default=4, help="microbatch size (rows)")
+    ap.add_argument("--seq", type=int, default=128, help="sequence length")
+    ap.add_argument("--slowdown", type=float, default=3.0, help="EMULATED slowdown of the slow island")
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per configuration")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration (after compiling)")
+    args = ap.parse_args()
+    rank = _rank_from_env()
+    if os.environ.get(_CHILD) is None and rank is None:
+        relaunch(sys.argv[1:])
+    rank = rank or 0
+    core = pin_and_limit_threads(rank)
+
+    import time
+
+    import jax
+    import numpy as np
+    from mpi4py import MPI
+
+    sys.path.insert(0, ROOT)
+    from benchmarks.common import command_line, loadavg, machine, median, write_json
+    from hethub_jax.comm.mpi import MPIHostBridge
+    from hethub_jax.data import DataConfig, build_datasets
+    from hethub_jax.models.config import PRESETS
+    from hethub_jax.optim import OptimConfig
+    from hethub_jax.parallel.plan import Plan
+    from hethub_jax.parallel.runtime import PipelineRuntime
+
+    world = MPI.COMM_WORLD
+    if world.Get_size() != 2:
+        sys.exit("run with exactly 2 ranks (one per island)")
+    comm = MPIHostBridge(world, timeout=600)
+    load_start = loadavg()
+    config = PRESETS[args.preset]
+    optim = OptimConfig(learning_rate=1e-3, warmup_steps=2, decay_steps=1000)
+    L = config.num_hidden_layers
+    prop = Plan.from_dict(dp_plan(L, args.batch, args.microbatch, args.slowdown, throughputs=[args.slowdown, 1.0]))
+    shares = prop.batch_shares()
+    half = args.batch // 2
+    equal = Plan.from_dict(dp_plan(L, args.batch, args.microbatch, args.slowdown, shares=[half, half]))
+    my_island = dict(ISLANDS[rank], slowdown=1.0 if rank == 0 else args.slowdown)
+    alone = Plan.from_dict(alone_plan(L, my_island, shares[rank], args.microbatch))
+
+    runtimes = {"proportional": PipelineRuntime(prop, config, optim, seed=0, comm=comm, rank=rank),
+                "equal": PipelineRuntime(equal, config, optim, seed=0, comm=comm, rank=rank),
+                "alone": PipelineRuntime(alone, config, optim, seed=0)}
+    if rank == 0:
+        print(f"hetero_dp: 2 CPU islands, one process each, pinned to one core each; {args.preset} model, "
+              f"seq {args.seq}, microbatch {args.microbatch}")
+        for line in runtimes["proportional"].emulation_lines():
+            print("  " + line)
+        print(f"  NOTE: the speed difference is EMULATED (sleep after each compute action), "
+              f"not two real accelerator types")
+        print(f"  shares: proportional {shares}, equal {equal.batch_shares()}, alone: fast {shares[0]} rows, "
+              f"slow {shares[1]} rows")
+        sys.stdout.flush()
+
+    # the gradient all-reduce over the bridge: time spent in _reduce_shared per step (DP configs)
+    reduce_time = {"t": 0.0}
+    for n in ("proportional", "equal"):
+        rt = runtimes[n]
+        orig = rt._reduce_shared
+
+        def wrapped(acc, _orig=orig):
+            t0 = time.perf_counter()
+            out = _orig(acc)
+            reduce_time["t"] += time.perf_counter() - t0
+            return out
+        rt._reduce_shared = wrapped
+
+    train, _, _ = build_datasets(DataConfig(seq_len=args.seq))
+    n_steps = args.warmup + args.steps + 1
+    it = train.batches(args.batch)
+    global_batches = [next(it) for _ in range(n_steps)]
+    # alone: each island takes the rows of its share in the proportional run (same data, same work)
+    lo = sum(shares[:rank])
+    alone_batches = [{k: v[lo:lo + shares[rank]] for k, v in b.items()} for b in global_batches]
+
+    def run_step(name: str, i: int) -> dict:
+        rt = runtimes[name]
+        batch = alone_batches[i] if name == "alone" else global_batches[i]
+        reduce_time["t"] = 0.0
+        world.Barrier()
+        t0 = time.perf_counter()
+        res = rt.train_step(batch)
+        dt = time.perf_counter() - t0
+        return {"time_s": dt, "tokens": res.num_tokens, "loss": res.loss, "reduce_s": reduce_time["t"]}
+
+    names = list(runtimes)
+    compile_s = {}
+    for n in names:
+        t0 = time.perf_counter()
+        run_step(n, 0)
+        compile_s[n] = time.perf_counter() - t0
+    results = {n: [] for n in names}
+    for i in range(1, n_steps):
+        order = names[i % len(names):] + names[:i % len(names)]
+        for n in order:
+            r = run_step(n, i)
+            if i > args.warmup:
+                results[n].append(r)
+    load_end = loadavg()
+
+    mine = {n: {"times": [r["time_s"] for r in rs], "tokens": [r["tokens"] for r in rs],
+                "reduce": [r["reduce_s"] for r in rs], "loss": [r["loss"] for r in rs]} for n, rs in results.items()}
+    gathered = world.gather({"rank": rank, "core": core, "mine": mine, "compile_s": compile_s,
+                             "machine": machine()}, root=0)
+    if rank != 0:
+        return
+    by_rank = sorted(gathered, key=lambda g: g["rank"])
+    per_step = {}
+    for n in ("proportional", "equal"):
+        # a DP step ends on both ranks together (all-reduce); its time is the slower rank's
+        ts = [max(a, b) for a, b in zip(by_rank[0]["mine"][n]["times"], by_rank[1]["mine"][n]["times"])]
+        toks = by_rank[0]["mine"][n]["tokens"]
+        per_step[n] = [t / s for t, s in zip(toks, ts)]
+    tps = {n: median(v) for n, v in per_step.items()}
+    alone_tps = [median([t / s for t, s in zip(g["mine"]["alone"]["tokens"], g["mine"]["alone"]["times"])])
+                 for g in by_rank]
+    upper = sum(alone_tps)
+    figures = {
+        "emulated": True, "slowdown": args.slowdown,
+        "fraction_of_upper_bound": round(tps["proportional"] / upper, 4),
+        "over_equal_shares": round(tps["proportional"] / tps["equal"], 4),
+        "tokens_per_s_proportional": tps["proportional"],
+        "tokens_per_s_equal": tps["equal"],
+        "tokens_per_s_fast_alone": alone_tps[0],
+        "tokens_per_s_slow_alone": alone_tps[1],
+        "tokens_per_s_upper_bound": upper,
+        "measured_speed_ratio_alone_per_row": (alone_tps[0] / alone_tps[1]),
+        # time in the gradient reduction (device->host, bridge all-reduce, host->device) on the slow rank,
+        # which arrives last and so waits least: about its cost; the fast rank's figure includes waiting
+        "grad_allreduce_s_slow_rank_proportional": median(by_rank[1]["mine"]["proportional"]["reduce"]),
+    }
+    rows = []
+    for n, label in (("proportional", f"shares {shares}"), ("equal", f"shares {equal.batch_shares()}")):
+        rows.append({"config": n, "shares": shares if n == "proportional" else equal.batch_shares(),
+                     "tokens_per_s": tps[n],
+                     "median_step_s": median([max(a, b) for a, b in zip(by_rank[0]["mine"][n]["times"],
+                                                                         by_rank[1]["mine"][n]["times"])]),
+                     "median_step_s_per_rank": [median(g["mine"][n]["times"]) for g in by_rank],
+                     "median_grad_reduce_s_per_rank": [median(g["mine"][n]["reduce"]) for g in by_rank],
+                     "step_tokens_per_s": per_step[n], "label": label})
+    for g, isl in zip(by_rank, ("fast", "slow")):
+        rows.append({"config": f"alone_{isl}", "rows_per_step": shares[g["rank"]],
+                     "tokens_per_s": alone_tps[g["rank"]], "median_step_s": median(g["mine"]["alone"]["times"]),
+                     "step_times_s": g["mine"]["alone"]["times"]})
+    result = {
+        "benchmark": "hetero_dp",
+        "command": command_line(),
+        "machine": dict(by_rank[0]["machine"], loadavg_start=load_start, loadavg_end=load_end,
+                        cores_per_rank=[g["core"] for g in by_rank],
+                        affinity_per_rank=[g["machine"]["affinity"] for g in by_rank]),
+        "config": {"preset": args.preset, "model": config.to_dict(), "global_batch": args.batch,
+                   "microbatch": args.microbatch, "seq_len": args.seq, "steps": args.steps, "warmup": args.warmup,
+                   "emulated": True, "slowdown": args.slowdown, "islands": ["fast (rank 0)", "slow (rank 1)"],
+                   "data": "real corpus (train split)", "proportional_shares": shares,
+                   "equal_shares": equal.batch_shares(), "alone_rows": shares,
+                   "compile_and_first_step_s_per_rank": [g["compile_s"] for g in by_rank],
+                   "note": "EMULATED speed difference: the slow island sleeps (slowdown-1) x the measured time "
+                           "of each compute action; gradients are all-reduced over the MPI host bridge each step"},
+        "figures": figures,
+        "rows": rows,
+    }
+    write_json(args.json, result)
+    print(f"load avg {load_start} -> {load_end}; cores {[g['core'] for g in by_rank]}; "
+          f"{args.steps} timed steps per configuration (median)")
+    print(f"{'configuration':<28} {'tokens/s':>9} {'step s':>8}")
+    for r in rows:
+        what = r.get("label") or f"{r['rows_per_step']} rows/step"
+        print(f"{r['config'] + ' (' + what + ')':<28} {r['tokens_per_s']:>9.1f} {r['median_step_s']:>8.3f}")
+    print(f"upper bound (fast alone + slow alone) {upper:.1f} tokens/s")
+    print(f"fraction_of_upper_bound = {figures['fraction_of_upper_bound']:.3f}, "
+          f"over_equal_shares = {figures['over_equal_shares']:.3f}  "
+          f"[EMULATED slowdown {args.slowdown:g}x on island slow]")
+    print(f"gradient all-reduce over the bridge (proportional, slow rank, median): "
+          f"{figures['grad_allreduce_s_slow_rank_proportional'] * 1e3:.1f} ms/step "
+          f"(fast rank incl. waiting: {rows[0]['median_grad_reduce_s_per_rank'][0] * 1e3:.1f} ms)")
+
+
+if __name__ == "__main__":
+    main()
