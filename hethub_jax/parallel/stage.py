@@ -169,8 +169,6 @@ class PipelineStage:
         self._zeros = jax.jit(lambda: jax.tree.map(
             lambda x: jnp.full(x.shape, jnp.nan if self.debug_nan else 0, x.dtype), self._abstract_params),
             out_shardings=ps)
-        self._host_zeros = jax.tree.map(
-            lambda x: np.full(x.shape, np.nan if self.debug_nan else 0, x.dtype), self.params)
 
         def sq_norm(grads, inv_tokens):
             """Squared L2 norm (f32) of token-summed grads after division by the token count."""
