@@ -334,9 +334,11 @@ class PipelineRuntime:
                 continue
             local_sum = {}
             for name in names:
-                parts = [flats[k][name] for k in self.shared[name] if k in flats]
-                local_sum[name] = sum(np.asarray(jax.device_get(p), np.float32) for p in parts[1:]) + \
-                    np.asarray(jax.device_get(parts[0]), np.float32) if len(parts) > 1 else parts[0]
+                parts = [flats[k][name] for k in self.shared[name] if k in flats]  # this rank's copies
+                if len(parts) == 1:
+                    local_sum[name] = parts[0]
+                else:  # summed on the host in float32, in holder order (the same on every rank)
+                    local_sum[name] = sum(np.asarray(jax.device_get(p), np.float32) for p in parts)
             if len(group) > 1:
                 sub = self._group_comms[group]
                 host = {n: np.asarray(jax.device_get(v), np.float32) for n, v in local_sum.items()}
