@@ -319,12 +319,17 @@ def start(island: str | None = None, platform: str | None = None, *, argv: Seque
     return Island(name, plat, index, names, world, comm, world_ranks, coordinator)
 
 
+#: seconds between printing a rank's error and aborting the job (lets mpiexec forward the message)
+ABORT_GRACE_S = 1.0
+
+
 def install_abort_on_exception(rank: int | None = None, island: str | None = None,
                                stream: Any = None) -> None:
     """Make an uncaught exception on this rank (any thread) end the whole MPI job.
 
     The hook prints ``[rank R, island X] <traceback>`` to stderr (``stream``) and calls
-    ``MPI.COMM_WORLD.Abort(1)``, which makes mpiexec end every rank with a non-zero status.
+    ``MPI.COMM_WORLD.Abort(1)`` ``ABORT_GRACE_S`` seconds later, which makes mpiexec end every rank
+    with a non-zero status.
     ``rank`` defaults to the world rank, ``island`` to ``$HETHUB_ISLAND`` / ``--island``.
     """
     from mpi4py import MPI
@@ -342,6 +347,10 @@ def install_abort_on_exception(rank: int | None = None, island: str | None = Non
             text = "".join(traceback.format_exception(exc_type, exc, tb))
             out.write("".join(prefix + line + "\n" for line in text.rstrip("\n").split("\n")))
             out.flush()
+            sys.stdout.flush()
+            # Give the launcher a moment to forward what was written: Abort kills the job's
+            # processes, and output still in flight to mpiexec would be lost (seen in CI).
+            time.sleep(ABORT_GRACE_S)
         finally:
             MPI.COMM_WORLD.Abort(1)
 
