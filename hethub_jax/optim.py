@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import jax
-import jax.numpy as jnp
 import optax
 
 

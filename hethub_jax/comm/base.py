@@ -400,7 +400,6 @@ class Communicator(abc.ABC):
         return int(peer)
 
     # ---- point-to-point ---------------------------------------------------------------------
-    @abc.abstractmethod
     def isend(self, x: Any, dest: int, tag: int = 0) -> Request:
         """Start sending array ``x`` (any shape; dtype numeric, bool or ml_dtypes) to ``dest``.
 
@@ -411,8 +410,8 @@ class Communicator(abc.ABC):
           ValueError: bad ``dest`` or ``tag`` (tags are ints in [0, max_tag]).
           TypeError: unsupported dtype.
         """
+        return self._isend_part(x, dest, check_tag(tag, self.max_tag), 0, 1)
 
-    @abc.abstractmethod
     def irecv(self, source: int, tag: int = 0, *, device: Any = None, sharding: Any = None,
               out: np.ndarray | None = None) -> Request:
         """Start receiving the next message from ``source`` on ``tag``.
@@ -422,7 +421,13 @@ class Communicator(abc.ABC):
         C-contiguous numpy array of the message's dtype and shape) the payload lands in ``out``
         and no buffer is allocated; ``wait()`` raises CommError if the message does not fit it
         (the message is consumed all the same).
+
+        Raises:
+          ValueError: bad ``source`` or ``tag``, or both ``device`` and ``sharding`` given.
         """
+        if device is not None and sharding is not None:
+            raise ValueError("give at most one of device= and sharding=")
+        return self._post(source, check_tag(tag, self.max_tag), False, device, sharding, out)
 
     def send(self, x: Any, dest: int, tag: int = 0, *, timeout: float | None = None) -> None:
         """Blocking send (``isend(...).wait(timeout)``). May block until the receiver receives.
@@ -496,8 +501,14 @@ class Communicator(abc.ABC):
         """isend with the header's part/parts set."""
 
     @abc.abstractmethod
+    def _post(self, source: int, tag: int, raw: bool, device: Any = None, sharding: Any = None,
+              out: np.ndarray | None = None) -> Request:
+        """Posts a receive of the next message from ``source`` on ``tag`` (already checked); with
+        ``raw`` its wait returns (Header, numpy array), else the array placed as ``irecv`` says."""
+
     def _irecv_raw(self, source: int, tag: int) -> Request:
         """irecv whose wait returns (Header, numpy array)."""
+        return self._post(source, tag, True)
 
     def _irecv_part(self, source, tag, part, parts, like_leaf, device, sharding) -> Request:
         raw = self._irecv_raw(source, tag)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .base import (Communicator, CommTimeoutError, DoneRequest, Header, Request, as_host_array,
-                   check_tag, place)
+                   place)
 
 __all__ = ["LocalCommunicator"]
 
@@ -127,9 +127,6 @@ class LocalCommunicator(Communicator):
             self._hub.match(key)
         return DoneRequest(None)
 
-    def _irecv_raw(self, source: int, tag: int) -> Request:
-        return self._post(source, tag, raw=True)
-
     def _post(self, source, tag, raw, device=None, sharding=None, out=None) -> Request:
         source = self._check_peer(source, "source")
         key = (self._group, source, self._rank, int(tag))
@@ -138,15 +135,6 @@ class LocalCommunicator(Communicator):
             self._hub.posted[key].append(req)
             self._hub.match(key)
         return req
-
-    def isend(self, x: Any, dest: int, tag: int = 0) -> Request:
-        return self._isend_part(x, dest, check_tag(tag, self.max_tag), 0, 1)
-
-    def irecv(self, source: int, tag: int = 0, *, device: Any = None, sharding: Any = None,
-              out: np.ndarray | None = None) -> Request:
-        if device is not None and sharding is not None:
-            raise ValueError("give at most one of device= and sharding=")
-        return self._post(source, check_tag(tag, self.max_tag), False, device, sharding, out)
 
     # ---- groups ----------------------------------------------------------------------------
     def split(self, color: int | None, key: int = 0, *, timeout: float | None = None

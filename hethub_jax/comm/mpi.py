@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import time
 from typing import Any
 
 import numpy as np
@@ -34,7 +33,7 @@ from mpi4py import MPI
 
 from .base import (HEADER_MAX, REDUCE_OPS, CommError, CommTimeoutError, Communicator, Header,
                    Request,
-                   as_host_array, check_tag, encode_header, place, poll_until,
+                   as_host_array, encode_header, place, poll_until,
                    reduction_dtype)
 
 __all__ = ["MPIHostBridge", "DEFAULT_CHUNK_BYTES"]
@@ -303,10 +302,7 @@ class MPIHostBridge(Communicator):
         reqs.append(comm.Isend([hdr, MPI.BYTE], dest, 2 * t))
         return _SendRequest(self, reqs, (arr, hdr), dest, tag)
 
-    def _irecv_raw(self, source: int, tag: int) -> Request:
-        return self._post(source, tag, True, None, None, None)
-
-    def _post(self, source, tag, raw, device, sharding, out) -> Request:
+    def _post(self, source, tag, raw, device=None, sharding=None, out=None) -> Request:
         source = self._check_peer(source, "source")
         req = _RecvRequest(self, source, tag, raw, device, sharding, out)
         if (type(out) is np.ndarray and 0 < out.nbytes <= _MAX_CHUNK and out.flags.c_contiguous
@@ -319,15 +315,6 @@ class MPIHostBridge(Communicator):
         else:
             self._pending[(source, tag)].append(req)
         return req
-
-    def isend(self, x: Any, dest: int, tag: int = 0) -> Request:
-        return self._isend_part(x, dest, check_tag(tag, self.max_tag), 0, 1)
-
-    def irecv(self, source: int, tag: int = 0, *, device: Any = None, sharding: Any = None,
-              out: np.ndarray | None = None) -> Request:
-        if device is not None and sharding is not None:
-            raise ValueError("give at most one of device= and sharding=")
-        return self._post(source, check_tag(tag, self.max_tag), False, device, sharding, out)
 
     # ---- collectives -----------------------------------------------------------------------
     def _headers(self, arr: np.ndarray, what: str, deadline: float) -> list[Header]:

@@ -586,7 +586,7 @@ class Plan:
                              f"then replicated): {where} has tp={st.tp}, model has {kv} KV heads")
 
     def _validate_batch(self) -> None:
-        gbs, mbs, n = self.global_batch_size, self.microbatch_size, len(self.replicas)
+        gbs, mbs = self.global_batch_size, self.microbatch_size
         if gbs < 1 or mbs < 1:
             raise ValueError(f"global_batch_size and microbatch_size must be >= 1, got {gbs} and {mbs}")
         if gbs % mbs:

@@ -25,7 +25,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
