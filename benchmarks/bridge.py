@@ -22,25 +22,18 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import socket
 import statistics
 import sys
 import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, ROOT)
+from benchmarks.common import CHILD_ENV, mpi_rank_from_env, relaunch_under_mpiexec  # noqa: E402
+
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
-_CHILD = "HETHUB_BENCH_CHILD"
 
 
-def relaunch(argv: list[str]) -> None:
-    exe = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    exe = exe if os.path.exists(exe) else shutil.which("mpiexec")
-    if exe is None:
-        sys.exit("mpiexec not found next to the Python executable nor on PATH")
-    env = dict(os.environ, **{_CHILD: "1"})
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    os.execve(exe, [exe, "-n", "2", sys.executable, os.path.abspath(__file__), *argv], env)
 
 
 def pingpong(comm, rank, send, recv, iters):
@@ -65,8 +58,8 @@ def main() -> None:
     ap.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")], default=SIZES,
                     help="comma-separated message sizes in bytes (default 4 KiB .. 64 MiB)")
     args = ap.parse_args()
-    if os.environ.get(_CHILD) is None and "PMI_RANK" not in os.environ:
-        relaunch(sys.argv[1:])
+    if os.environ.get(CHILD_ENV) is None and mpi_rank_from_env() is None:
+        relaunch_under_mpiexec(__file__, sys.argv[1:])
 
     import numpy as np
     from mpi4py import MPI

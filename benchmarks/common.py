@@ -1,10 +1,12 @@
-"""Helpers shared by the benchmarks: machine description, load average, medians, JSON output."""
+"""Helpers shared by the benchmarks: relaunch under mpiexec, machine description, load average,
+medians, JSON output. Imports no JAX (the MPI benchmarks pin cores before JAX starts)."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import shutil
 import socket
 import statistics
 import sys
@@ -53,3 +55,27 @@ def write_json(path: str, result: dict[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
         f.write("\n")
+
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+CHILD_ENV = "HETHUB_BENCH_CHILD"  # set in the ranks started by relaunch_under_mpiexec
+
+
+def mpi_rank_from_env() -> int | None:
+    """This process's MPI rank from the launcher's environment, or None outside mpiexec."""
+    for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        if k in os.environ:
+            return int(os.environ[k])
+    return None
+
+
+def relaunch_under_mpiexec(script: str, argv: list[str], n: int = 2) -> None:
+    """Replaces this process with `mpiexec -n n python script argv...` (mpiexec next to the Python
+    executable, else on PATH), the repository on PYTHONPATH. Exits with a message if none is found."""
+    exe = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    exe = exe if os.path.exists(exe) else shutil.which("mpiexec")
+    if exe is None:
+        sys.exit("mpiexec not found next to the Python executable nor on PATH")
+    env = dict(os.environ, **{CHILD_ENV: "1"})
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    os.execve(exe, [exe, "-n", str(n), sys.executable, os.path.abspath(script), *argv], env)

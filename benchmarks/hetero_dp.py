@@ -25,29 +25,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-_CHILD = "HETHUB_BENCH_CHILD"
+sys.path.insert(0, ROOT)
+from benchmarks.common import CHILD_ENV, mpi_rank_from_env, relaunch_under_mpiexec  # noqa: E402
+
 XLA_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false"
 
 
-def _rank_from_env() -> int | None:
-    for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
-        if k in os.environ:
-            return int(os.environ[k])
-    return None
 
 
-def relaunch(argv: list[str]) -> None:
-    exe = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    exe = exe if os.path.exists(exe) else shutil.which("mpiexec")
-    if exe is None:
-        sys.exit("mpiexec not found next to the Python executable nor on PATH")
-    env = dict(os.environ, **{_CHILD: "1"})
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    os.execve(exe, [exe, "-n", "2", sys.executable, os.path.abspath(__file__), *argv], env)
 
 
 def pin_and_limit_threads(rank: int) -> int | None:
@@ -97,16 +85,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="timed steps per configuration")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration (after compiling)")
     args = ap.parse_args()
-    rank = _rank_from_env()
-    if os.environ.get(_CHILD) is None and rank is None:
-        relaunch(sys.argv[1:])
+    rank = mpi_rank_from_env()
+    if os.environ.get(CHILD_ENV) is None and rank is None:
+        relaunch_under_mpiexec(__file__, sys.argv[1:])
     rank = rank or 0
     core = pin_and_limit_threads(rank)
 
     import time
 
-    import jax
-    import numpy as np
+    import jax  # noqa: F401  (JAX starts here, after the core pinning above)
     from mpi4py import MPI
 
     sys.path.insert(0, ROOT)
@@ -141,8 +128,8 @@ def main() -> None:
               f"seq {args.seq}, microbatch {args.microbatch}")
         for line in runtimes["proportional"].emulation_lines():
             print("  " + line)
-        print(f"  NOTE: the speed difference is EMULATED (sleep after each compute action), "
-              f"not two real accelerator types")
+        print("  NOTE: the speed difference is EMULATED (sleep after each compute action), "
+              "not two real accelerator types")
         print(f"  shares: proportional {shares}, equal {equal.batch_shares()}, alone: fast {shares[0]} rows, "
               f"slow {shares[1]} rows")
         sys.stdout.flush()

@@ -838,11 +838,9 @@ class DataConfig:
           ValueError: a key is not a field (the message names it and lists the fields), or a value
             is invalid.
         """
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(d) - set(names))
-        if unknown:
-            raise ValueError(f"unknown data config key(s) {unknown}; expected some of {names}")
-        return cls(**d)
+        from hethub_jax.fields import from_dict_strict
+
+        return from_dict_strict(cls, d, "data config")
 
 
 class Datasets(NamedTuple):

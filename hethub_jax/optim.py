@@ -8,12 +8,13 @@ stage then applies `make_optimizer` to its own parameters. The reference chains
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import jax
 import optax
+
+from hethub_jax.fields import from_dict_strict
 
 
 @dataclass(frozen=True)
@@ -54,11 +55,7 @@ class OptimConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "OptimConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown optim key(s) {unknown}; known keys: {sorted(names)}")
-        return cls(**dict(d))
+        return from_dict_strict(cls, d, "optim")
 
 
 def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:

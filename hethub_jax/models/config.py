@@ -13,6 +13,8 @@ from typing import Any, Mapping
 
 from flax.core import FrozenDict
 
+from hethub_jax.fields import from_dict_strict
+
 _DTYPES = ("float32", "bfloat16", "float16")
 _ROPE_TYPES = ("default", "linear", "llama3")
 _ROPE_KEYS = {
@@ -101,11 +103,7 @@ class LlamaConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "LlamaConfig":
         """Builds a config from a dict of our field names; an unknown key raises ValueError."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown LlamaConfig key(s) {unknown}; known keys: {sorted(names)}")
-        return cls(**dict(d))
+        return from_dict_strict(cls, d, "LlamaConfig")
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
