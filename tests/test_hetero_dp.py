@@ -61,7 +61,7 @@ def test_replicas_equal_single_device_on_padded_batch():
 
 
 def test_warmup_measurement_gives_the_slow_replica_a_smaller_share():
-    plan = dp_plan(gbs=8, slowdown=4.0)  # island i1 EMULATED 4x slower
+    plan = dp_plan(gbs=8, slowdown=8.0)  # island i1 EMULATED 8x slower: a wide margin over timing noise
     rt = PipelineRuntime(plan, model_config(False), OPTIM, seed=1)
     data = batches(8)
     thr = rt.measure_throughputs(data[0], steps=1)

@@ -40,6 +40,10 @@ from hethub_jax.parallel.schedule import Action, ActionKind
 from hethub_jax.parallel.stage import PipelineStage
 from hethub_jax.planner.simulator import ActionRecord
 
+#: The wait that emulates a slower accelerator (DESIGN.md section 9): sleeps ``seconds``. A module-level
+#: name so that tests can record the waits instead of timing a shared, noisy machine.
+emulated_wait = time.sleep
+
 StageKey = tuple[int, int]  # (replica index, stage index)
 _KIND_CODE = {"act": 0, "grad": 1}
 
@@ -280,7 +284,7 @@ class PipelineRuntime:
         jax.block_until_ready(out)
         factor = self.plan.island(self.plan.stage(*k).island).slowdown
         if factor > 1:
-            time.sleep((factor - 1) * (time.perf_counter() - t0))
+            emulated_wait((factor - 1) * (time.perf_counter() - t0))
 
     def _send(self, m: tuple, x: Any, mailbox: dict, pending: list) -> None:
         kind, src, dst, mb = m
