@@ -151,6 +151,34 @@ def test_emulated_slowdown_is_labelled_and_slows_the_stage(monkeypatch):
         assert 0.9 * 2 * r.duration_s - 1e-3 <= w <= 2 * r.duration_s
 
 
+@pytest.mark.parametrize("mbs, schedule, tied", [(8, "1f1b", False), (2, "1f1b", True), (8, "gpipe", False)])
+def test_one_stage_plan_with_fused_update_equals_unsplit(mbs, schedule, tied, monkeypatch):
+    # One stage holding the whole model: the update runs inside the last microbatch's forward+backward
+    # program (1 microbatch: no accumulator at all). The separate update jit must never be called.
+    plan = split_plan((11,), schedule=schedule, mbs=mbs)
+    calls = []
+    orig = PipelineRuntime._run
+    monkeypatch.setattr(PipelineRuntime, "_run", lambda self, b, train, update_inv_tokens=None: (
+        calls.append(update_inv_tokens), orig(self, b, train, update_inv_tokens))[1])
+    rt = check_against_reference(plan, tied=tied, debug_nan=True)
+    assert rt._update_fusable() and sum(c is not None for c in calls) == 3  # the 3 train steps fused
+
+
+@pytest.mark.parametrize("schedule, switch_off", [("1f1b", True), ("gpipe", False)])
+def test_one_stage_plan_without_fused_update_equals_unsplit(schedule, switch_off):
+    # GPipe with 4 microbatches ends with the backward of microbatch 0, far from its forward: not fused.
+    plan = split_plan((11,), mbs=2, schedule=schedule)
+    cfg = model_config(False)
+    rt = PipelineRuntime(plan, cfg, OPTIM, seed=7)
+    rt.fuse_update = not switch_off
+    assert not rt._update_fusable()
+    ref = reference(False, plan.global_batch_size)
+    for step, b in enumerate(batches(plan.global_batch_size)[:3]):
+        assert_rel(rt.train_step(b).loss, ref["losses"][step], f"loss at step {step}")
+    for name, p in ref["params"].items():
+        assert_rel(rt.params()[name], p, f"parameter {name} after 3 steps")
+
+
 def test_bad_batch_is_rejected():
     rt = PipelineRuntime(split_plan((6, 5)), model_config(False), OPTIM)
     b = batches(8)[0]

@@ -140,6 +140,22 @@ class PipelineRuntime:
         # Last stage: a forward immediately followed by the backward of the same microbatch (1F1B,
         # one-stage replicas) runs as one jitted forward+backward (no vjp residuals leave the jit).
         self.fuse_last_stage = True
+        # One-stage, one-replica plan in one process: the stage holds every gradient, so the last
+        # microbatch's forward+backward, the global norm, clipping and the update run as one jitted
+        # program (`PipelineStage.forward_backward_update`), as a plain single-device step does.
+        self.fuse_update = True
+
+    def _update_fusable(self) -> bool:
+        """True when `fuse_update` applies: one replica of one stage, nothing shared, no other process,
+        and the stage's last backward directly follows the forward of the same microbatch (1F1B; not
+        GPipe with several microbatches, whose last backward is of the first microbatch)."""
+        if not (self.fuse_update and self.fuse_last_stage and self.plan.num_replicas == 1
+                and self.plan.num_stages(0) == 1 and not self.shared
+                and (self.comm is None or self.comm.size == 1)):
+            return False
+        compute = [a for a in self.train_actions[0][0] if a.kind in (ActionKind.F, ActionKind.B)]
+        return (len(compute) >= 2 and compute[-1].kind == ActionKind.B and compute[-2].kind == ActionKind.F
+                and compute[-1].microbatch == compute[-2].microbatch)
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -172,14 +188,23 @@ class PipelineRuntime:
         return tokens
 
     # ---- execution ------------------------------------------------------------------------------
-    def _run(self, batch: dict[str, np.ndarray], train: bool) -> tuple[dict, dict, list[ActionRecord]]:
+    def _run(self, batch: dict[str, np.ndarray], train: bool,
+             update_inv_tokens: float | None = None) -> tuple[dict, dict, list[ActionRecord]]:
+        """Executes the action lists. With `update_inv_tokens` (only when `_update_fusable()`), the
+        last microbatch also applies the optimizer update; the returned acc then maps the stage to
+        the global gradient norm (a device scalar) instead of its gradients."""
         actions = self.train_actions if train else self.eval_actions
         lists = {k: actions[k[0]][k[1]] for k in self.local_keys}
         ptr = {k: 0 for k in self.local_keys}
         mailbox: dict[tuple, Any] = {}
         outbox: dict[tuple, Any] = {}
         saved: dict[tuple, Any] = {}
-        acc = {k: self.stages[k].new_grad_buffer() for k in self.local_keys} if train else {}
+        fuse_update = update_inv_tokens is not None
+        num_b = {k: sum(a.kind == ActionKind.B for a in lists[k]) for k in self.local_keys}
+        # no accumulator for a one-microbatch step whose update is fused (its gradients never leave the jit)
+        acc = {k: (None if fuse_update and num_b[k] == 1 else self.stages[k].new_grad_buffer())
+               for k in self.local_keys} if train else {}
+        norms: dict[StageKey, Any] = {}
         n_acc = {k: 0 for k in self.local_keys}
         loss_sums: dict[StageKey, list] = {k: [] for k in self.local_keys}
         records: list[ActionRecord] = []
@@ -216,8 +241,14 @@ class PipelineRuntime:
                     out = st.forward(st.params, x, pos, *extra)
                 elif (st.is_last and self.fuse_last_stage and nxt is not None and nxt.kind == ActionKind.B
                       and nxt.microbatch == mb):
-                    out, *fused[(k, mb)] = st.forward_backward(st.params, x, pos, *extra, acc[k],
-                                                              np.bool_(n_acc[k] == 0))
+                    if fuse_update and n_acc[k] == num_b[k] - 1:  # the last backward, and the update
+                        out, norms[k], st.params, st.opt_state = st.forward_backward_update(
+                            st.params, st.opt_state, x, pos, *extra, acc[k], np.bool_(n_acc[k] == 0),
+                            jnp.float32(update_inv_tokens))
+                        fused[(k, mb)] = (None,)
+                    else:
+                        out, *fused[(k, mb)] = st.forward_backward(st.params, x, pos, *extra, acc[k],
+                                                                  np.bool_(n_acc[k] == 0))
                     acc[k] = fused[(k, mb)][0]  # the donated buffer is replaced at once
                 elif st.recompute:
                     out = st.forward(st.params, x, pos, *extra)
@@ -243,7 +274,7 @@ class PipelineRuntime:
                 n_acc[k] += 1
                 if not st.is_first:
                     outbox[("gin", k, mb)] = grads[1]
-                self._emulate(k, acc[k], t0)
+                self._emulate(k, acc[k] if acc[k] is not None else norms.get(k), t0)
             elif a.is_send:
                 kind, box = ("act", "out") if a.kind == ActionKind.SEND_ACT else ("grad", "gin")
                 dst = (r, a.peer)
@@ -277,7 +308,7 @@ class PipelineRuntime:
             time.sleep(0.0002)
         for h in pending_sends:
             h.wait()
-        return acc, loss_sums, records
+        return (norms if fuse_update else acc), loss_sums, records
 
     def _emulate(self, k: StageKey, out: Any, t0: float) -> None:
         """Waits for the action's result; on an emulated slow island also sleeps (factor-1) x its time."""
@@ -388,6 +419,13 @@ class PipelineRuntime:
           TimeoutError: if a message from another process does not arrive within `timeout_s`.
         """
         t0 = time.perf_counter()
+        if self._update_fusable():  # one stage holds everything: the update runs inside the last F+B
+            num_tokens = self._check_batch(batch, self.plan.global_batch_size)
+            norms, loss_sums, records = self._run(batch, train=True, update_inv_tokens=1.0 / num_tokens)
+            loss = sum(float(x) for xs in loss_sums.values() for x in xs) / num_tokens
+            self.step += 1
+            return StepResult(loss, int(num_tokens), float(norms[self.local_keys[0]]),
+                              time.perf_counter() - t0, records)
         acc, loss, num_tokens, norm, records = self._forward_backward(batch)
         inv, gnorm = jnp.float32(1.0 / num_tokens), jnp.float32(norm)
         for k in self.local_keys:

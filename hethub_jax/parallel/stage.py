@@ -143,8 +143,12 @@ class PipelineStage:
 
         def accumulate(grads, acc, first):
             """(acc + param grads, or the grads alone on the first microbatch; input grads).
-            `where` rather than `+` on the first microbatch: a NaN-filled buffer never leaks."""
-            gp = jax.tree.map(lambda a, g: jnp.where(first, g, a + g), acc, grads[0])
+            `where` rather than `+` on the first microbatch: a NaN-filled buffer never leaks.
+            acc None (no buffer: a one-microbatch step): the grads themselves."""
+            if acc is None:
+                gp = grads[0]
+            else:
+                gp = jax.tree.map(lambda a, g: jnp.where(first, g, a + g), acc, grads[0])
             gp = jax.lax.with_sharding_constraint(gp, ps)
             return (gp,) if self.is_first else (gp, jax.lax.with_sharding_constraint(grads[1], act))
 
@@ -184,6 +188,20 @@ class PipelineStage:
             updates, opt_state = self.optimizer.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state
         self.update = jax.jit(update, donate_argnums=(0, 1), out_shardings=(ps, self.opt_shardings))
+
+        def forward_backward_update(params, opt_state, x, positions, targets, mask, acc, first, inv_tokens):
+            """Whole-model stage of a one-stage, one-replica plan, last microbatch of the step: forward,
+            backward, accumulation, global norm, clipping and the optimizer update in one program (the
+            stage holds every gradient, so no norm or gradient has to leave it).
+            -> (summed loss f32, global grad norm f32, new params, new opt_state)."""
+            loss, gp = forward_backward(params, x, positions, targets, mask, acc, first)
+            norm = jnp.sqrt(sq_norm(gp, inv_tokens))
+            params, opt_state = update(params, opt_state, gp, inv_tokens, norm)
+            return loss, norm, params, opt_state
+        if self.is_first and self.is_last:
+            self.forward_backward_update = jax.jit(
+                forward_backward_update, donate_argnums=(0, 1),  # acc: no output left to reuse it
+                out_shardings=(None, None, ps, self.opt_shardings))
 
     # ---- helpers for the runtime ---------------------------------------------------------------
     def new_grad_buffer(self) -> Params:
