@@ -45,8 +45,6 @@ def profile_runtime(rt, batches, reps: int) -> dict[str, float]:
     """Median seconds per step of the runtime's phases (1 stage), by wrapping its methods."""
     import jax
 
-    from hethub_jax.parallel import runtime as rmod
-
     st = rt.stages[rt.local_keys[0]]
     acc: dict[str, float] = {}
 
@@ -60,14 +58,15 @@ def profile_runtime(rt, batches, reps: int) -> dict[str, float]:
             return out
         return w
 
-    names = [n for n in ("forward_saving", "forward_backward", "backward_saved", "update",
-                         "new_grad_buffer", "place_tokens", "flat") if hasattr(st, n)]
+    names = [n for n in ("forward_saving", "forward_backward", "forward_backward_update", "backward_saved",
+                         "update", "new_grad_buffer", "place_tokens", "flat") if hasattr(st, n)]
     orig = {n: getattr(st, n) for n in names + ["sq_norm"]}
     orig_rt = {n: getattr(rt, n) for n in ("_run", "_reduce_shared", "_check_batch", "_emulate")}
-    # dispatch only (the call returns once the computation is enqueued) ...
-    for n in names:  # the F/B calls return once enqueued; update is waited for (train_step waits anyway)
+    # the F/B calls return once enqueued (dispatch only); update and sq_norm are waited for
+    for n in names:
         setattr(st, n, timed(n + {"forward_saving": "(dispatch)", "forward_backward": "(dispatch)",
-                                  "backward_saved": "(dispatch)", "update": "(dispatch+compute)"}.get(n, ""),
+                                  "forward_backward_update": "(dispatch)", "backward_saved": "(dispatch)",
+                                  "update": "(dispatch+compute)"}.get(n, ""),
                              orig[n], sync=(n == "update")))
     st.sq_norm = timed("sq_norm(dispatch+compute)", orig["sq_norm"], sync=True)
     # ... and the waits: _emulate blocks on each compute action's result
@@ -89,22 +88,8 @@ def profile_runtime(rt, batches, reps: int) -> dict[str, float]:
         for n, f in orig_rt.items():
             setattr(rt, n, f)
     out = {"step(total)": median(steps)}
-    for k in rows[0]:
+    for k in sorted({k for r in rows for k in r}):
         out[k] = median([r.get(k, 0.0) for r in rows])
-    # the gradient buffer: host zeros copied to the device (main) vs filled on the device
-    import numpy as np
-    for label, make in (("grad_buffer_device_put_host_zeros", lambda: jax.device_put(
-            jax.tree.map(np.zeros_like, st._host_zeros), st.param_shardings)),
-                        ("grad_buffer_jit_zeros", getattr(st, "_zeros", None))):
-        if make is None:
-            continue
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(make())
-            ts.append(time.perf_counter() - t0)
-        out[label + "(separate)"] = median(ts)
-    del rmod
     return out
 
 
