@@ -40,7 +40,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .base import (HEADER_MAX, REDUCE_OPS, CommError, CommTimeoutError, Communicator, Header,
-                   Request, as_host_array, check_tag, dtype_from_name, encode_header, place, poll_until,
+                   Request, _NAME_OF as _SENDABLE, as_host_array, check_tag, dtype_from_name, encode_header, place, poll_until,
                    reduction_dtype)
 
 __all__ = ["MPIHostBridge", "DEFAULT_CHUNK_BYTES"]
@@ -58,6 +58,8 @@ _MPI_TYPES = {np.dtype(t): m for t, m in [
     (np.complex64, MPI.C_FLOAT_COMPLEX), (np.complex128, MPI.C_DOUBLE_COMPLEX)]}
 
 
+_BYTE = MPI.BYTE
+_c_writeable = lambda flags: flags.c_contiguous and flags.writeable  # noqa: E731
 _DECODED: dict[bytes, tuple] = {}  # header buffer (zero padded) -> (Header, numpy dtype)
 
 
@@ -236,7 +238,7 @@ class _RecvRequest(Request):
                         raise (self._error or e) from None
                     hreq = self._hreq
                     if hreq.Test() or _poll(hreq.Test, deadline, describe, self._comm.spin_s) is None:
-                        h, dt = _decode(self._hbuf)
+                        h, dt = _DECODED.get(bytes(self._hbuf)) or _decode(self._hbuf)
                         out = self._out
                         if dt is out.dtype and h.shape == out.shape and h.nbytes <= h.chunk_bytes:
                             # the common case, checked in a few operations: the message is out=
@@ -370,13 +372,16 @@ class MPIHostBridge(Communicator):
     def _isend_part(self, x: Any, dest: int, tag: int, part: int, parts: int) -> Request:
         if type(dest) is not int or not 0 <= dest < self._size:
             dest = self._check_peer(dest, "dest")
-        arr = as_host_array(x)
+        if type(x) is np.ndarray and x.flags.c_contiguous and x.dtype in _SENDABLE:
+            arr = x  # as_host_array's fast path, inlined: this runs before the payload is posted
+        else:
+            arr = as_host_array(x)
         t = tag if tag >= 0 else self.max_tag - tag
         comm, nbytes = self._comm, arr.nbytes
         # payload first, then the header; each of the two MPI tags keeps its own order. At least
         # one payload message, empty if nbytes == 0.
         if nbytes <= self.chunk_bytes:  # the array's memory as bytes (every dtype, ml_dtypes too)
-            reqs = [comm.Isend([arr, MPI.BYTE], dest, 2 * t + 1)]
+            reqs = [comm.Isend([arr, _BYTE], dest, 2 * t + 1)]
         else:
             view = _bytes_of(arr)
             reqs = [comm.Isend([view[o:o + n], MPI.BYTE], dest, 2 * t + 1)
@@ -394,12 +399,12 @@ class MPIHostBridge(Communicator):
         if type(source) is not int or not 0 <= source < self._size:
             source = self._check_peer(source, "source")
         pre = None
-        if (type(out) is np.ndarray and 0 < out.nbytes <= _MAX_CHUNK and out.flags.c_contiguous
-                and out.flags.writeable and not self._pending.get((source, tag))):
+        if (type(out) is np.ndarray and 0 < out.nbytes <= _MAX_CHUNK and _c_writeable(out.flags)
+                and not self._pending.get((source, tag))):
             # Nothing earlier on this channel waits for its header: post the first payload
             # message's receive into out= first of all, so data lands without waiting for our
             # header processing (the header is checked against out= when it arrives).
-            pre = self._comm.Irecv([out, MPI.BYTE], source, self._mpi_tag(tag, 1))
+            pre = self._comm.Irecv([out, _BYTE], source, 2 * tag + 1 if tag >= 0 else self._mpi_tag(tag, 1))
         req = _RecvRequest(self, source, tag, raw, device, sharding, out)
         if pre is None:
             self._pending[(source, tag)].append(req)
