@@ -2,19 +2,21 @@
 
 Wire protocol of one point-to-point message with user tag ``t`` on communicator ``comm``:
 
-1. the payload as raw bytes (``MPI.BYTE`` views of the C-contiguous array, so every dtype,
+1. a header (``base.Header.encode()``, < 512 bytes) on MPI tag ``2*t`` (internal tags: ``2*t`` with
+   ``t`` negative mapped above the user range);
+2. then the payload as raw bytes (``MPI.BYTE`` views of the C-contiguous array, so every dtype,
    ml_dtypes included, arrives bit-exact) on MPI tag ``2*t + 1``, in ``ceil(nbytes / chunk_bytes)``
-   chunks of at most ``chunk_bytes`` (the sender's value, carried in the header);
-2. then a header (``base.Header.encode()``, < 512 bytes) on MPI tag ``2*t`` (internal tags: ``2*t``
-   with ``t`` negative mapped above the user range).
+   chunks of at most ``chunk_bytes`` (the sender's value, carried in the header).
 
-Why this order, and why the hot paths are lean: in MPICH's shared-memory transport a large transfer
-advances only inside MPI calls of *both* ranks, so every microsecond of Python either rank runs
-between posting and completing a transfer adds to its time (measured: 20 us of Python on either
-side adds 20 us to a 1 MiB message). So the sender posts the payload before anything else (the
-header is encoded once per channel shape and cached), a receive into ``out=`` posts its payload
-receive at once, waits poll MPI's ``Test`` directly (no Python frame per poll), and a header equal
-to the last one seen is not decoded again.
+Why the hot paths are lean: in MPICH's shared-memory transport a large transfer advances only inside
+MPI calls of *both* ranks, so every microsecond of Python either rank runs between posting and
+completing a transfer adds to its time (measured: 20 us of Python on either side adds 20 us to a
+1 MiB message), and after a large copy the interpreter runs with cold caches. So headers are encoded
+once per channel shape and decoded once per distinct header (both cached); a receive into ``out=``
+posts its payload receive before anything else and checks the header (which arrives first) while
+the sender posts the payload, so only returning is left once the payload has landed; waits poll
+MPI's ``Test`` directly (no Python frame per poll). The header message itself costs about one small
+message's latency (a few microseconds), the floor of this protocol against a single raw message.
 
 Headers and payloads use different MPI tags so receives of headers always match headers. MPI keeps
 messages of one (source, tag, communicator) in order; the receiver posts payload receives of one
@@ -120,9 +122,9 @@ class _SendRequest(Request):
 
         # The hot loop calls MPI's Test directly (no Python frame per poll): in MPICH each Test also
         # copies the next piece of a large shared-memory transfer, so a slower loop is a slower copy.
-        # First the last payload piece (the transfer), then all (the small eager header).
-        _poll(reqs[-2].Test, deadline, describe, self._comm.spin_s, every=self._comm._progress)
-        if len(reqs) > 2 or not reqs[-1].Test():
+        # First the last payload piece (the transfer), then all (the small eager header, sent first).
+        _poll(reqs[-1].Test, deadline, describe, self._comm.spin_s, every=self._comm._progress)
+        if len(reqs) > 2 or not reqs[0].Test():
             _poll(functools.partial(MPI.Request.Testall, reqs), deadline, describe,
                   self._comm.spin_s, every=self._comm._progress)
         self._done, self._keep = True, None
@@ -221,37 +223,27 @@ class _RecvRequest(Request):
         try:
             if self._pre is not None and self._reqs is None or not self.test():
                 if self._reqs is None and self._pre is not None:
-                    # phase 0 (out= given): the payload lands in out= (a tight loop of MPI Test
-                    # calls: they drive the copy), then the header that follows it
-                    try:
+                    # phase 0 (out= given): the header first (sent first, it arrives before the
+                    # payload), checked against out= in a few operations while the sender posts
+                    # the payload, then the payload: nothing but returning is left after its copy.
+                    _poll(self._hreq.Test, deadline, describe, self._comm.spin_s,
+                          every=self._comm._progress)
+                    h, dt = _DECODED.get(bytes(self._hbuf)) or _decode(self._hbuf)
+                    out = self._out
+                    if dt is out.dtype and h.shape == out.shape and h.nbytes <= h.chunk_bytes:
+                        # the common case: the message is exactly out=, in one piece
+                        self._header, self._arr, self._reqs = h, out, [self._pre]
                         _poll(self._pre.Test, deadline, describe, self._comm.spin_s,
                               every=self._comm._progress)
-                    except CommTimeoutError:
-                        raise
-                    except CommError as e:  # e.g. truncated: the header (it follows) says why
-                        _poll(self._hreq.Test, deadline, describe, self._comm.spin_s)
-                        self._start_payload()  # posts any further pieces: the message is consumed
-                        if len(self._reqs) > 1:
-                            _poll(functools.partial(MPI.Request.Testall, self._reqs[1:]), deadline,
-                                  describe, self._comm.spin_s)
-                        self._finished = True
-                        raise (self._error or e) from None
-                    hreq = self._hreq
-                    if hreq.Test() or _poll(hreq.Test, deadline, describe, self._comm.spin_s) is None:
-                        h, dt = _DECODED.get(bytes(self._hbuf)) or _decode(self._hbuf)
-                        out = self._out
-                        if dt is out.dtype and h.shape == out.shape and h.nbytes <= h.chunk_bytes:
-                            # the common case, checked in a few operations: the message is out=
-                            self._header, self._arr, self._reqs = h, out, [self._pre]
-                            self._done = self._finished = True
-                            if self._raw:
-                                self._result = (h, out)
-                            elif self._device is None and self._sharding is None:
-                                self._result = out
-                            else:
-                                self._result = place(out, self._device, self._sharding)
-                            return self._result
-                    self._start_payload()
+                        self._done = self._finished = True
+                        if self._raw:
+                            self._result = (h, out)
+                        elif self._device is None and self._sharding is None:
+                            self._result = out
+                        else:
+                            self._result = place(out, self._device, self._sharding)
+                        return self._result
+                    self._start_payload()  # mismatch (error kept) or more pieces: phase 2
                 elif self._reqs is None:
                     # phase 1: our header (a tight loop of MPI Test calls); its arrival means every
                     # earlier receive of the channel has its header too, so progress posts ours
@@ -378,21 +370,21 @@ class MPIHostBridge(Communicator):
             arr = as_host_array(x)
         t = tag if tag >= 0 else self.max_tag - tag
         comm, nbytes = self._comm, arr.nbytes
-        # payload first, then the header; each of the two MPI tags keeps its own order. At least
-        # one payload message, empty if nbytes == 0.
-        if nbytes <= self.chunk_bytes:  # the array's memory as bytes (every dtype, ml_dtypes too)
-            reqs = [comm.Isend([arr, _BYTE], dest, 2 * t + 1)]
-        else:
-            view = _bytes_of(arr)
-            reqs = [comm.Isend([view[o:o + n], MPI.BYTE], dest, 2 * t + 1)
-                    for o, n in _chunks(nbytes, self.chunk_bytes)]
         key = (arr.dtype, arr.shape, tag, part, parts)
         hdr = self._headers_sent.get(key)
         if hdr is None:  # encoded once per (dtype, shape, tag, part): repeated channels reuse it
             if len(self._headers_sent) >= 4096:
                 self._headers_sent.clear()
             hdr = self._headers_sent[key] = encode_header(arr, tag, self.chunk_bytes, part, parts)
-        reqs.append(comm.Isend([hdr, MPI.BYTE], dest, 2 * t))
+        # header first, then the payload; each of the two MPI tags keeps its own order. At least
+        # one payload message, empty if nbytes == 0.
+        reqs = [comm.Isend([hdr, _BYTE], dest, 2 * t)]
+        if nbytes <= self.chunk_bytes:  # the array's memory as bytes (every dtype, ml_dtypes too)
+            reqs.append(comm.Isend([arr, _BYTE], dest, 2 * t + 1))
+        else:
+            view = _bytes_of(arr)
+            reqs += [comm.Isend([view[o:o + n], _BYTE], dest, 2 * t + 1)
+                     for o, n in _chunks(nbytes, self.chunk_bytes)]
         return _SendRequest(self, reqs, (arr, hdr), dest, tag)
 
     def _post(self, source, tag, raw, device=None, sharding=None, out=None) -> Request:
