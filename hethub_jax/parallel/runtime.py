@@ -311,7 +311,8 @@ class PipelineRuntime:
         return (norms if fuse_update else acc), loss_sums, records
 
     def _emulate(self, k: StageKey, out: Any, t0: float) -> None:
-        """Waits for the action's result; on an emulated slow island also sleeps (factor-1) x its time."""
+        """Waits for the action's (or update's) result; on an emulated slow island also sleeps
+        (factor-1) x its time."""
         jax.block_until_ready(out)
         factor = self.plan.island(self.plan.stage(*k).island).slowdown
         if factor > 1:
@@ -429,8 +430,10 @@ class PipelineRuntime:
         acc, loss, num_tokens, norm, records = self._forward_backward(batch)
         inv, gnorm = jnp.float32(1.0 / num_tokens), jnp.float32(norm)
         for k in self.local_keys:
-            st = self.stages[k]
+            st, t_update = self.stages[k], time.perf_counter()
             st.params, st.opt_state = st.update(st.params, st.opt_state, acc[k], inv, gnorm)
+            if self.plan.island(self.plan.stage(*k).island).slowdown > 1:
+                self._emulate(k, st.params, t_update)  # the update runs on the slow island too
         jax.block_until_ready([self.stages[k].params for k in self.local_keys])
         self.step += 1
         return StepResult(loss, int(num_tokens), norm, time.perf_counter() - t0, records)
