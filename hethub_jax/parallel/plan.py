@@ -40,7 +40,8 @@ class IslandSpec:
       num_processes: processes (MPI ranks) of the island, >= 1.
       devices_per_process: accelerator devices per process, >= 1.
       slowdown: emulated slowdown factor >= 1, only for ``platform == "cpu"`` (DESIGN.md section 9):
-        after each compute action the runtime waits (slowdown - 1) x its measured duration.
+        after each compute action and optimizer update the runtime waits (slowdown - 1) x its measured
+        duration.
     """
 
     name: str

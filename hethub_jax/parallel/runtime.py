@@ -165,7 +165,8 @@ class PipelineRuntime:
     def emulation_lines(self) -> list[str]:
         """One line per island with an emulated slowdown (DESIGN.md section 9)."""
         return [f"island {i.name}: EMULATED {i.slowdown:g}x slowdown on platform {i.platform} "
-                f"(after each compute action the runtime waits (factor - 1) x its measured time)"
+                "(after each compute action and optimizer update the runtime waits (factor - 1) x its "
+                "measured time)"
                 for i in self.plan.islands if i.slowdown > 1]
 
     # ---- batch slicing --------------------------------------------------------------------------
