@@ -334,13 +334,20 @@ class PipelineRuntime:
         return ((dst[0] * max_stages + dst[1]) * max_mb + mb) * 2 + _KIND_CODE[kind]
 
     def _post_receives(self, lists: dict, batch: dict) -> dict:
+        """Posts every receive of the step from other processes up front. Activations and their
+        gradients are `[microbatch_size, S, hidden_size]` in the compute dtype, so each receive gets
+        its own preallocated `out=` buffer (NaN-filled with `debug_nan`): the communicator posts the
+        payload receive at once (a mismatching message raises CommError naming both shapes)."""
         recvs = {}
+        shape = (self.plan.microbatch_size, batch["tokens"].shape[1], self.config.hidden_size)
+        dtype = jnp.dtype(self.config.dtype)
         for k, acts in lists.items():
             for a in acts:
                 if a.is_recv and self.owner[(k[0], a.peer)] != self.rank:
                     kind = "act" if a.kind == ActionKind.RECV_ACT else "grad"
                     m = (kind, (k[0], a.peer), k, a.microbatch)
-                    recvs[m] = self.comm.irecv(self.owner[(k[0], a.peer)], self._tag(m))
+                    buf = np.full(shape, np.nan, dtype) if self.debug_nan else np.empty(shape, dtype)
+                    recvs[m] = self.comm.irecv(self.owner[(k[0], a.peer)], self._tag(m), out=buf)
         return recvs
 
     # ---- cross-stage reductions ----------------------------------------------------------------

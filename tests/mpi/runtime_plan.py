@@ -70,7 +70,9 @@ ref = reference(tied, plan.global_batch_size, padded=padded)
 
 
 def check(plan):
-    rt = PipelineRuntime(plan, model_config(tied), OPTIM, seed=7, comm=world, rank=rank)
+    # split3: receive buffers and gradient accumulators start NaN-filled (nothing unwritten may leak)
+    rt = PipelineRuntime(plan, model_config(tied), OPTIM, seed=7, comm=world, rank=rank,
+                         debug_nan=case == "split3")
     loss0, grads = rt.gradients(data[0])
     assert_rel(loss0, ref["loss0"], "loss of batch 0")
     for name, g in grads.items():
