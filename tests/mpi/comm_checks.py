@@ -121,8 +121,12 @@ def check_odd_sized_large(comm):
         want = bits.view(ml_dtypes.bfloat16)
         if comm.rank == 0:
             comm.send(want, 3, tag=8)
+            comm.send(want, 3, tag=8)
         else:
             assert_bits(comm.recv(0, tag=8), want, "odd large")
+            out = np.full(n, np.nan, ml_dtypes.bfloat16)  # chunked into a preallocated buffer
+            assert comm.recv(0, tag=8, out=out) is out
+            assert_bits(out, want, "odd large into out=")
 
 
 def check_ring_16mib(comm):
