@@ -3,6 +3,7 @@ medians, JSON output. Imports no JAX (the MPI benchmarks pin cores before JAX st
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -79,3 +80,16 @@ def relaunch_under_mpiexec(script: str, argv: list[str], n: int = 2) -> None:
     env = dict(os.environ, **{CHILD_ENV: "1"})
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     os.execve(exe, [exe, "-n", str(n), sys.executable, os.path.abspath(script), *argv], env)
+
+
+def training_parser(doc: str, *, batch: int, warmup: int, json_help: str = "output path"
+                    ) -> argparse.ArgumentParser:
+    """Argument parser with the flags every training benchmark shares: --json, --preset, --batch
+    (global batch, rows), --seq (tokens per row), --warmup (untimed steps after compiling)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--json", required=True, help=json_help)
+    ap.add_argument("--preset", default="tiny", help="model preset (hethub_jax.models.config.PRESETS)")
+    ap.add_argument("--batch", type=int, default=batch, help="global batch size (rows)")
+    ap.add_argument("--seq", type=int, default=128, help="sequence length (tokens per row)")
+    ap.add_argument("--warmup", type=int, default=warmup, help="untimed steps per contender after compiling")
+    return ap

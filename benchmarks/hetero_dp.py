@@ -23,13 +23,13 @@ Figures: `fraction_of_upper_bound` = (a) / (c_fast + c_slow), `over_equal_shares
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
-from benchmarks.common import CHILD_ENV, mpi_rank_from_env, relaunch_under_mpiexec  # noqa: E402
+from benchmarks.common import (CHILD_ENV, mpi_rank_from_env, relaunch_under_mpiexec,  # noqa: E402
+                               training_parser)
 
 XLA_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false"
 
@@ -75,15 +75,10 @@ def alone_plan(layers: int, island: dict, gbs: int, mbs: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", required=True, help="output path (written by rank 0)")
-    ap.add_argument("--preset", default="tiny", help="model preset")
-    ap.add_argument("--batch", type=int, default=16, help="global batch (rows) of the DP configurations")
+    ap = training_parser(__doc__, batch=16, warmup=2, json_help="output path (written by rank 0)")
     ap.add_argument("--microbatch", type=int, default=4, help="microbatch size (rows)")
-    ap.add_argument("--seq", type=int, default=128, help="sequence length")
     ap.add_argument("--slowdown", type=float, default=3.0, help="EMULATED slowdown of the slow island")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per configuration")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration (after compiling)")
     args = ap.parse_args()
     rank = mpi_rank_from_env()
     if os.environ.get(CHILD_ENV) is None and rank is None:

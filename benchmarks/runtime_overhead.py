@@ -20,14 +20,14 @@ wrapping the runtime's and stage's methods; see `docs/benchmarks.md`).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
-from benchmarks.common import command_line, loadavg, machine, median, write_json  # noqa: E402
+from benchmarks.common import (command_line, loadavg, machine, median, training_parser,  # noqa: E402
+                               write_json)
 
 
 def make_plan(gbs: int, microbatches: int, layers: int):
@@ -94,16 +94,12 @@ def profile_runtime(rt, batches, reps: int) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", required=True, help="output path")
-    ap.add_argument("--preset", default="tiny", help="model preset (hethub_jax.models.config.PRESETS)")
-    ap.add_argument("--batch", type=int, default=8, help="global batch size (rows)")
-    ap.add_argument("--seq", type=int, default=128, help="sequence length")
+    ap = training_parser(__doc__, batch=8, warmup=3)
     ap.add_argument("--reps", type=int, default=25, help="interleaved timed repetitions per contender")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed steps per contender after compiling")
     ap.add_argument("--microbatches", default="1,4", help="runtime rows: microbatch counts (first: goal row)")
     ap.add_argument("--no-unfused", dest="unfused", action="store_false",
-                    help="leave out the row with the last-stage forward+backward fusion switched off")
+                    help="leave out the row with both fusions (last-stage forward+backward, one-stage "
+                         "update) switched off")
     ap.add_argument("--profile", action="store_true", help="also break the 1-microbatch runtime step down")
     args = ap.parse_args()
 

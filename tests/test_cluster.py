@@ -95,14 +95,20 @@ def test_handshake_in_process_agrees_or_fails_everywhere():
 
 
 # ---- multi-rank (mpiexec) ----------------------------------------------------------------------
-@pytest.mark.mpi
-def test_exception_on_one_rank_ends_every_rank_quickly():
+def failed_within_30_s(launch) -> str:
+    """Runs ``launch()`` (a job expected to fail); asserts it ended non-zero within 30 s; its output."""
     t0 = time.monotonic()
-    proc = run_mpi([str(HERE / "mpi" / "raise_on_rank.py"), "2"], 4, timeout=60)
+    proc = launch()
     elapsed = time.monotonic() - t0
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-2000:]
     assert elapsed < 30, f"job took {elapsed:.1f} s to end"
+    return out
+
+
+@pytest.mark.mpi
+def test_exception_on_one_rank_ends_every_rank_quickly():
+    out = failed_within_30_s(lambda: run_mpi([str(HERE / "mpi" / "raise_on_rank.py"), "2"], 4, timeout=60))
     assert "[rank 2, island test]" in out and "deliberate failure on rank 2" in out, out[-2000:]
     assert "was not aborted" not in out
 
@@ -110,14 +116,9 @@ def test_exception_on_one_rank_ends_every_rank_quickly():
 @pytest.mark.mpi
 def test_handshake_mismatch_ends_job_with_one_message():
     seg = [str(HERE / "mpi" / "handshake_mismatch.py")]
-    t0 = time.monotonic()
     # ranks 0,1: island a; rank 2: island b with a different config
-    proc = _mpmd([(2, {"HETHUB_ISLAND": "a"}), (1, {"HETHUB_ISLAND": "b", "TEST_CONFIG": "x"})],
-                 seg)
-    elapsed = time.monotonic() - t0
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-2000:]
-    assert elapsed < 30, f"job took {elapsed:.1f} s to end"
+    out = failed_within_30_s(lambda: _mpmd(
+        [(2, {"HETHUB_ISLAND": "a"}), (1, {"HETHUB_ISLAND": "b", "TEST_CONFIG": "x"})], seg))
     assert "config/plan hash differs" in out and "ranks [2]" in out, out[-2000:]
     assert "HANDSHAKE OK" not in out
 
