@@ -258,13 +258,16 @@ def check_timeout_and_errors(comm):
     # out= receives: right buffer filled in place, wrong one raises and the channel stays usable
     if r == 2:
         comm.send(np.arange(4, dtype=np.int16), 0, tag=14)
+        comm.send(np.arange(4, dtype=np.int16) + 10, 0, tag=14)  # the same header again
         comm.send(np.arange(5, dtype=np.int16), 0, tag=14)
         comm.send(np.arange(3, dtype=np.int16), 0, tag=14)   # smaller than out=
         comm.send(np.arange(4, dtype=np.uint16), 0, tag=14)  # same size, other dtype
         comm.send(np.arange(3, dtype=np.int16), 0, tag=14)
+        comm.send(np.arange(4, dtype=np.int16) + 20, 0, tag=14)
     elif r == 0:
         buf = np.zeros(4, np.int16)
         assert comm.recv(2, tag=14, out=buf) is buf and np.array_equal(buf, np.arange(4))
+        assert comm.recv(2, tag=14, out=buf) is buf and np.array_equal(buf, np.arange(4) + 10)
         for want in ("int16[5]", "int16[3]", "uint16[4]"):
             try:
                 comm.recv(2, tag=14, out=buf)
@@ -273,6 +276,7 @@ def check_timeout_and_errors(comm):
             else:
                 raise AssertionError(f"out= int16[4] accepted a message {want}")
         assert np.array_equal(comm.recv(2, tag=14), np.arange(3))
+        assert comm.recv(2, tag=14, out=buf) is buf and np.array_equal(buf, np.arange(4) + 20)
     comm.barrier()
 
 

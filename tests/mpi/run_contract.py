@@ -49,7 +49,8 @@ def main():
             line = f"RESULT {name} {comm.rank} PASS"
         except Exception as e:  # report and keep going so one failure does not hide the others
             tb = traceback.format_exc().replace("\n", " | ")
-            line = f"RESULT {name} {comm.rank} FAIL {type(e).__name__}: {e} || {tb}"
+            msg = str(e).replace("\n", " | ")
+            line = f"RESULT {name} {comm.rank} FAIL {type(e).__name__}: {msg} || {tb}"
         print(line, flush=True)
         if log:
             log.write(line + "\n")
