@@ -1,17 +1,20 @@
 """The Flax Llama against HF transformers (torch, CPU, fp32) and against itself split into ranges."""
 
+import json
+import re
+
 import numpy as np
 import pytest
 
 import jax.numpy as jnp
+import torch
+import transformers
 from flax import nnx
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from hethub_jax.models import hf as hf_io  # noqa: E402
-from hethub_jax.models.config import PRESETS, LlamaConfig  # noqa: E402
-from hethub_jax.models.llama import Llama, count_params  # noqa: E402
+from hethub_jax.models import hf as hf_io
+from hethub_jax.models.config import PRESETS, LlamaConfig
+from hethub_jax.models.llama import Llama, count_params, rope_inv_freq
 
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
              max_position_embeddings=256, rms_norm_eps=1e-5,
@@ -20,10 +23,13 @@ CASES = {
     "mha": dict(num_attention_heads=4, num_key_value_heads=4),
     "gqa_8q_2kv": dict(num_attention_heads=8, num_key_value_heads=2),
     "tied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    # head_dim 16, theta 500000: wavelengths 6.3, 32.4, 167, ... With original length 64 and factors
+    # 1/4 the smoothed band is [16, 64], so one frequency is kept, one smoothed, the rest divided by 8.
     "llama3_rope": dict(num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0,
                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
 }
+LLAMA3_SEQ = 160  # positions well beyond the original 64
 
 
 def _hf_model(case: str, seed: int = 0):
@@ -40,13 +46,22 @@ def _hf_model(case: str, seed: int = 0):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_logits_match_transformers(case):
     hf_model = _hf_model(case)
-    seq = 96 if case == "llama3_rope" else 24  # llama3: positions well beyond the original 32
+    seq = LLAMA3_SEQ if case == "llama3_rope" else 24
     tokens = np.random.default_rng(1).integers(0, SMALL["vocab_size"], size=(2, seq))
     with torch.no_grad():
         ref = hf_model(torch.tensor(tokens)).logits.numpy()
     ours = hf_io.from_transformers(hf_model)
     if case == "llama3_rope":
-        assert ours.config.rope_scaling["rope_type"] == "llama3"
+        rs = ours.config.rope_scaling
+        assert rs["rope_type"] == "llama3" and ours.config.rope_theta == 500000.0  # not the default
+        assert seq > rs["original_max_position_embeddings"]
+        # Every branch of the llama3 rule is exercised: kept (short), smoothed (between), scaled (long).
+        dh = ours.config.head_dim
+        wavelen = 2 * np.pi / (1.0 / 500000.0 ** (np.arange(0, dh, 2) / dh))
+        hi_w = rs["original_max_position_embeddings"] / rs["high_freq_factor"]
+        lo_w = rs["original_max_position_embeddings"] / rs["low_freq_factor"]
+        assert (wavelen < hi_w).any() and (wavelen > lo_w).any()
+        assert ((wavelen > hi_w) & (wavelen < lo_w)).any(), (wavelen, hi_w, lo_w)
     got = np.asarray(ours(jnp.asarray(tokens, jnp.int32)))
     assert got.shape == ref.shape == (2, seq, SMALL["vocab_size"])
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
@@ -54,6 +69,29 @@ def test_logits_match_transformers(case):
     params = ours.param_table()
     params["layers.1.self_attn.k_proj"][...] = params["layers.1.self_attn.k_proj"][...] * 1.1
     assert np.abs(np.asarray(ours(jnp.asarray(tokens, jnp.int32))) - ref).max() > 1e-4
+
+
+@pytest.mark.parametrize("head_dim, theta, scaling", [
+    (16, 500000.0, dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)),
+    (128, 500000.0, dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    (32, 10000.0, dict(factor=4.0, low_freq_factor=2.0, high_freq_factor=8.0, original_max_position_embeddings=128)),
+])
+def test_rope_inv_freq_matches_transformers_llama3(head_dim, theta, scaling):
+    rope = {"rope_type": "llama3", **scaling}
+    heads = 4
+    hf_cfg = transformers.LlamaConfig(hidden_size=head_dim * heads, num_attention_heads=heads,
+                                      rope_theta=theta, rope_scaling=dict(rope))
+    ref, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg)
+    assert attention_factor == 1.0
+    ours = rope_inv_freq(LlamaConfig(**(SMALL | dict(hidden_size=head_dim * heads, num_attention_heads=heads,
+                                                     num_key_value_heads=heads, rope_theta=theta,
+                                                     rope_scaling=rope))))
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    wavelen = 2 * np.pi / inv
+    old = scaling["original_max_position_embeddings"]
+    lo_w, hi_w = old / scaling["low_freq_factor"], old / scaling["high_freq_factor"]
+    assert ((wavelen > hi_w) & (wavelen < lo_w)).any()  # the smoothed band is not empty
+    np.testing.assert_allclose(ours, ref.numpy(), rtol=1e-6, atol=0)
 
 
 def test_local_checkpoint_directory(tmp_path):
@@ -69,6 +107,15 @@ def test_local_checkpoint_directory(tmp_path):
     full = ours.param_table()
     for name, p in stage.param_table().items():
         np.testing.assert_array_equal(np.asarray(p[...]), np.asarray(full[name][...]))
+
+
+def test_checkpoint_directory_missing_files_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{tmp_path / 'config.json'} not found")):
+        hf_io.load_hf_checkpoint(tmp_path)
+    hf_model = _hf_model("mha")
+    (tmp_path / "config.json").write_text(json.dumps(hf_model.config.to_dict()))
+    with pytest.raises(FileNotFoundError, match=re.escape(f"no *.safetensors files in {tmp_path}")):
+        hf_io.load_hf_checkpoint(tmp_path)
 
 
 def test_import_errors_name_the_tensor_and_field():

@@ -266,10 +266,11 @@ def test_proportional_shares_is_optimal(thr, extra):
 
 # ---- example plans --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["tiny_2island", "tiny_single", "tiny_hetero_dp"])
-def test_example_plans_validate(name):
-    p = Plan.from_json(PLANS / f"{name}.json").validate(TINY)
+@pytest.mark.parametrize("path", sorted(PLANS.glob("*.json")), ids=lambda p: p.stem)
+def test_example_plans_validate(path):
+    p = Plan.from_json(path).validate(TINY)
     assert Plan.from_json(p.to_json()) == p
+    assert sum(p.batch_shares()) == p.global_batch_size
     for r in range(p.num_replicas):
         validate_schedule(p.actions(r))
 
@@ -280,6 +281,9 @@ def test_example_plan_contents():
     assert p.island("slow").slowdown == 3.0
     h = Plan.from_json(PLANS / "tiny_hetero_dp.json")
     assert h.num_replicas == 2 and h.global_batch_size == 10 and h.batch_shares() == [8, 2]
+    m = Plan.from_json(PLANS / "tiny_hetero_dp_measured.json")  # shares measured at start-up
+    assert m.num_replicas == 2 and m.island("slow").slowdown == 3.0
+    assert all(r.batch_share is None and r.throughput is None for r in m.replicas)
 
 
 def test_dataclasses_are_frozen_and_positions_set():

@@ -1,8 +1,10 @@
 """Training entry point: config validation, CLI precedence, and a real short training run."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -118,6 +120,31 @@ def _run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout, env=env, cwd=REPO)
 
 
+@contextlib.contextmanager
+def _no_jax_lowering():
+    """Yields the list of JAX compilations (``/jax/core/compile/...`` monitoring events: tracing,
+    lowering to MLIR, backend compile; cached or not) that happen inside the block. A fresh jit
+    compiled first must be seen (positive control: if JAX renamed its events, this fails instead of
+    passing silently)."""
+    import jax
+    import jax.monitoring
+
+    seen: list[str] = []
+
+    def listener(event: str, duration: float, **kw) -> None:
+        if event.startswith("/jax/core/compile/"):
+            seen.append(f"{event} {kw.get('fun_name', '')}".strip())
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        jax.jit(lambda v: v * 3 + 1)(np.float32(1))
+        assert any("jaxpr_to_mlir" in e for e in seen), f"no compile event seen for a fresh jit: {seen}"
+        seen.clear()
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
 @pytest.mark.parametrize("args, pattern", [
     (["--steps", "0"], r"train\.steps must be an integer >= 1"),
     (["--set", "train.bogus=1"], r"unknown key 'bogus' in section 'train'"),
@@ -126,13 +153,16 @@ def _run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     (["--plan", os.path.join(REPO, "configs/plans/tiny_single.json"), "--global-batch-size", "7"],
      r"global_batch_size must be divisible by microbatch_size: 7 % 2"),
     (["--set", "data.corpus_path=/nonexistent/corpus"], r"data: .*/nonexistent/corpus"),
+    (["--set", "data.tokenizer_path=/nonexistent/tok.model"],
+     r"data: tokenizer_path: /nonexistent/tok\.model does not exist"),
     (["--set", "model.vocab_size=1000"], r"model\.vocab_size \(1000\) must be >= the tokenizer's vocabulary"),
 ])
 def test_config_errors_return_2_with_one_line(args, pattern, capsys):
-    import re
-    rc = main([*args, "--no-checkpoint", "--metrics-file", os.devnull, "--no-progress"])
+    with _no_jax_lowering() as lowered:  # reported before any compilation
+        rc = main([*args, "--no-checkpoint", "--metrics-file", os.devnull, "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2, err
+    assert lowered == [], lowered
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("python -m hethub_jax.train: error: "), err
     assert re.search(pattern, lines[0]), lines[0]
@@ -146,6 +176,66 @@ def test_cli_config_error_is_one_line_exit_2_without_traceback():
     assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
     assert r.stderr.strip() == ("python -m hethub_jax.train: error: train.global_batch_size must be "
                                 "divisible by train.microbatch_size: 10 % 4 = 2")
+
+
+# ---- gradient clipping ---------------------------------------------------------------------------
+
+def test_clip_by_norm_equals_optax_clip_by_global_norm():
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from hethub_jax.optim import clip_by_norm
+
+    rng = np.random.default_rng(0)
+    tree = {"w": jnp.asarray(rng.normal(size=(7, 5)), jnp.float32),
+            "b": [jnp.asarray(rng.normal(size=(5,)), jnp.float32), jnp.asarray(3.0, jnp.float32)],
+            "h": jnp.asarray(rng.normal(size=(4, 3)), jnp.bfloat16)}
+    norm = optax.tree.norm(tree)
+    assert 6.0 < float(norm) < 9.0
+    # At exactly the limit optax rescales (by norm / norm, not always bit-exact 1): so must we.
+    for max_norm in (1.0, 0.5 * float(norm), float(norm), 2.0 * float(norm), 100.0):
+        ref, _ = optax.clip_by_global_norm(max_norm).update(tree, optax.EmptyState())
+        got = clip_by_norm(tree, norm, max_norm)
+        assert jax.tree.structure(got) == jax.tree.structure(tree)
+        for g, r, t in zip(jax.tree.leaves(got), jax.tree.leaves(ref), jax.tree.leaves(tree)):
+            assert g.dtype == t.dtype
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32))
+            if max_norm > float(norm):  # below the limit: untouched
+                np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(t, np.float32))
+        if max_norm < float(norm):  # above the limit: scaled down to the limit
+            assert float(optax.tree.norm(got)) == pytest.approx(max_norm, rel=1e-2)
+    assert clip_by_norm(tree, norm, None) is tree
+
+
+# ---- progress bar ---------------------------------------------------------------------------------
+
+PROGRESS_RUN = """
+model: {preset: tiny, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1,
+        num_attention_heads: 2, num_key_value_heads: 1}
+data: {seq_len: 16}
+train: {steps: 3, global_batch_size: 2, microbatch_size: 2, eval_every: 100, eval_at_start: false,
+        eval_batches: 1, log_every: 0}
+"""
+
+
+def test_progress_bar_shows_step_loss_and_throughput(tmp_path, capsys):
+    metrics = tmp_path / "m.jsonl"
+    rc = main(["--config", _write(tmp_path, PROGRESS_RUN), "--metrics-file", str(metrics), "--no-checkpoint"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    last = [json.loads(line) for line in metrics.read_text().splitlines() if '"step"' in line][-1]
+    assert last["kind"] == "step" and last["step"] == 3
+    # Not a tty: tqdm draws at start and close; the final bar carries the last step's postfix:
+    # "train: 100%|####| 3/3 [00:04<00:00,  1.33s/step, loss=10.364, tok/s=2.4k, val_loss=10.333]"
+    bars = re.findall(r"train: 100%\|[^|]*\| 3/3 \[[0-9:]+<[0-9:]+, +[0-9.]+(?:s/step|step/s), "
+                      r"loss=(\d+\.\d{3}), tok/s=([0-9.]+k?), val_loss=(\d+\.\d{3})\]", err)
+    assert bars, err
+    loss, rate, val_loss = bars[-1]
+    assert loss == f"{last['loss']:.3f}" and val_loss == f"{last['val_loss']:.3f}"
+    tps = last["tokens_per_s"]
+    assert rate == (f"{tps / 1000:.1f}k" if tps >= 1000 else f"{tps:.0f}")
+    assert "step 3/3: loss" in out  # the text line goes to stdout through the bar
 
 
 # ---- a real short training run ------------------------------------------------------------------
