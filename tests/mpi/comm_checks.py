@@ -230,6 +230,36 @@ def check_pytree(comm):
     comm.barrier()
 
 
+def check_repeated_channel(comm):
+    """The same dtype and shape again and again on one tag (the MPI bridge's fast paths), empty and
+    0-d arrays included, each received fresh and into out=; then a transposed (non-contiguous) array
+    of the same dtype and shape on that tag, which must arrive as its C-order values."""
+    cases = [np.zeros((0,), np.float32), np.array(3.5, np.float32),
+             np.arange(6, dtype=ml_dtypes.bfloat16).reshape(2, 3), np.arange(5000, dtype=np.int64)]
+    if comm.rank == 1:
+        for rep in range(3):
+            for i, a in enumerate(cases):
+                comm.send(a + rep, 2, tag=40 + i)
+                comm.send(a + rep, 2, tag=40 + i)
+        for k in range(3):
+            comm.send(np.full((4, 4), k, np.float32), 2, tag=45)
+        comm.send(np.arange(16, dtype=np.float32).reshape(4, 4).T, 2, tag=45)
+    elif comm.rank == 2:
+        for rep in range(3):
+            for i, a in enumerate(cases):
+                want = a + rep
+                assert_bits(comm.recv(1, tag=40 + i), want, f"repeat {rep} case {i}")
+                out = np.empty_like(want)
+                got = comm.recv(1, tag=40 + i, out=out)
+                assert_bits(got, want, f"repeat {rep} case {i} into out=")
+        out = np.empty((4, 4), np.float32)
+        for k in range(3):
+            assert comm.recv(1, tag=45, out=out) is out and np.all(out == k)
+        assert_bits(comm.recv(1, tag=45, out=out), np.arange(16, dtype=np.float32).reshape(4, 4).T,
+                    "transposed after contiguous ones")
+    comm.barrier()
+
+
 def check_timeout_and_errors(comm):
     r = comm.rank
     if r == 1:
