@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 import time
 from typing import Any
 
@@ -53,7 +54,7 @@ from .base import (HEADER_MAX, REDUCE_OPS, CommError, CommTimeoutError, Communic
                    Request, _NAME_OF as _SENDABLE, as_host_array, check_tag, dtype_from_name, encode_header, place, poll_until,
                    reduction_dtype)
 
-__all__ = ["MPIHostBridge", "DEFAULT_CHUNK_BYTES"]
+__all__ = ["MPIHostBridge", "DEFAULT_CHUNK_BYTES", "HOTPATH"]
 
 #: default payload chunk: 1 GiB, below MPI's 2**31-1 element count limit for MPI.BYTE.
 DEFAULT_CHUNK_BYTES = 1 << 30
@@ -69,6 +70,31 @@ _MPI_TYPES = {np.dtype(t): m for t, m in [
 
 
 _BYTE = MPI.BYTE
+_fromhandle = MPI.Request.fromhandle
+
+
+def _load_hotpath():
+    """The C hot path (``_hotpath.c``), or None: not built, turned off with the environment variable
+    ``HETHUB_COMM_HOTPATH=0``, or mpi4py runs on another MPI library or ABI than the one it was
+    compiled for (its handle constants must equal mpi4py's; it is not even imported unless mpi4py
+    runs on MPICH, so a second MPI library is never loaded)."""
+    if os.environ.get("HETHUB_COMM_HOTPATH", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    if not MPI.Get_library_version().startswith("MPICH"):
+        return None
+    try:
+        from . import _hotpath
+    except ImportError:
+        return None
+    mine = (_hotpath.COMM_WORLD, _hotpath.BYTE, _hotpath.REQUEST_NULL)
+    if mine != (MPI.COMM_WORLD.handle, MPI.BYTE.handle, MPI.REQUEST_NULL.handle):
+        return None
+    return _hotpath
+
+
+_hp = _load_hotpath()
+#: True when ``send`` and ``recv(out=)`` post and spin in C (``_hotpath.c``); False: pure Python.
+HOTPATH = _hp is not None
 _c_writeable = lambda flags: flags.c_contiguous and flags.writeable  # noqa: E731
 _DECODED: dict[bytes, tuple] = {}  # header buffer (zero padded) -> (Header, numpy dtype)
 
@@ -316,7 +342,7 @@ class MPIHostBridge(Communicator):
       spin_s: seconds a wait polls without sleeping before backing off (latency vs CPU use).
 
     Raises:
-      ValueError: chunk_bytes out of range.
+      ValueError: chunk_bytes out of range, or spin_s negative.
     """
 
     def __init__(self, comm: Any = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -326,7 +352,10 @@ class MPIHostBridge(Communicator):
             raise ValueError(f"chunk_bytes must be in [1, {_MAX_CHUNK}], got {chunk_bytes}")
         self._chunk_bytes = int(chunk_bytes)
         self._timeout = float(timeout)
-        self.spin_s = float(spin_s)
+        if not spin_s >= 0:
+            raise ValueError(f"spin_s must be >= 0 seconds, got {spin_s}")
+        self._spin_s = float(spin_s)
+        self._hot_spin = min(self._spin_s, self._timeout)  # C spin budget at the default timeout
         self._rank, self._size = self._comm.Get_rank(), self._comm.Get_size()
         tag_ub = self._comm.Get_attr(MPI.TAG_UB) or 32767
         self.max_tag = min(Communicator.max_tag, (tag_ub - 1) // 2 - _N_INTERNAL)
@@ -339,6 +368,14 @@ class MPIHostBridge(Communicator):
         # recv's fast path: (source, tag) -> (dtype, shape, header bytes) last accepted into out=
         self._expected: dict[tuple, tuple] = {}
         self._hscratch = bytearray(HEADER_MAX)
+        self._handle = self._comm.handle  # for the C hot path
+        # sends that timed out or failed: (requests, buffers kept alive until MPI is done with them)
+        self._abandoned: list[tuple[list, tuple]] = []
+
+    @property
+    def spin_s(self) -> float:
+        """Seconds a wait polls without sleeping before backing off (fixed at construction)."""
+        return self._spin_s
 
     @property
     def chunk_bytes(self) -> int:
@@ -380,40 +417,75 @@ class MPIHostBridge(Communicator):
         Fast path, taken when ``x`` is a C-contiguous numpy array of the dtype and shape that the
         last message on this tag had (one payload piece): the payload is posted before anything
         else (its transfer starts at once into a receive posted earlier), then the cached header,
-        and both are completed inline with no request object. Every Python operation between
-        posting and completing a large message adds to its time (module comment), and so does
-        any before posting on a channel whose receiver already waits. Otherwise: the general
-        path, which also fills this tag's cache.
+        with no request object; with the C hot path (``HOTPATH``) both are posted and polled for
+        up to ``spin_s`` seconds in C. Every Python operation before the payload is posted adds
+        to a large message's time (module comment). Otherwise: the general path, which also
+        fills this tag's cache.
         """
         ent = self._last_sent.get(tag)
         if (ent is not None and type(x) is np.ndarray and x.dtype is ent[0] and x.shape == ent[1]
                 and type(dest) is int and type(tag) is int and 0 <= dest < self._size
                 and x.flags.c_contiguous):
-            comm = self._comm
-            p = comm.Isend([x, _BYTE], dest, ent[3] + 1)
-            h = comm.Isend([ent[2], _BYTE], dest, ent[3])
-            every = self._progress if self._pending else None
-            if not p.Test():
-                deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
-                _poll(p.Test, deadline, lambda: self._describe_send(dest, tag), self.spin_s,
-                      every=every)
+            if _hp is not None and not self._pending:
+                r = _hp.send(self._handle, x, ent[2], dest, ent[3],
+                             self._hot_spin if timeout is None else min(timeout, self._spin_s))
+                if r is None:
+                    return
             else:
-                deadline = None
-            if not h.Test():
-                if deadline is None:
-                    deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
-                _poll(h.Test, deadline, lambda: self._describe_send(dest, tag), self.spin_s,
-                      every=every)
-            return
+                r = None
+            return self._send_rest(r, x, ent, dest, tag, timeout)
         if type(tag) is not int or not 0 <= tag <= self.max_tag:
             tag = check_tag(tag, self.max_tag)
         req = self._isend_part(x, dest, tag, 0, 1)
         arr, hdr = req._keep
-        req.wait(timeout)
+        try:
+            req.wait(timeout)
+        except CommError:
+            self._abandon(req._reqs, req._keep)
+            raise
         if arr.nbytes <= self._chunk_bytes:  # one piece: later sends of this kind go fast
             if len(self._last_sent) >= 4096:
                 self._last_sent.clear()
             self._last_sent[tag] = (arr.dtype, arr.shape, hdr, 2 * tag)
+
+    def _send_rest(self, r: tuple | None, x: np.ndarray, ent: tuple, dest: int, tag: int,
+                   timeout: float | None) -> None:
+        """send's fast path after the C spin (``r``: its result) or without C (``r`` None)."""
+        t = self._timeout if timeout is None else timeout
+        spin = self._spin_s
+        if r is None:  # pure Python: post here
+            p = self._comm.Isend([x, _BYTE], dest, ent[3] + 1)
+            h = self._comm.Isend([ent[2], _BYTE], dest, ent[3])
+        else:  # still in flight after the C spin, or an MPI error
+            p, h = _fromhandle(r[1]), _fromhandle(r[2])
+            if r[0]:
+                self._abandon([p, h], (x, ent[2]))
+                raise CommError(f"{self._describe_send(dest, tag)} failed in MPI: "
+                                f"{MPI.Get_error_string(r[0])}")
+            t, spin = t - min(t, spin), 0.0
+        every = self._progress if self._pending else None
+        deadline = None
+        try:
+            if not p.Test():
+                deadline = time.monotonic() + t
+                _poll(p.Test, deadline, lambda: self._describe_send(dest, tag), spin, every=every)
+            if not h.Test():
+                if deadline is None:
+                    deadline = time.monotonic() + t
+                _poll(h.Test, deadline, lambda: self._describe_send(dest, tag), spin, every=every)
+        except CommError:
+            self._abandon([p, h], (x, ent[2]))
+            raise
+
+    def _abandon(self, reqs: list, keep: tuple) -> None:
+        """Keep the buffers of a send that raised (timeout, MPI error) alive while MPI may still
+        read them; entries are dropped once their requests complete (tested here and in barrier)."""
+        self._reap()
+        self._abandoned.append((list(reqs), keep))
+
+    def _reap(self) -> None:
+        if self._abandoned:
+            self._abandoned = [e for e in self._abandoned if not MPI.Request.Testall(e[0])]
 
     def _describe_send(self, dest: int, tag: int) -> str:
         return f"send from rank {self._rank} to rank {dest} (tag {tag})"
@@ -422,9 +494,10 @@ class MPIHostBridge(Communicator):
              out: np.ndarray | None = None, timeout: float | None = None) -> Any:
         """``Communicator.recv``: ``irecv(...).wait(timeout)``.
 
-        Fast path, taken for a receive into ``out=`` (C-contiguous, writeable) while no other
-        receive of this bridge waits for its header: payload and header receives are posted first
-        of all, completed inline with no request object, and only once the payload has landed is
+        Fast path, taken for a receive into ``out=`` (C-contiguous, writeable, one payload piece)
+        while no other receive of this bridge waits for its header: payload and header receives
+        are posted first of all (with the C hot path, ``HOTPATH``, posted and polled for up to
+        ``spin_s`` seconds in C), with no request object, and only once the payload has landed is
         the header compared with the one this channel last delivered into such an ``out=`` (one
         byte comparison; work while a large message is in flight would stall its copy). A first
         or different header, or a message in several pieces, continues on the general path, which
@@ -432,51 +505,76 @@ class MPIHostBridge(Communicator):
         """
         if (type(out) is np.ndarray and type(tag) is int and type(source) is int
                 and not self._pending and 0 <= tag <= self.max_tag and 0 <= source < self._size
-                and 0 < out.nbytes <= _MAX_CHUNK and _c_writeable(out.flags)
-                and (device is None or sharding is None)):
-            comm, hbuf = self._comm, self._hscratch
-            pre = comm.Irecv([out, _BYTE], source, 2 * tag + 1)
-            hreq = comm.Irecv([hbuf, _BYTE], source, 2 * tag)
-            deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
+                and 0 < out.nbytes <= _MAX_CHUNK and (device is None or sharding is None)):
+            hbuf, ent = self._hscratch, self._expected.get((source, tag))
+            r = ()  # (): nothing posted
+            if _hp is not None:
+                try:  # C checks that out= is C-contiguous and writeable
+                    r = _hp.recv(self._handle, out, hbuf, source, 2 * tag,
+                                 self._hot_spin if timeout is None else min(timeout, self._spin_s))
+                except BufferError:
+                    r = ()
+                else:
+                    if (r is None and ent is not None and hbuf.startswith(ent[2])
+                            and ent[0] is out.dtype and ent[1] == out.shape):
+                        return out if device is None and sharding is None else \
+                            place(out, device, sharding)
+            if r != () or _c_writeable(out.flags):
+                return self._recv_rest(r, out, hbuf, ent, source, tag, device, sharding, timeout)
+        if type(tag) is not int or not 0 <= tag <= self.max_tag:
+            tag = check_tag(tag, self.max_tag)
+        if device is not None and sharding is not None:
+            raise ValueError("give at most one of device= and sharding=")
+        return self._post(source, tag, False, device, sharding, out).wait(timeout)
+
+    def _recv_rest(self, r: tuple | None, out: np.ndarray, hbuf: bytearray, ent: tuple | None,
+                   source: int, tag: int, device: Any, sharding: Any, timeout: float | None
+                   ) -> Any:
+        """recv's fast path after the C spin (``r``: its result; None: both arrived) or without C
+        (``r`` is ``()``): finish the receive, compare the header, or hand over to the general
+        path."""
+        t = self._timeout if timeout is None else timeout
+        spin, ok, pending = self._spin_s, True, True
+        if r == ():  # pure Python: post here
+            pre = self._comm.Irecv([out, _BYTE], source, 2 * tag + 1)
+            hreq = self._comm.Irecv([hbuf, _BYTE], source, 2 * tag)
+        elif r is None:  # both arrived; the header differs from ent's (or there is no ent)
+            pre, hreq, pending = MPI.Request(), MPI.Request(), False
+        else:  # still in flight after the C spin, or an MPI error (e.g. truncated: larger than out=)
+            pre, hreq = _fromhandle(r[1]), _fromhandle(r[2])
+            ok = not r[0]
+            t, spin = t - min(t, spin), 0.0
+        deadline = time.monotonic() + t
+        if pending and ok:
             # the header, then the payload; the header is checked only once the payload has
             # landed: work done while a large message is in flight would stall its copy
-            ok = True
             try:
                 if not hreq.Test():
-                    _poll(hreq.Test, deadline, lambda: self._describe_recv(source, tag, False),
-                          self.spin_s)
+                    _poll(hreq.Test, deadline, lambda: self._describe_recv(source, tag, False), spin)
                 if not pre.Test():
-                    _poll(pre.Test, deadline, lambda: self._describe_recv(source, tag, True),
-                          self.spin_s)
+                    _poll(pre.Test, deadline, lambda: self._describe_recv(source, tag, True), spin)
             except CommTimeoutError:
                 _cancel(hreq)
                 _cancel(pre)
                 raise
             except (CommError, MPI.Exception):  # e.g. truncated: a larger message than out=
                 ok = False  # the general path names both sides from the header
-            key = (source, tag)
-            ent = self._expected.get(key)
-            if (ok and ent is not None and ent[0] is out.dtype and ent[1] == out.shape
-                    and hbuf.startswith(ent[2])):
+            if (ok and ent is not None and hbuf.startswith(ent[2]) and ent[0] is out.dtype
+                    and ent[1] == out.shape):
                 return out if device is None and sharding is None else place(out, device, sharding)
-            # first time on this channel with such an out=, another header, or more pieces:
-            # decode and check on the general path
-            req = _RecvRequest(self, source, tag, False, device, sharding, out,
-                               posted=(bytearray(hbuf), hreq, pre))
-            hbuf[:] = bytes(HEADER_MAX)
-            result = req.wait(max(deadline - time.monotonic(), 0.0))
-            h = req._header
-            if h.nbytes <= h.chunk_bytes and h.part == 0 and h.parts == 1:
-                if len(self._expected) >= 4096:
-                    self._expected.clear()
-                self._expected[key] = (out.dtype, out.shape,
-                                       encode_header(out, tag, h.chunk_bytes, 0, 1))
-            return result
-        if type(tag) is not int or not 0 <= tag <= self.max_tag:
-            tag = check_tag(tag, self.max_tag)
-        if device is not None and sharding is not None:
-            raise ValueError("give at most one of device= and sharding=")
-        return self._post(source, tag, False, device, sharding, out).wait(timeout)
+        # first time on this channel with such an out=, another header, or more pieces:
+        # decode and check on the general path
+        req = _RecvRequest(self, source, tag, False, device, sharding, out,
+                           posted=(bytearray(hbuf), hreq, pre))
+        hbuf[:] = bytes(HEADER_MAX)
+        result = req.wait(max(deadline - time.monotonic(), 0.0))
+        h = req._header
+        if h.nbytes <= h.chunk_bytes and h.part == 0 and h.parts == 1:
+            if len(self._expected) >= 4096:
+                self._expected.clear()
+            self._expected[(source, tag)] = (out.dtype, out.shape,
+                                             encode_header(out, tag, h.chunk_bytes, 0, 1))
+        return result
 
     def _describe_recv(self, source: int, tag: int, header: bool) -> str:
         return (f"recv on rank {self._rank} from rank {source} (tag {tag})"
@@ -602,6 +700,7 @@ class MPIHostBridge(Communicator):
         return place(out, device, sharding)
 
     def barrier(self, *, timeout: float | None = None) -> None:
+        self._reap()
         _CollRequest(self, "barrier").wait(self._comm.Ibarrier(), self._deadline(timeout))
 
     def split(self, color: int | None, key: int = 0, *, timeout: float | None = None
