@@ -2,7 +2,9 @@
 
 - ``local``: LocalCommunicator.create(4), one thread per logical rank, in this process.
 - ``mpi``: MPIHostBridge with 1 MiB chunks, `mpiexec -n 4 python tests/mpi/run_contract.py` launched
-  once per session; each check's verdict is read from its output lines.
+  once per session; each check's verdict is read from its output lines. The C hot path of the
+  bridge (``hethub_jax/comm/_hotpath.c``) must be built and in use.
+- ``mpi_python``: the same with ``HETHUB_COMM_HOTPATH=0``: the bridge's pure-Python paths.
 """
 
 from __future__ import annotations
@@ -83,26 +85,30 @@ def run_local(check, n=comm_checks.SIZE, timeout=60.0):
         raise AssertionError(f"rank {rank} failed: {type(err).__name__}: {err}") from err
 
 
-@pytest.fixture(scope="module")
-def mpi_results(tmp_path_factory):
+MPI_BACKENDS = {"mpi": "1", "mpi_python": "0"}  # backend -> HETHUB_COMM_HOTPATH
+
+
+@pytest.fixture(scope="module", params=list(MPI_BACKENDS))
+def mpi_results(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("contract")
     proc = run_mpi([str(HERE / "mpi" / "run_contract.py")], comm_checks.SIZE, timeout=240,
-                   env={"RESULTS_DIR": str(out)})
+                   env={"RESULTS_DIR": str(out), "HETHUB_COMM_HOTPATH": MPI_BACKENDS[request.param]})
     results: dict[str, dict[int, str]] = {}
     for f in out.glob("rank*.txt"):
         for line in f.read_text().splitlines():
             _, name, rank, verdict = (line.split(" ", 3) + [""])[:4]
             results.setdefault(name, {})[int(rank)] = verdict
-    return proc, results
+    return request.param, proc, results
 
 
 @pytest.mark.parametrize("name", CHECKS)
-@pytest.mark.parametrize("backend", ["local", "mpi"])
-def test_contract(backend, name, request):
-    if backend == "local":
-        run_local(comm_checks.CHECKS[name])
-        return
-    proc, results = request.getfixturevalue("mpi_results")
+def test_contract_local(name):
+    run_local(comm_checks.CHECKS[name])
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_contract_mpi(mpi_results, name):
+    _, proc, results = mpi_results
     got = results.get(name, {})
     tail = (proc.stdout[-3000:] + "\n" + proc.stderr[-3000:])
     assert set(got) == set(range(comm_checks.SIZE)), f"missing ranks for {name}:\n{tail}"
@@ -111,11 +117,16 @@ def test_contract(backend, name, request):
 
 
 @pytest.mark.mpi
-def test_mpi_only_chunking_and_clean_exit(mpi_results):
-    proc, results = mpi_results
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert results.get("chunking_mpi") == {r: "PASS" for r in range(comm_checks.SIZE)}
+def test_mpi_only_checks_and_clean_exit(mpi_results):
+    backend, proc, results = mpi_results
+    tail = proc.stdout[-3000:] + "\n" + proc.stderr[-3000:]
+    assert proc.returncode == 0, tail
+    for name in ("chunking_mpi", "fast_path_timeouts_mpi"):
+        assert results.get(name) == {r: "PASS" for r in range(comm_checks.SIZE)}, (name, tail)
     assert "pending" not in proc.stderr, proc.stderr[-2000:]  # no request left behind
+    # the C hot path is built by the install and used unless turned off
+    want = "ON" if backend == "mpi" else "OFF"
+    assert results.get("hotpath") == {r: want for r in range(comm_checks.SIZE)}, tail
 
 
 # ---- pieces that need no second rank --------------------------------------------------------

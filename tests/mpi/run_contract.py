@@ -1,6 +1,7 @@
 """Run the contract checks (comm_checks.py) on MPIHostBridge: `mpiexec -n 4 python run_contract.py`.
 
-Uses chunk_bytes = 1 MiB so large messages travel in several chunks. Prints one line per check and
+Uses chunk_bytes = 1 MiB so large messages travel in several chunks. First line per rank:
+"RESULT hotpath <rank> ON|OFF" (whether the C hot path of the bridge is in use). Prints one line per check and
 rank: "RESULT <check> <rank> PASS" or "RESULT <check> <rank> FAIL <error>", also written to
 $RESULTS_DIR/rank<R>.txt when that variable is set (stdout lines of ranks may interleave). Optional
 arguments name the checks to run (default: all). Exits 0 even when checks fail.
@@ -8,6 +9,7 @@ arguments name the checks to run (default: all). Exits 0 even when checks fail.
 import math
 import os
 import sys
+import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -17,7 +19,7 @@ sys.path.insert(0, HERE)
 import numpy as np  # noqa: E402
 
 import comm_checks  # noqa: E402
-from hethub_jax.comm.mpi import MPIHostBridge  # noqa: E402
+from hethub_jax.comm.mpi import HOTPATH, MPIHostBridge  # noqa: E402
 
 MiB = 1 << 20
 
@@ -36,13 +38,59 @@ def check_chunking(comm):
     comm.barrier()
 
 
+def check_fast_path_timeouts(comm):
+    """MPI only: a send and a recv(out=) on warmed channels (the fast paths, and the C hot path when
+    built) time out with the peer and tag named; the timed-out send's buffer stays alive until
+    the message is received later, and the channels keep working."""
+    from hethub_jax.comm.base import CommTimeoutError
+
+    a = np.arange(2 * MiB // 4, dtype=np.float32)  # above MPICH's eager limit: needs the receiver
+    if comm.rank == 0:
+        for k in range(3):
+            comm.send(a + k, 1, tag=50)
+        try:
+            comm.send(a + 3, 1, tag=50, timeout=0.3)
+        except CommTimeoutError as e:
+            assert "rank 1" in str(e) and "tag 50" in str(e), str(e)
+        else:
+            raise AssertionError("send without a receiver did not time out")
+        assert len(comm._abandoned) == 1
+    elif comm.rank == 1:
+        out = np.empty_like(a)
+        for k in range(3):
+            assert comm.recv(0, tag=50, out=out) is out and np.array_equal(out, a + k)
+        try:
+            comm.recv(2, tag=51, out=out, timeout=0.3)
+        except CommTimeoutError as e:
+            assert "rank 2" in str(e) and "tag 51" in str(e), str(e)
+        else:
+            raise AssertionError("recv(out=) without a sender did not time out")
+    comm.barrier()
+    if comm.rank == 1:  # the timed-out send, received late: its buffer was kept alive
+        out = np.empty_like(a)
+        assert comm.recv(0, tag=50, out=out) is out and np.array_equal(out, a + 3)
+        assert comm.recv(2, tag=51, out=out[:4]) is not None and np.array_equal(out[:4], a[:4])
+    elif comm.rank == 2:
+        comm.send(a[:4], 1, tag=51)
+    comm.barrier()
+    deadline = time.monotonic() + 10  # the receiver has the message: the send completes
+    while comm._abandoned and time.monotonic() < deadline:
+        comm._reap()
+    assert not comm._abandoned, "a completed send was not released"
+
+
 def main():
     comm = MPIHostBridge(chunk_bytes=MiB, timeout=30)
     assert comm.size == comm_checks.SIZE, f"run with {comm_checks.SIZE} ranks"
-    checks = dict(comm_checks.CHECKS, chunking_mpi=check_chunking)
+    checks = dict(comm_checks.CHECKS, chunking_mpi=check_chunking,
+                  fast_path_timeouts_mpi=check_fast_path_timeouts)
     names = sys.argv[1:] or list(checks)
     out_dir = os.environ.get("RESULTS_DIR")
     log = open(os.path.join(out_dir, f"rank{comm.rank}.txt"), "w") if out_dir else None
+    line = f"RESULT hotpath {comm.rank} {'ON' if HOTPATH else 'OFF'}"  # C hot path in use?
+    print(line, flush=True)
+    if log:
+        log.write(line + "\n")
     for name in names:
         try:
             checks[name](comm)
