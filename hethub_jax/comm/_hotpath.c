@@ -96,34 +96,46 @@ PyDoc_STRVAR(send_doc,
 "while keeping both buffers alive. Raises BufferError (not C-contiguous) or ValueError (too large)\n"
 "before posting anything.");
 
-static PyObject *hp_send(PyObject *self, PyObject *args) {
+/* send() and recv(): args (comm, data, header, peer, tag2, spin_s). Posts data on MPI tag tag2+1
+ * and header on tag2, then spins: a send tests data first, a receive the header first. */
+static PyObject *post_and_spin(PyObject *args, int is_recv) {
     unsigned long long comm_h;
-    PyObject *payload, *header;
-    int dest, tag2;
+    PyObject *data, *header;
+    int peer, tag2;
     double spin_s;
-    if (!PyArg_ParseTuple(args, "KOOiid", &comm_h, &payload, &header, &dest, &tag2, &spin_s))
+    if (!PyArg_ParseTuple(args, "KOOiid", &comm_h, &data, &header, &peer, &tag2, &spin_s))
         return NULL;
-    Py_buffer pb, hb;
-    if (PyObject_GetBuffer(payload, &pb, PyBUF_C_CONTIGUOUS) < 0)
+    int wflag = is_recv ? PyBUF_WRITABLE : 0;
+    Py_buffer db, hb;
+    if (PyObject_GetBuffer(data, &db, PyBUF_C_CONTIGUOUS | wflag) < 0)
         return NULL;
-    if (check_len(&pb) < 0 || PyObject_GetBuffer(header, &hb, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&pb);
+    if (check_len(&db) < 0 || PyObject_GetBuffer(header, &hb, PyBUF_SIMPLE | wflag) < 0) {
+        PyBuffer_Release(&db);
         return NULL;
     }
     MPI_Comm comm = PY_TO_HANDLE(MPI_Comm, comm_h);
-    MPI_Request r[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+    MPI_Request r[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL}; /* in test order */
+    MPI_Request *rd = &r[is_recv ? 1 : 0], *rh = &r[is_recv ? 0 : 1];
     int err = MPI_SUCCESS, done = 0;
     Py_BEGIN_ALLOW_THREADS
-    err = MPI_Isend(pb.buf, (int)pb.len, MPI_BYTE, dest, tag2 + 1, comm, &r[0]);
-    if (err == MPI_SUCCESS)
-        err = MPI_Isend(hb.buf, (int)hb.len, MPI_BYTE, dest, tag2, comm, &r[1]);
+    if (is_recv) {
+        err = MPI_Irecv(db.buf, (int)db.len, MPI_BYTE, peer, tag2 + 1, comm, rd);
+        if (err == MPI_SUCCESS)
+            err = MPI_Irecv(hb.buf, (int)hb.len, MPI_BYTE, peer, tag2, comm, rh);
+    } else {
+        err = MPI_Isend(db.buf, (int)db.len, MPI_BYTE, peer, tag2 + 1, comm, rd);
+        if (err == MPI_SUCCESS)
+            err = MPI_Isend(hb.buf, (int)hb.len, MPI_BYTE, peer, tag2, comm, rh);
+    }
     if (err == MPI_SUCCESS)
         done = spin(r, 2, spin_s, &err);
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&pb);
+    PyBuffer_Release(&db);
     PyBuffer_Release(&hb);
-    return result(done, err, r[0], r[1]);
+    return result(done, err, *rd, *rh);
 }
+
+static PyObject *hp_send(PyObject *self, PyObject *args) { return post_and_spin(args, 0); }
 
 PyDoc_STRVAR(recv_doc,
 "recv(comm, out, hbuf, source, tag2, spin_s) -> None | (err, payload_req, header_req)\n\n"
@@ -132,34 +144,7 @@ PyDoc_STRVAR(recv_doc,
 "first) for at most spin_s seconds without the GIL. None: both arrived (contents unchecked).\n"
 "Otherwise as send(). Raises BufferError or ValueError before posting anything.");
 
-static PyObject *hp_recv(PyObject *self, PyObject *args) {
-    unsigned long long comm_h;
-    PyObject *out, *hbuf;
-    int source, tag2;
-    double spin_s;
-    if (!PyArg_ParseTuple(args, "KOOiid", &comm_h, &out, &hbuf, &source, &tag2, &spin_s))
-        return NULL;
-    Py_buffer ob, hb;
-    if (PyObject_GetBuffer(out, &ob, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
-        return NULL;
-    if (check_len(&ob) < 0 || PyObject_GetBuffer(hbuf, &hb, PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&ob);
-        return NULL;
-    }
-    MPI_Comm comm = PY_TO_HANDLE(MPI_Comm, comm_h);
-    MPI_Request r[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL}; /* header, payload: test order */
-    int err = MPI_SUCCESS, done = 0;
-    Py_BEGIN_ALLOW_THREADS
-    err = MPI_Irecv(ob.buf, (int)ob.len, MPI_BYTE, source, tag2 + 1, comm, &r[1]);
-    if (err == MPI_SUCCESS)
-        err = MPI_Irecv(hb.buf, (int)hb.len, MPI_BYTE, source, tag2, comm, &r[0]);
-    if (err == MPI_SUCCESS)
-        done = spin(r, 2, spin_s, &err);
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&ob);
-    PyBuffer_Release(&hb);
-    return result(done, err, r[1], r[0]);
-}
+static PyObject *hp_recv(PyObject *self, PyObject *args) { return post_and_spin(args, 1); }
 
 static PyMethodDef methods[] = {
     {"send", hp_send, METH_VARARGS, send_doc},
