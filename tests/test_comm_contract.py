@@ -121,7 +121,7 @@ def test_mpi_only_checks_and_clean_exit(mpi_results):
     backend, proc, results = mpi_results
     tail = proc.stdout[-3000:] + "\n" + proc.stderr[-3000:]
     assert proc.returncode == 0, tail
-    for name in ("chunking_mpi", "fast_path_timeouts_mpi"):
+    for name in ("chunking_mpi", "fast_path_timeouts_mpi", "fast_paths_taken_mpi"):
         assert results.get(name) == {r: "PASS" for r in range(comm_checks.SIZE)}, (name, tail)
     assert "pending" not in proc.stderr, proc.stderr[-2000:]  # no request left behind
     # the C hot path is built by the install and used unless turned off

@@ -8,11 +8,17 @@
  * a few hundred nanoseconds. Measured on a 1 MiB ping-pong: 0.92-0.93 of raw mpi4py Send/Recv
  * with the Python paths, 0.98 with this module (docs/benchmarks.md).
  *
- * Scope: only the posting of the two messages of the bridge's wire protocol (payload on MPI tag
- * tag2+1, header on tag2; see mpi.py) and a bounded busy-poll (spin) on them. All checks (dtype,
- * shape, header contents), deadlines, timeouts, cancellation and errors stay in Python: when the
- * spin budget runs out or MPI reports an error, the functions return the still-active request
- * handles and mpi.py continues with mpi4py Request objects made from them.
+ * Scope: the fast paths of repeated messages, whole: the checks that decide whether a call may
+ * take them (exact numpy.ndarray, C-contiguous, the dtype object and shape of the entry its tag
+ * or channel last used, ranks and tags in range, no receive waiting for its header), the posting
+ * of the two messages of the bridge's wire protocol (payload on MPI tag tag2+1, header on tag2;
+ * see mpi.py), a bounded busy-poll (spin) on them and, for a receive, the comparison of the
+ * arrived header with the expected one. A call that does not qualify returns False before
+ * posting anything and mpi.py takes its general path. Deadlines, timeouts, cancellation, header
+ * decoding and error messages stay in Python: when the spin budget runs out or MPI reports an
+ * error, the functions return the still-active request handles and mpi.py continues with mpi4py
+ * Request objects made from them. The bridge's state (dicts, scratch buffer) stays Python
+ * objects, owned and updated by mpi.py; this module only reads them.
  *
  * ABI: handles are passed as the integers mpi4py's `.handle` gives (MPICH: the C int,
  * sign-extended to 64 bits). mpi.py imports this module only after checking that COMM_WORLD,
@@ -24,7 +30,12 @@
 #include <limits.h>
 #include <sched.h>
 #include <stdint.h>
+#include <string.h>
 #include <time.h>
+
+/* Version of the calls mpi.py makes (send/recv/init and the state tuple); mpi.py ignores a
+ * module built from another version (e.g. a stale in-place build) and runs its Python paths. */
+#define HOTPATH_INTERFACE 2
 
 static double now_s(void) {
     struct timespec ts;
@@ -79,76 +90,275 @@ static PyObject *result(int done, int err, MPI_Request payload, MPI_Request head
     return t;
 }
 
-static int check_len(Py_buffer *b) {
-    if (b->len > INT_MAX) {
-        PyErr_SetString(PyExc_ValueError, "payload above 2**31-1 bytes: use the chunked path");
+/* The bridge's fixed per-communicator state, a tuple built once in MPIHostBridge.__init__:
+ * (comm handle, last_sent dict, pending dict, size, max_tag, hot_spin_s, spin_s, hscratch, expected).
+ * The dicts and the bytearray are the bridge's own objects (mutated in place, never replaced). */
+typedef struct {
+    MPI_Comm comm;
+    PyObject *last_sent, *pending, *hscratch, *expected; /* borrowed from the tuple */
+    long size, max_tag;
+    double hot_spin, spin_s;
+} state_t;
+
+static PyObject *ndarray_type; /* numpy.ndarray, set by init() */
+static PyObject *str_dtype;    /* interned "dtype" */
+
+static int parse_state(PyObject *st, state_t *s) {
+    if (!PyTuple_CheckExact(st) || PyTuple_GET_SIZE(st) != 9) {
+        PyErr_SetString(PyExc_TypeError, "_hotpath: bad bridge state tuple");
+        return -1;
+    }
+    s->comm = PY_TO_HANDLE(MPI_Comm, PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(st, 0)));
+    s->last_sent = PyTuple_GET_ITEM(st, 1);
+    s->pending = PyTuple_GET_ITEM(st, 2);
+    s->size = PyLong_AsLong(PyTuple_GET_ITEM(st, 3));
+    s->max_tag = PyLong_AsLong(PyTuple_GET_ITEM(st, 4));
+    s->hot_spin = PyFloat_AsDouble(PyTuple_GET_ITEM(st, 5));
+    s->spin_s = PyFloat_AsDouble(PyTuple_GET_ITEM(st, 6));
+    s->hscratch = PyTuple_GET_ITEM(st, 7);
+    s->expected = PyTuple_GET_ITEM(st, 8);
+    if (PyErr_Occurred())
+        return -1;
+    if (!PyDict_Check(s->last_sent) || !PyDict_Check(s->pending) || !PyDict_Check(s->expected)) {
+        PyErr_SetString(PyExc_TypeError, "_hotpath: bad bridge state tuple");
         return -1;
     }
     return 0;
 }
 
-PyDoc_STRVAR(send_doc,
-"send(comm, payload, header, dest, tag2, spin_s) -> None | (err, payload_req, header_req)\n\n"
-"Post MPI_Isend of payload's bytes (C-contiguous buffer, < 2**31 bytes) on MPI tag tag2+1, then\n"
-"of header's bytes on tag2, to rank dest of communicator handle comm; test them (payload first)\n"
-"for at most spin_s seconds without the GIL. None: both sent. Otherwise the MPI error code (0 if\n"
-"the time ran out) and the handles of the requests still active, which the caller must complete\n"
-"while keeping both buffers alive. Raises BufferError (not C-contiguous) or ValueError (too large)\n"
-"before posting anything.");
-
-/* send() and recv(): args (comm, data, header, peer, tag2, spin_s). Posts data on MPI tag tag2+1
- * and header on tag2, then spins: a send tests data first, a receive the header first. */
-static PyObject *post_and_spin(PyObject *args, int is_recv) {
-    unsigned long long comm_h;
-    PyObject *data, *header;
-    int peer, tag2;
-    double spin_s;
-    if (!PyArg_ParseTuple(args, "KOOiid", &comm_h, &data, &header, &peer, &tag2, &spin_s))
-        return NULL;
-    int wflag = is_recv ? PyBUF_WRITABLE : 0;
-    Py_buffer db, hb;
-    if (PyObject_GetBuffer(data, &db, PyBUF_C_CONTIGUOUS | wflag) < 0)
-        return NULL;
-    if (check_len(&db) < 0 || PyObject_GetBuffer(header, &hb, PyBUF_SIMPLE | wflag) < 0) {
-        PyBuffer_Release(&db);
-        return NULL;
+/* A plain (not bool) Python int in [0, hi] as a C int; -1 if it is not one (no error set). */
+static int small_int(PyObject *v, long hi) {
+    if (!PyLong_CheckExact(v))
+        return -1;
+    long x = PyLong_AsLong(v);
+    if (x == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return -1;
     }
-    MPI_Comm comm = PY_TO_HANDLE(MPI_Comm, comm_h);
+    return (x < 0 || x > hi || x > INT_MAX) ? -1 : (int)x;
+}
+
+/* Spin budget of one call: hot_spin when timeout is None, else min(timeout, spin_s); -1 when
+ * timeout is not a number >= 0 (no error set: the Python path validates and reports it). */
+static double spin_budget(const state_t *s, PyObject *timeout) {
+    if (timeout == Py_None)
+        return s->hot_spin;
+    double t = PyFloat_AsDouble(timeout);
+    if (t == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return -1.0;
+    }
+    if (!(t >= 0.0))
+        return -1.0;
+    return t < s->spin_s ? t : s->spin_s;
+}
+
+/* 1 if array x (buffer b) has exactly the dtype object `dtype` (identity, as Python's `is`) and
+ * the shape in tuple `shape`; 0 if not; -1 with an error set. */
+static int same_kind(PyObject *x, const Py_buffer *b, PyObject *dtype, PyObject *shape) {
+    PyObject *d = PyObject_GetAttr(x, str_dtype);
+    if (d == NULL)
+        return -1;
+    int same = d == dtype;
+    Py_DECREF(d);
+    if (!same || !PyTuple_CheckExact(shape) || PyTuple_GET_SIZE(shape) != b->ndim)
+        return 0;
+    for (int i = 0; i < b->ndim; i++) {
+        Py_ssize_t n = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i));
+        if (n == -1 && PyErr_Occurred())
+            return -1;
+        if (n != b->shape[i])
+            return 0;
+    }
+    return 1;
+}
+
+/* Post the bridge's two messages (data on MPI tag tag2+1, header on tag2) to or from peer and
+ * spin on them without the GIL: a send tests the payload first, a receive the header first.
+ * Returns None if both completed, else the (err, payload, header) tuple of result(). */
+static PyObject *post_and_spin(MPI_Comm comm, Py_buffer *db, void *hbuf, int hlen, int peer,
+                               int tag2, double spin_s, int is_recv, int *completed) {
     MPI_Request r[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL}; /* in test order */
     MPI_Request *rd = &r[is_recv ? 1 : 0], *rh = &r[is_recv ? 0 : 1];
     int err = MPI_SUCCESS, done = 0;
     Py_BEGIN_ALLOW_THREADS
     if (is_recv) {
-        err = MPI_Irecv(db.buf, (int)db.len, MPI_BYTE, peer, tag2 + 1, comm, rd);
+        err = MPI_Irecv(db->buf, (int)db->len, MPI_BYTE, peer, tag2 + 1, comm, rd);
         if (err == MPI_SUCCESS)
-            err = MPI_Irecv(hb.buf, (int)hb.len, MPI_BYTE, peer, tag2, comm, rh);
+            err = MPI_Irecv(hbuf, hlen, MPI_BYTE, peer, tag2, comm, rh);
     } else {
-        err = MPI_Isend(db.buf, (int)db.len, MPI_BYTE, peer, tag2 + 1, comm, rd);
+        err = MPI_Isend(db->buf, (int)db->len, MPI_BYTE, peer, tag2 + 1, comm, rd);
         if (err == MPI_SUCCESS)
-            err = MPI_Isend(hb.buf, (int)hb.len, MPI_BYTE, peer, tag2, comm, rh);
+            err = MPI_Isend(hbuf, hlen, MPI_BYTE, peer, tag2, comm, rh);
     }
     if (err == MPI_SUCCESS)
         done = spin(r, 2, spin_s, &err);
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&db);
-    PyBuffer_Release(&hb);
+    *completed = done && err == MPI_SUCCESS;
     return result(done, err, *rd, *rh);
 }
 
-static PyObject *hp_send(PyObject *self, PyObject *args) { return post_and_spin(args, 0); }
+/* Get x's buffer if x is an exact numpy.ndarray that is C-contiguous (and writable if asked) with
+ * 0 < bytes <= 2**31-1 (min_len 1) or 0 <= bytes (min_len 0). 1: got it; 0: not such an array
+ * (no error set). */
+static int array_buffer(PyObject *x, Py_buffer *b, int writable, Py_ssize_t min_len) {
+    if ((PyObject *)Py_TYPE(x) != ndarray_type)
+        return 0;
+    if (PyObject_GetBuffer(x, b, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) {
+        PyErr_Clear(); /* not C-contiguous, read-only, or a dtype without buffer export */
+        return 0;
+    }
+    if (b->len < min_len || b->len > INT_MAX) {
+        PyBuffer_Release(b);
+        return 0;
+    }
+    return 1;
+}
+
+PyDoc_STRVAR(send_doc,
+"send(state, x, dest, tag, timeout) -> None | False | (err, payload_req, header_req)\n\n"
+"MPIHostBridge.send's fast path. If no receive waits for its header (state's pending dict is\n"
+"empty), x is a C-contiguous numpy.ndarray whose dtype (the same object) and shape are those of\n"
+"the entry last_sent[tag] = (dtype, shape, header bytes, MPI header tag) and dest is a rank:\n"
+"post MPI_Isend of x's bytes on the MPI header tag + 1, then of the header, and test them\n"
+"(payload first) without the GIL for at most spin_s seconds (state's hot spin when timeout is\n"
+"None, else min(timeout, spin_s)). None: both sent. False: not applicable, nothing posted (the\n"
+"caller takes its general path). Otherwise the MPI error code (0 if the time ran out) and the\n"
+"handles of the requests still active, which the caller must complete while keeping x and the\n"
+"header alive.");
+
+static PyObject *hp_send(PyObject *self, PyObject *args) {
+    PyObject *st, *x, *dest, *tag, *timeout;
+    if (!PyArg_UnpackTuple(args, "send", 5, 5, &st, &x, &dest, &tag, &timeout))
+        return NULL;
+    state_t s;
+    if (parse_state(st, &s) < 0)
+        return NULL;
+    if (PyDict_GET_SIZE(s.pending) != 0)
+        Py_RETURN_FALSE;
+    int peer = small_int(dest, s.size - 1);
+    double spin_s = spin_budget(&s, timeout);
+    if (peer < 0 || !PyLong_CheckExact(tag) || spin_s < 0.0)
+        Py_RETURN_FALSE;
+    PyObject *ent = PyDict_GetItemWithError(s.last_sent, tag); /* borrowed */
+    if (ent == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_FALSE;
+    }
+    if (!PyTuple_CheckExact(ent) || PyTuple_GET_SIZE(ent) != 4 ||
+        !PyBytes_CheckExact(PyTuple_GET_ITEM(ent, 2))) {
+        PyErr_SetString(PyExc_TypeError, "_hotpath: bad last_sent entry");
+        return NULL;
+    }
+    int tag2 = small_int(PyTuple_GET_ITEM(ent, 3), INT_MAX - 1);
+    Py_buffer db;
+    if (tag2 < 0 || !array_buffer(x, &db, 0, 0))
+        Py_RETURN_FALSE;
+    int same = same_kind(x, &db, PyTuple_GET_ITEM(ent, 0), PyTuple_GET_ITEM(ent, 1));
+    if (same <= 0) {
+        PyBuffer_Release(&db);
+        if (same < 0)
+            return NULL;
+        Py_RETURN_FALSE;
+    }
+    PyObject *hdr = PyTuple_GET_ITEM(ent, 2);
+    Py_INCREF(hdr); /* the entry may be replaced while the GIL is released */
+    int completed;
+    PyObject *res = post_and_spin(s.comm, &db, PyBytes_AS_STRING(hdr), (int)PyBytes_GET_SIZE(hdr),
+                                  peer, tag2, spin_s, 0, &completed);
+    Py_DECREF(hdr);
+    PyBuffer_Release(&db);
+    return res;
+}
 
 PyDoc_STRVAR(recv_doc,
-"recv(comm, out, hbuf, source, tag2, spin_s) -> None | (err, payload_req, header_req)\n\n"
-"Post MPI_Irecv into out (writable C-contiguous buffer, < 2**31 bytes) on MPI tag tag2+1, then\n"
-"into hbuf (writable) on tag2, from rank source of communicator handle comm; test them (header\n"
-"first) for at most spin_s seconds without the GIL. None: both arrived (contents unchecked).\n"
-"Otherwise as send(). Raises BufferError or ValueError before posting anything.");
+"recv(state, out, source, tag, timeout) -> out | None | False | (err, payload_req, header_req)\n\n"
+"MPIHostBridge.recv(out=)'s fast path. If no receive waits for its header, out is a writeable\n"
+"C-contiguous numpy.ndarray of 1 .. 2**31-1 bytes and source and tag are a rank and a user tag\n"
+"(0 .. max_tag): post MPI_Irecv into out on MPI tag 2*tag+1, then into state's hscratch on\n"
+"2*tag, and test them (header first) without the GIL for at most the spin budget (as send).\n"
+"out: both arrived and the header equals the one of expected[(source, tag)] = (dtype, shape,\n"
+"header bytes), whose dtype (the same object) and shape are out's. None: both arrived, header\n"
+"not checked or different (hscratch holds it). False: not applicable, nothing posted. Otherwise\n"
+"as send().");
 
-static PyObject *hp_recv(PyObject *self, PyObject *args) { return post_and_spin(args, 1); }
+static PyObject *hp_recv(PyObject *self, PyObject *args) {
+    PyObject *st, *out, *source, *tag, *timeout;
+    if (!PyArg_UnpackTuple(args, "recv", 5, 5, &st, &out, &source, &tag, &timeout))
+        return NULL;
+    state_t s;
+    if (parse_state(st, &s) < 0)
+        return NULL;
+    if (PyDict_GET_SIZE(s.pending) != 0)
+        Py_RETURN_FALSE;
+    int peer = small_int(source, s.size - 1), t = small_int(tag, s.max_tag);
+    double spin_s = spin_budget(&s, timeout);
+    Py_buffer db;
+    if (peer < 0 || t < 0 || spin_s < 0.0 || !array_buffer(out, &db, 1, 1))
+        Py_RETURN_FALSE;
+    /* the header this receive accepts without decoding: expected[(source, tag)], if its dtype
+     * and shape are out's (looked up before posting: after the copy only returning is left) */
+    PyObject *want = NULL, *key = PyTuple_Pack(2, source, tag);
+    PyObject *ent = key ? PyDict_GetItemWithError(s.expected, key) : NULL;
+    Py_XDECREF(key);
+    if (ent == NULL && PyErr_Occurred()) {
+        PyBuffer_Release(&db);
+        return NULL;
+    }
+    if (ent != NULL) {
+        int same = -1;
+        if (PyTuple_CheckExact(ent) && PyTuple_GET_SIZE(ent) == 3 &&
+            PyBytes_CheckExact(PyTuple_GET_ITEM(ent, 2)))
+            same = same_kind(out, &db, PyTuple_GET_ITEM(ent, 0), PyTuple_GET_ITEM(ent, 1));
+        else
+            PyErr_SetString(PyExc_TypeError, "_hotpath: bad expected entry");
+        if (same < 0) {
+            PyBuffer_Release(&db);
+            return NULL;
+        }
+        if (same) {
+            want = PyTuple_GET_ITEM(ent, 2);
+            Py_INCREF(want);
+        }
+    }
+    Py_buffer hb;
+    if (PyObject_GetBuffer(s.hscratch, &hb, PyBUF_SIMPLE | PyBUF_WRITABLE) < 0) {
+        Py_XDECREF(want);
+        PyBuffer_Release(&db);
+        return NULL;
+    }
+    int completed;
+    PyObject *res = post_and_spin(s.comm, &db, hb.buf, (int)hb.len, peer, 2 * t, spin_s, 1,
+                                  &completed);
+    if (res != NULL && completed && want != NULL && hb.len >= PyBytes_GET_SIZE(want) &&
+        memcmp(hb.buf, PyBytes_AS_STRING(want), (size_t)PyBytes_GET_SIZE(want)) == 0) {
+        Py_DECREF(res);
+        Py_INCREF(out);
+        res = out;
+    }
+    Py_XDECREF(want);
+    PyBuffer_Release(&hb);
+    PyBuffer_Release(&db);
+    return res;
+}
+
+PyDoc_STRVAR(init_doc, "init(ndarray_type): the numpy.ndarray type (exact type of fast-path arrays).");
+
+static PyObject *hp_init(PyObject *self, PyObject *arg) {
+    if (!PyType_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "init() takes the numpy.ndarray type");
+        return NULL;
+    }
+    Py_INCREF(arg);
+    Py_XSETREF(ndarray_type, arg);
+    Py_RETURN_NONE;
+}
 
 static PyMethodDef methods[] = {
     {"send", hp_send, METH_VARARGS, send_doc},
     {"recv", hp_recv, METH_VARARGS, recv_doc},
+    {"init", hp_init, METH_O, init_doc},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {
@@ -160,10 +370,16 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
+    str_dtype = PyUnicode_InternFromString("dtype");
+    if (str_dtype == NULL) {
+        Py_DECREF(m);
+        return NULL;
+    }
     /* compile-time handle values, compared with mpi4py's at import (same library and ABI) */
     if (PyModule_AddObject(m, "COMM_WORLD", HANDLE_TO_PY(MPI_COMM_WORLD)) < 0 ||
         PyModule_AddObject(m, "BYTE", HANDLE_TO_PY(MPI_BYTE)) < 0 ||
-        PyModule_AddObject(m, "REQUEST_NULL", HANDLE_TO_PY(MPI_REQUEST_NULL)) < 0) {
+        PyModule_AddObject(m, "REQUEST_NULL", HANDLE_TO_PY(MPI_REQUEST_NULL)) < 0 ||
+        PyModule_AddIntConstant(m, "INTERFACE", HOTPATH_INTERFACE) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -75,11 +75,15 @@ _BYTE = MPI.BYTE
 _fromhandle = MPI.Request.fromhandle
 
 
+_HOTPATH_INTERFACE = 2  # HOTPATH_INTERFACE of the _hotpath.c this module calls
+
+
 def _load_hotpath():
     """The C hot path (``_hotpath.c``), or None: not built, turned off with the environment variable
     ``HETHUB_COMM_HOTPATH=0``, or mpi4py runs on another MPI library or ABI than the one it was
     compiled for (its handle constants must equal mpi4py's; it is not even imported unless mpi4py
-    runs on MPICH, so a second MPI library is never loaded)."""
+    runs on MPICH, so a second MPI library is never loaded), or it was built from another
+    version of ``_hotpath.c`` (its ``INTERFACE``)."""
     if os.environ.get("HETHUB_COMM_HOTPATH", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     if not MPI.Get_library_version().startswith("MPICH"):
@@ -88,9 +92,12 @@ def _load_hotpath():
         from . import _hotpath
     except ImportError:
         return None
+    if getattr(_hotpath, "INTERFACE", None) != _HOTPATH_INTERFACE:
+        return None  # built from another version of _hotpath.c (e.g. a stale in-place build)
     mine = (_hotpath.COMM_WORLD, _hotpath.BYTE, _hotpath.REQUEST_NULL)
     if mine != (MPI.COMM_WORLD.handle, MPI.BYTE.handle, MPI.REQUEST_NULL.handle):
         return None
+    _hotpath.init(np.ndarray)
     return _hotpath
 
 
@@ -370,7 +377,10 @@ class MPIHostBridge(Communicator):
         # recv's fast path: (source, tag) -> (dtype, shape, header bytes) last accepted into out=
         self._expected: dict[tuple, tuple] = {}
         self._hscratch = bytearray(HEADER_MAX)
-        self._handle = self._comm.handle  # for the C hot path
+        # the C hot path's view of this bridge (read there on every fast-path call; the dicts
+        # and the scratch buffer are the objects above, updated in place here)
+        self._hot = (self._comm.handle, self._last_sent, self._pending, self._size, self.max_tag,
+                     self._hot_spin, self._spin_s, self._hscratch, self._expected)
         # sends that timed out or failed: (requests, buffers kept alive until MPI is done with them)
         self._abandoned: list[tuple[list, tuple]] = []
 
@@ -417,25 +427,25 @@ class MPIHostBridge(Communicator):
         """``Communicator.send``: ``isend(...).wait(timeout)``.
 
         Fast path, taken when ``x`` is a C-contiguous numpy array of the dtype and shape that the
-        last message on this tag had (one payload piece): the payload is posted before anything
-        else (its transfer starts at once into a receive posted earlier), then the cached header,
-        with no request object; with the C hot path (``HOTPATH``) both are posted and polled for
-        up to ``spin_s`` seconds in C. Every Python operation before the payload is posted adds
-        to a large message's time (module comment). Otherwise: the general path, which also
-        fills this tag's cache.
+        last message on this tag had (one payload piece) and no receive of this bridge waits for
+        its header: the payload is posted before anything else (its transfer starts at once into a
+        receive posted earlier), then the cached header, with no request object. With the C hot
+        path (``HOTPATH``) the checks, the posting and up to ``spin_s`` seconds of polling all run
+        in C. Every operation before the payload is posted adds to a large message's time (module
+        comment). Otherwise: the general path, which also fills this tag's cache.
         """
-        ent = self._last_sent.get(tag)
-        if (ent is not None and type(x) is np.ndarray and x.dtype is ent[0] and x.shape == ent[1]
-                and type(dest) is int and type(tag) is int and 0 <= dest < self._size
-                and x.flags.c_contiguous):
-            if _hp is not None and not self._pending:
-                r = _hp.send(self._handle, x, ent[2], dest, ent[3],
-                             self._hot_spin if timeout is None else min(timeout, self._spin_s))
-                if r is None:
-                    return
-            else:
-                r = None
-            return self._send_rest(r, x, ent, dest, tag, timeout)
+        if _hp is not None:  # C: the checks below, posting and a spin (None: sent; False: n/a)
+            r = _hp.send(self._hot, x, dest, tag, timeout)
+            if r is None:
+                return
+            if r is not False:  # still in flight after the spin, or an MPI error
+                return self._send_rest(r, x, self._last_sent[tag], dest, tag, timeout)
+        else:
+            ent = self._last_sent.get(tag)
+            if (ent is not None and type(x) is np.ndarray and x.dtype is ent[0]
+                    and x.shape == ent[1] and type(dest) is int and type(tag) is int
+                    and 0 <= dest < self._size and x.flags.c_contiguous):
+                return self._send_rest(None, x, ent, dest, tag, timeout)
         if type(tag) is not int or not 0 <= tag <= self.max_tag:
             tag = check_tag(tag, self.max_tag)
         req = self._isend_part(x, dest, tag, 0, 1)
@@ -498,31 +508,29 @@ class MPIHostBridge(Communicator):
 
         Fast path, taken for a receive into ``out=`` (C-contiguous, writeable, one payload piece)
         while no other receive of this bridge waits for its header: payload and header receives
-        are posted first of all (with the C hot path, ``HOTPATH``, posted and polled for up to
-        ``spin_s`` seconds in C), with no request object, and only once the payload has landed is
+        are posted first of all, with no request object, and only once the payload has landed is
         the header compared with the one this channel last delivered into such an ``out=`` (one
-        byte comparison; work while a large message is in flight would stall its copy). A first
-        or different header, or a message in several pieces, continues on the general path, which
-        raises ``CommError`` on a mismatch (the contents of ``out=`` are then undefined).
+        byte comparison; work while a large message is in flight would stall its copy). With the
+        C hot path (``HOTPATH``) the checks, the posting, up to ``spin_s`` seconds of polling and
+        that comparison all run in C. A first or different header, or a message in several
+        pieces, continues on the general path, which raises ``CommError`` on a mismatch (the
+        contents of ``out=`` are then undefined).
         """
-        if (type(out) is np.ndarray and type(tag) is int and type(source) is int
-                and not self._pending and 0 <= tag <= self.max_tag and 0 <= source < self._size
-                and 0 < out.nbytes <= _MAX_CHUNK and (device is None or sharding is None)):
-            hbuf, ent = self._hscratch, self._expected.get((source, tag))
-            r = ()  # (): nothing posted
-            if _hp is not None:
-                try:  # C checks that out= is C-contiguous and writeable
-                    r = _hp.recv(self._handle, out, hbuf, source, 2 * tag,
-                                 self._hot_spin if timeout is None else min(timeout, self._spin_s))
-                except BufferError:
-                    r = ()
-                else:
-                    if (r is None and ent is not None and hbuf.startswith(ent[2])
-                            and ent[0] is out.dtype and ent[1] == out.shape):
-                        return out if device is None and sharding is None else \
-                            place(out, device, sharding)
-            if r != () or _c_writeable(out.flags):
-                return self._recv_rest(r, out, hbuf, ent, source, tag, device, sharding, timeout)
+        if type(out) is np.ndarray and (device is None or sharding is None):
+            if _hp is not None:  # C: checks, posting, a spin and the header comparison
+                r = _hp.recv(self._hot, out, source, tag, timeout)
+                if r is out:
+                    return out if device is None and sharding is None else \
+                        place(out, device, sharding)
+                if r is not False:  # both arrived (header to check) or still in flight, or error
+                    return self._recv_rest(r, out, self._hscratch,
+                                           self._expected.get((source, tag)), source, tag,
+                                           device, sharding, timeout)
+            elif (type(tag) is int and type(source) is int and not self._pending
+                  and 0 <= tag <= self.max_tag and 0 <= source < self._size
+                  and 0 < out.nbytes <= _MAX_CHUNK and _c_writeable(out.flags)):
+                return self._recv_rest((), out, self._hscratch, self._expected.get((source, tag)),
+                                       source, tag, device, sharding, timeout)
         if type(tag) is not int or not 0 <= tag <= self.max_tag:
             tag = check_tag(tag, self.max_tag)
         if device is not None and sharding is not None:

@@ -260,6 +260,58 @@ def check_repeated_channel(comm):
     comm.barrier()
 
 
+def check_same_tag_other_kinds(comm):
+    """After float32[4, 4] messages have warmed a tag (the MPI bridge's fast paths, in C where
+    built), messages that must not take those paths arrive right or fail with the message named:
+    another dtype of the same shape, another shape of the same size, a read-only array, an ndarray
+    subclass, a numpy integer as tag; a receive into an out= of another shape or a read-only one."""
+    base = np.arange(16, dtype=np.float32).reshape(4, 4)
+    sent = [base, base.astype(np.int32), (base + 1).reshape(2, 8), base.reshape(2, 8) + 2,
+            base + 3]
+    if comm.rank == 3:
+        for _ in range(3):  # warm the tag
+            comm.send(base, 0, tag=60)
+        for a in sent:
+            comm.send(a, 0, tag=60)
+        ro = base + 4
+        ro.flags.writeable = False
+        comm.send(ro, 0, tag=60)
+        comm.send((base + 5).view(type("Sub", (np.ndarray,), {})), 0, tag=60)
+        comm.send(base + 6, 0, tag=np.int64(60))
+        comm.send(base + 7, 0, tag=60)
+    elif comm.rank == 0:
+        out = np.empty((4, 4), np.float32)
+        for _ in range(3):
+            assert comm.recv(3, tag=60, out=out) is out and np.array_equal(out, base)
+        assert_bits(comm.recv(3, tag=60, out=np.empty((4, 4), np.float32)), base, "new out=")
+        for want in ("int32[4, 4]", "float32[2, 8]"):  # out= of the warmed kind: a mismatch
+            try:
+                comm.recv(3, tag=60, out=out)
+            except CommError as e:
+                assert want in str(e), str(e)
+            else:
+                raise AssertionError(f"out= float32[4, 4] accepted a message {want}")
+        o28 = np.empty((2, 8), np.float32)  # an out= of the message's shape works
+        assert comm.recv(3, tag=60, out=o28) is o28 and np.array_equal(o28, base.reshape(2, 8) + 2)
+        try:  # out= of the same size but another shape than the message
+            comm.recv(3, tag=60, out=o28)
+        except CommError as e:
+            assert "float32[4, 4]" in str(e), str(e)
+        else:
+            raise AssertionError("out= float32[2, 8] accepted a message float32[4, 4]")
+        for k in (4, 5, 6):
+            assert_bits(comm.recv(3, tag=60, out=out), base + k, f"message {k}")
+        ro = np.empty((4, 4), np.float32)
+        ro.flags.writeable = False
+        try:
+            comm.recv(3, tag=60, out=ro)
+        except CommError as e:
+            assert "writeable" in str(e), str(e)
+        else:
+            raise AssertionError("a read-only out= was accepted")
+    comm.barrier()
+
+
 def check_timeout_and_errors(comm):
     r = comm.rank
     if r == 1:

@@ -79,11 +79,48 @@ def check_fast_path_timeouts(comm):
     assert not comm._abandoned, "a completed send was not released"
 
 
+def check_fast_paths_taken(comm):
+    """MPI only: once a tag has carried a message, repeated sends of that dtype and shape and
+    receives into out= of it take the fast paths (C hot path when built): no general-path send
+    (``_isend_part``) and no general receive request (``_RecvRequest``) after the first two."""
+    from hethub_jax.comm import mpi as mpi_mod
+
+    calls = {"send": 0, "recv": 0}
+    isend_part, recv_request = comm._isend_part, mpi_mod._RecvRequest
+
+    def counting_isend_part(*args, **kw):
+        calls["send"] += 1
+        return isend_part(*args, **kw)
+
+    class CountingRecvRequest(recv_request):
+        def __init__(self, *args, **kw):
+            calls["recv"] += 1
+            super().__init__(*args, **kw)
+
+    comm._isend_part, mpi_mod._RecvRequest = counting_isend_part, CountingRecvRequest
+    try:
+        a = np.arange(MiB // 4, dtype=np.float32).reshape(4, -1)  # one chunk, above the eager limit
+        out = np.empty_like(a)
+        if comm.rank in (1, 2):
+            peer = 3 - comm.rank
+            for k in range(12):
+                if (comm.rank == 1) == (k % 2 == 0):
+                    comm.send(a + k, peer, tag=70)
+                else:
+                    assert comm.recv(peer, tag=70, out=out) is out and np.array_equal(out, a + k)
+            # one general send and one general receive on each rank: the first message each way
+            assert calls == {"send": 1, "recv": 1}, calls
+    finally:
+        comm._isend_part, mpi_mod._RecvRequest = isend_part, recv_request
+    comm.barrier()
+
+
 def main():
     comm = MPIHostBridge(chunk_bytes=MiB, timeout=30)
     assert comm.size == comm_checks.SIZE, f"run with {comm_checks.SIZE} ranks"
     checks = dict(comm_checks.CHECKS, chunking_mpi=check_chunking,
-                  fast_path_timeouts_mpi=check_fast_path_timeouts)
+                  fast_path_timeouts_mpi=check_fast_path_timeouts,
+                  fast_paths_taken_mpi=check_fast_paths_taken)
     names = sys.argv[1:] or list(checks)
     out_dir = os.environ.get("RESULTS_DIR")
     log = open(os.path.join(out_dir, f"rank{comm.rank}.txt"), "w") if out_dir else None
