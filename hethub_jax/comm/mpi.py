@@ -21,9 +21,10 @@ the payload before anything else and then a cached header; ``recv`` into ``out=`
 receives first of all and compares the header (one byte comparison with the one its channel last
 delivered) only after the payload has landed; neither builds a request object, and waits poll
 MPI's ``Test`` directly (no Python frame per poll). Where the C hot path (``_hotpath.c``,
-``HOTPATH``) is built, both post and poll in C for up to ``spin_s`` and hand anything still in
-flight back to the Python code (checks, deadlines and errors stay here). Other messages take the general path (headers
-encoded once per channel shape and decoded once per distinct header, both cached). The header
+``HOTPATH``) is built, both fast paths run in C: the checks that admit a call to them, posting,
+up to ``spin_s`` of polling and the header comparison; anything still in flight is handed back to
+the Python code here (deadlines, decoding and errors stay here). Other messages take the general
+path (headers encoded once per channel shape and decoded once per distinct header, both cached). The header
 message itself costs about one small message's latency, the floor of this protocol against a
 single raw message.
 
