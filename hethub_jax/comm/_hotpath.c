@@ -216,6 +216,21 @@ static int array_buffer(PyObject *x, Py_buffer *b, int writable, Py_ssize_t min_
     return 1;
 }
 
+/* Common start of send() and recv(): unpack (state, array, peer, tag, timeout), parse the state
+ * and work out the spin budget. 1: go on; 0: not applicable, a receive waits for its header or the
+ * timeout is no number >= 0 (the caller returns False); -1: an error is set. */
+static int begin_call(PyObject *args, const char *name, state_t *s, PyObject **arr,
+                      PyObject **peer, PyObject **tag, double *spin_s) {
+    PyObject *st, *timeout;
+    if (!PyArg_UnpackTuple(args, name, 5, 5, &st, arr, peer, tag, &timeout) ||
+        parse_state(st, s) < 0)
+        return -1;
+    if (PyDict_GET_SIZE(s->pending) != 0)
+        return 0;
+    *spin_s = spin_budget(s, timeout);
+    return *spin_s >= 0.0;
+}
+
 PyDoc_STRVAR(send_doc,
 "send(state, x, dest, tag, timeout) -> None | False | (err, payload_req, header_req)\n\n"
 "MPIHostBridge.send's fast path. If no receive waits for its header (state's pending dict is\n"
@@ -229,17 +244,14 @@ PyDoc_STRVAR(send_doc,
 "header alive.");
 
 static PyObject *hp_send(PyObject *self, PyObject *args) {
-    PyObject *st, *x, *dest, *tag, *timeout;
-    if (!PyArg_UnpackTuple(args, "send", 5, 5, &st, &x, &dest, &tag, &timeout))
-        return NULL;
+    PyObject *x, *dest, *tag;
     state_t s;
-    if (parse_state(st, &s) < 0)
-        return NULL;
-    if (PyDict_GET_SIZE(s.pending) != 0)
-        Py_RETURN_FALSE;
+    double spin_s;
+    int go = begin_call(args, "send", &s, &x, &dest, &tag, &spin_s);
+    if (go <= 0)
+        return go < 0 ? NULL : Py_NewRef(Py_False);
     int peer = small_int(dest, s.size - 1);
-    double spin_s = spin_budget(&s, timeout);
-    if (peer < 0 || !PyLong_CheckExact(tag) || spin_s < 0.0)
+    if (peer < 0 || !PyLong_CheckExact(tag))
         Py_RETURN_FALSE;
     PyObject *ent = PyDict_GetItemWithError(s.last_sent, tag); /* borrowed */
     if (ent == NULL) {
@@ -285,18 +297,15 @@ PyDoc_STRVAR(recv_doc,
 "as send().");
 
 static PyObject *hp_recv(PyObject *self, PyObject *args) {
-    PyObject *st, *out, *source, *tag, *timeout;
-    if (!PyArg_UnpackTuple(args, "recv", 5, 5, &st, &out, &source, &tag, &timeout))
-        return NULL;
+    PyObject *out, *source, *tag;
     state_t s;
-    if (parse_state(st, &s) < 0)
-        return NULL;
-    if (PyDict_GET_SIZE(s.pending) != 0)
-        Py_RETURN_FALSE;
+    double spin_s;
+    int go = begin_call(args, "recv", &s, &out, &source, &tag, &spin_s);
+    if (go <= 0)
+        return go < 0 ? NULL : Py_NewRef(Py_False);
     int peer = small_int(source, s.size - 1), t = small_int(tag, s.max_tag);
-    double spin_s = spin_budget(&s, timeout);
     Py_buffer db;
-    if (peer < 0 || t < 0 || spin_s < 0.0 || !array_buffer(out, &db, 1, 1))
+    if (peer < 0 || t < 0 || !array_buffer(out, &db, 1, 1))
         Py_RETURN_FALSE;
     /* the header this receive accepts without decoding: expected[(source, tag)], if its dtype
      * and shape are out's (looked up before posting: after the copy only returning is left) */

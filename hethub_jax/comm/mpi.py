@@ -24,9 +24,9 @@ MPI's ``Test`` directly (no Python frame per poll). Where the C hot path (``_hot
 ``HOTPATH``) is built, both fast paths run in C: the checks that admit a call to them, posting,
 up to ``spin_s`` of polling and the header comparison; anything still in flight is handed back to
 the Python code here (deadlines, decoding and errors stay here). Other messages take the general
-path (headers encoded once per channel shape and decoded once per distinct header, both cached). The header
-message itself costs about one small message's latency, the floor of this protocol against a
-single raw message.
+path (headers encoded once per channel shape and decoded once per distinct header, both cached).
+The header message itself costs about one small message's latency, the floor of this protocol
+against a single raw message.
 
 Headers and payloads use different MPI tags so receives of headers always match headers. MPI keeps
 messages of one (source, tag, communicator) in order; the receiver posts payload receives of one
