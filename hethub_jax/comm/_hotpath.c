@@ -216,19 +216,25 @@ static int array_buffer(PyObject *x, Py_buffer *b, int writable, Py_ssize_t min_
     return 1;
 }
 
+/* One call of send() or recv(): its arguments and the bridge state they refer to. */
+typedef struct {
+    state_t s;
+    PyObject *arr, *peer, *tag; /* borrowed: x or out, dest or source, tag */
+    double spin_s;
+} call_t;
+
 /* Common start of send() and recv(): unpack (state, array, peer, tag, timeout), parse the state
  * and work out the spin budget. 1: go on; 0: not applicable, a receive waits for its header or the
  * timeout is no number >= 0 (the caller returns False); -1: an error is set. */
-static int begin_call(PyObject *args, const char *name, state_t *s, PyObject **arr,
-                      PyObject **peer, PyObject **tag, double *spin_s) {
+static int begin_call(PyObject *args, const char *name, call_t *c) {
     PyObject *st, *timeout;
-    if (!PyArg_UnpackTuple(args, name, 5, 5, &st, arr, peer, tag, &timeout) ||
-        parse_state(st, s) < 0)
+    if (!PyArg_UnpackTuple(args, name, 5, 5, &st, &c->arr, &c->peer, &c->tag, &timeout) ||
+        parse_state(st, &c->s) < 0)
         return -1;
-    if (PyDict_GET_SIZE(s->pending) != 0)
+    if (PyDict_GET_SIZE(c->s.pending) != 0)
         return 0;
-    *spin_s = spin_budget(s, timeout);
-    return *spin_s >= 0.0;
+    c->spin_s = spin_budget(&c->s, timeout);
+    return c->spin_s >= 0.0;
 }
 
 PyDoc_STRVAR(send_doc,
@@ -244,16 +250,14 @@ PyDoc_STRVAR(send_doc,
 "header alive.");
 
 static PyObject *hp_send(PyObject *self, PyObject *args) {
-    PyObject *x, *dest, *tag;
-    state_t s;
-    double spin_s;
-    int go = begin_call(args, "send", &s, &x, &dest, &tag, &spin_s);
+    call_t c;
+    int go = begin_call(args, "send", &c);
     if (go <= 0)
         return go < 0 ? NULL : Py_NewRef(Py_False);
-    int peer = small_int(dest, s.size - 1);
-    if (peer < 0 || !PyLong_CheckExact(tag))
+    int peer = small_int(c.peer, c.s.size - 1);
+    if (peer < 0 || !PyLong_CheckExact(c.tag))
         Py_RETURN_FALSE;
-    PyObject *ent = PyDict_GetItemWithError(s.last_sent, tag); /* borrowed */
+    PyObject *ent = PyDict_GetItemWithError(c.s.last_sent, c.tag); /* borrowed */
     if (ent == NULL) {
         if (PyErr_Occurred())
             return NULL;
@@ -266,9 +270,9 @@ static PyObject *hp_send(PyObject *self, PyObject *args) {
     }
     int tag2 = small_int(PyTuple_GET_ITEM(ent, 3), INT_MAX - 1);
     Py_buffer db;
-    if (tag2 < 0 || !array_buffer(x, &db, 0, 0))
+    if (tag2 < 0 || !array_buffer(c.arr, &db, 0, 0))
         Py_RETURN_FALSE;
-    int same = same_kind(x, &db, PyTuple_GET_ITEM(ent, 0), PyTuple_GET_ITEM(ent, 1));
+    int same = same_kind(c.arr, &db, PyTuple_GET_ITEM(ent, 0), PyTuple_GET_ITEM(ent, 1));
     if (same <= 0) {
         PyBuffer_Release(&db);
         if (same < 0)
@@ -278,8 +282,8 @@ static PyObject *hp_send(PyObject *self, PyObject *args) {
     PyObject *hdr = PyTuple_GET_ITEM(ent, 2);
     Py_INCREF(hdr); /* the entry may be replaced while the GIL is released */
     int completed;
-    PyObject *res = post_and_spin(s.comm, &db, PyBytes_AS_STRING(hdr), (int)PyBytes_GET_SIZE(hdr),
-                                  peer, tag2, spin_s, 0, &completed);
+    PyObject *res = post_and_spin(c.s.comm, &db, PyBytes_AS_STRING(hdr), (int)PyBytes_GET_SIZE(hdr),
+                                  peer, tag2, c.spin_s, 0, &completed);
     Py_DECREF(hdr);
     PyBuffer_Release(&db);
     return res;
@@ -297,20 +301,18 @@ PyDoc_STRVAR(recv_doc,
 "as send().");
 
 static PyObject *hp_recv(PyObject *self, PyObject *args) {
-    PyObject *out, *source, *tag;
-    state_t s;
-    double spin_s;
-    int go = begin_call(args, "recv", &s, &out, &source, &tag, &spin_s);
+    call_t c;
+    int go = begin_call(args, "recv", &c);
     if (go <= 0)
         return go < 0 ? NULL : Py_NewRef(Py_False);
-    int peer = small_int(source, s.size - 1), t = small_int(tag, s.max_tag);
+    int peer = small_int(c.peer, c.s.size - 1), t = small_int(c.tag, c.s.max_tag);
     Py_buffer db;
-    if (peer < 0 || t < 0 || !array_buffer(out, &db, 1, 1))
+    if (peer < 0 || t < 0 || !array_buffer(c.arr, &db, 1, 1))
         Py_RETURN_FALSE;
     /* the header this receive accepts without decoding: expected[(source, tag)], if its dtype
      * and shape are out's (looked up before posting: after the copy only returning is left) */
-    PyObject *want = NULL, *key = PyTuple_Pack(2, source, tag);
-    PyObject *ent = key ? PyDict_GetItemWithError(s.expected, key) : NULL;
+    PyObject *want = NULL, *key = PyTuple_Pack(2, c.peer, c.tag);
+    PyObject *ent = key ? PyDict_GetItemWithError(c.s.expected, key) : NULL;
     Py_XDECREF(key);
     if (ent == NULL && PyErr_Occurred()) {
         PyBuffer_Release(&db);
@@ -320,7 +322,7 @@ static PyObject *hp_recv(PyObject *self, PyObject *args) {
         int same = -1;
         if (PyTuple_CheckExact(ent) && PyTuple_GET_SIZE(ent) == 3 &&
             PyBytes_CheckExact(PyTuple_GET_ITEM(ent, 2)))
-            same = same_kind(out, &db, PyTuple_GET_ITEM(ent, 0), PyTuple_GET_ITEM(ent, 1));
+            same = same_kind(c.arr, &db, PyTuple_GET_ITEM(ent, 0), PyTuple_GET_ITEM(ent, 1));
         else
             PyErr_SetString(PyExc_TypeError, "_hotpath: bad expected entry");
         if (same < 0) {
@@ -333,19 +335,19 @@ static PyObject *hp_recv(PyObject *self, PyObject *args) {
         }
     }
     Py_buffer hb;
-    if (PyObject_GetBuffer(s.hscratch, &hb, PyBUF_SIMPLE | PyBUF_WRITABLE) < 0) {
+    if (PyObject_GetBuffer(c.s.hscratch, &hb, PyBUF_SIMPLE | PyBUF_WRITABLE) < 0) {
         Py_XDECREF(want);
         PyBuffer_Release(&db);
         return NULL;
     }
     int completed;
-    PyObject *res = post_and_spin(s.comm, &db, hb.buf, (int)hb.len, peer, 2 * t, spin_s, 1,
+    PyObject *res = post_and_spin(c.s.comm, &db, hb.buf, (int)hb.len, peer, 2 * t, c.spin_s, 1,
                                   &completed);
     if (res != NULL && completed && want != NULL && hb.len >= PyBytes_GET_SIZE(want) &&
         memcmp(hb.buf, PyBytes_AS_STRING(want), (size_t)PyBytes_GET_SIZE(want)) == 0) {
         Py_DECREF(res);
-        Py_INCREF(out);
-        res = out;
+        Py_INCREF(c.arr);
+        res = c.arr;
     }
     Py_XDECREF(want);
     PyBuffer_Release(&hb);
