@@ -509,7 +509,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if status == 0 and t.checkpoint_dir is not None:
         ckpt_path = _save(ckpt, t.checkpoint_dir, t.steps, rank, rt, log, cfg, plan)
     if t.trace_file is not None and last_records and log:
-        from hethub_jax.planner.simulator import to_chrome_trace
+        from hethub_jax.parallel.trace import to_chrome_trace
         os.makedirs(os.path.dirname(os.path.abspath(t.trace_file)), exist_ok=True)
         to_chrome_trace(last_records, t.trace_file)
     mean_tps = tok_sum / time_sum if time_sum > 0 else None

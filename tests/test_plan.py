@@ -297,6 +297,6 @@ def test_dataclasses_are_frozen_and_positions_set():
 def test_pure_python_modules_do_not_import_jax():
     import subprocess
     import sys
-    code = ("import sys, hethub_jax.parallel.plan, hethub_jax.parallel.schedule, hethub_jax.planner.simulator; "
+    code = ("import sys, hethub_jax.parallel.plan, hethub_jax.parallel.schedule, hethub_jax.parallel.trace, hethub_jax.planner.simulator; "
             "assert not any(m == 'jax' or m.startswith(('jax.', 'jaxlib')) for m in sys.modules), 'jax imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])

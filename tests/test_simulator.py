@@ -5,7 +5,8 @@ import json
 import pytest
 
 from hethub_jax.parallel.schedule import Action, ScheduleDeadlock, SCHEDULES, get_schedule, gpipe, one_f_one_b
-from hethub_jax.planner.simulator import ActionRecord, simulate, to_chrome_trace
+from hethub_jax.parallel.trace import ActionRecord, to_chrome_trace
+from hethub_jax.planner.simulator import simulate
 
 
 def uniform(t_f, t_b):

@@ -38,7 +38,7 @@ from hethub_jax.optim import OptimConfig, make_optimizer
 from hethub_jax.parallel.plan import Plan
 from hethub_jax.parallel.schedule import Action, ActionKind
 from hethub_jax.parallel.stage import PipelineStage
-from hethub_jax.planner.simulator import ActionRecord
+from hethub_jax.parallel.trace import ActionRecord
 
 #: The wait that emulates a slower accelerator (DESIGN.md section 9): sleeps ``seconds``. A module-level
 #: name so that tests can record the waits instead of timing a shared, noisy machine.

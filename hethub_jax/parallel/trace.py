@@ -1,0 +1,104 @@
+"""Records of executed or simulated pipeline actions, and Chrome traces of them (pure Python, no JAX).
+
+:class:`ActionRecord` is the common record of the runtime (``hethub_jax.parallel.runtime``, measured)
+and the simulator (``hethub_jax.planner.simulator``, predicted); :func:`to_chrome_trace` writes a
+Perfetto-loadable trace of either (DESIGN.md sections 6 and 7). It lives beside ``schedule.py`` so
+that the runtime does not depend on the planner.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
+
+from hethub_jax.parallel.schedule import Action
+
+__all__ = ["ActionRecord", "RecordLike", "to_chrome_trace"]
+
+
+@dataclass(frozen=True)
+class ActionRecord:
+    """One executed (or simulated) action: the common record of the simulator and the runtime.
+
+    Attributes:
+      stage: pipeline stage index (within its replica).
+      action: the action's text, ``str(Action)``: ``"F3"``, ``"B3"``, ``"SEND_ACT3->1"``, ...
+      start_s, end_s: start and end in seconds, on any clock shared by all records of one trace
+        (the simulator starts the step at 0; the runtime may use ``time.perf_counter()``).
+      island: optional island name, used to group stages in a trace.
+      replica: optional data-parallel replica index (heterogeneous DP), default 0.
+    """
+
+    stage: int
+    action: str
+    start_s: float
+    end_s: float
+    island: Optional[str] = None
+    replica: int = 0
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+RecordLike = Union[ActionRecord, Mapping[str, Any], Tuple[int, Action, float, float]]
+
+
+def _as_record(e: RecordLike) -> ActionRecord:
+    if isinstance(e, ActionRecord):
+        return e
+    if isinstance(e, Mapping):
+        return ActionRecord(int(e["stage"]), str(e["action"]), float(e["start_s"]), float(e["end_s"]),
+                            e.get("island"), int(e.get("replica", 0)))
+    s, a, t0, t1 = e
+    return ActionRecord(int(s), str(a), float(t0), float(t1))
+
+
+def to_chrome_trace(events: Union[Any, Iterable[RecordLike]], path: Union[str, os.PathLike],
+                    *, include_comm: bool = True) -> Dict[str, Any]:
+    """Write a Chrome trace (JSON Object Format, loadable in Perfetto / chrome://tracing).
+
+    Args:
+      events: a simulator ``Timeline`` (anything with an ``events`` attribute), or an iterable of
+        :class:`ActionRecord`, of dicts with keys ``stage, action, start_s, end_s`` (optional
+        ``island``, ``replica``), or of ``(stage, action, start_s, end_s)`` tuples
+        (``Timeline.events``).
+      path: output file.
+      include_comm: if False, only F and B records are written.
+
+    Layout: one complete event (``"ph": "X"``) per record with ``name`` the action text (``"F3"``),
+    ``ts``/``dur`` in microseconds relative to the earliest record, ``pid`` one per (replica, island)
+    (one per replica when no island is given), ``tid`` the stage index, ``cat`` ``"compute"`` or
+    ``"comm"``; plus ``"ph": "M"`` metadata events naming each pid and tid. Zero-length SENDs keep
+    ``dur`` 0.
+
+    Returns:
+      the trace dict that was written.
+    """
+    recs = [_as_record(e) for e in getattr(events, "events", events)]
+    if not include_comm:
+        recs = [r for r in recs if r.action[:1] in ("F", "B")]
+    t0 = min((r.start_s for r in recs), default=0.0)
+    pids: Dict[Tuple[int, Optional[str]], int] = {}
+    trace: List[Dict[str, Any]] = []
+    threads = set()
+    for r in recs:
+        pid = pids.setdefault((r.replica, r.island), len(pids))
+        threads.add((pid, r.stage))
+        trace.append({
+            "name": r.action, "cat": "compute" if r.action[:1] in ("F", "B") else "comm", "ph": "X",
+            "ts": (r.start_s - t0) * 1e6, "dur": max(0.0, r.end_s - r.start_s) * 1e6,
+            "pid": pid, "tid": r.stage,
+            "args": {"stage": r.stage, "replica": r.replica, "island": r.island},
+        })
+    for (replica, island), pid in pids.items():
+        label = f"replica {replica}" + (f" / island {island}" if island is not None else "")
+        trace.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": label}})
+    for pid, stage in sorted(threads):
+        trace.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": stage,
+                      "args": {"name": f"stage {stage}"}})
+    out = {"traceEvents": trace, "displayTimeUnit": "ms"}
+    with open(path, "w") as f:
+        json.dump(out, f)
+    return out
