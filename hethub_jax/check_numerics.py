@@ -40,8 +40,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["main", "build_parser", "UNIT_ROUNDOFF", "GROWTH", "ACCUMULATION", "ISLAND_FACTOR", "tolerance", "row_specs",
-           "RowSpec", "make_tokens", "IslandModel", "compare", "format_report", "EXIT_BEYOND_TOLERANCE",
+__all__ = ["main", "build_parser", "UNIT_ROUNDOFF", "GROWTH", "ACCUMULATION", "ISLAND_FACTOR", "tolerance",
+           "row_specs", "RowSpec", "make_tokens", "IslandModel", "compare", "format_report", "EXIT_BEYOND_TOLERANCE",
            "EXIT_BAD_INPUT"]
 
 _PROG = "python -m hethub_jax.check_numerics"
@@ -55,8 +55,8 @@ UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 *
 #: Roundings to the compute dtype on one piece's path, each worth at most u relative: a decoder layer
 #: rounds about eight intermediate tensors (normed input, q/k/v, probabilities, attention output,
 #: residual sums, SwiGLU product) plus its weights; with independent errors their sum grows more slowly
-#: than their count, so GROWTH * u bounds a piece (measured on CPU: at most 1.5 u for bfloat16 and
-#: float16 layers, docs/numerics.md).
+#: than their count, so GROWTH * u bounds a piece (measured on CPU: at most 2.0 u for float16 and 1.5 u for
+#: bfloat16 layers of the tiny model, docs/numerics.md).
 GROWTH = 8.0
 #: lambda of the probabilistic bound lambda * sqrt(n) * u of an n-term float32 inner product or sum
 #: (Higham & Mary 2019, "A New Approach to Probabilistic Rounding Error Analysis", SIAM J. Sci. Comput.
@@ -432,15 +432,16 @@ def _run_local(args: argparse.Namespace, plan: Any, config: Any, piece: str | No
     import jax
 
     _set_precision(args.matmul_precision)
-    models, devices, weights, perturbed = {}, {}, None, None
-    for isl in plan.islands:
+    devices = {}
+    for isl in plan.islands:  # every platform present before any work
         try:
-            device = jax.devices(isl.platform)[0]
+            devices[isl.name] = jax.devices(isl.platform)[0]
         except RuntimeError as e:
             return _fail(f"island {isl.name}: platform {isl.platform!r} is not available in this process "
                          f"({e}); run one process per island under mpiexec")
-        models[isl.name], w, names = _island_model(config, args, isl.name, device, piece)
-        devices[isl.name] = str(device)
+    models, weights, perturbed = {}, None, None
+    for isl in plan.islands:
+        models[isl.name], w, names = _island_model(config, args, isl.name, devices[isl.name], piece)
         weights = w if weights is None else weights
         perturbed = (piece, names) if names is not None else perturbed
     tokens = make_tokens(config.vocab_size, args.batch_size, args.seq_len, args.seed)
@@ -448,6 +449,7 @@ def _run_local(args: argparse.Namespace, plan: Any, config: Any, piece: str | No
     inputs = [tokens] + ref_chain[:-1]
     outputs = {name: m.outputs(inputs, tokens) for name, m in models.items()}
     exact = reference_outputs(config, weights, inputs, tokens)
+    devices = {k: str(d) for k, d in devices.items()}
     return _finish(_report(args, plan, config, outputs, exact, devices, perturbed), args.json_out)
 
 

@@ -127,6 +127,16 @@ def test_bad_input_is_one_line_before_any_work(capsys, flags, message):
     assert message in err and len(err.splitlines()) == 1, err
 
 
+def test_island_platform_missing_in_process_is_bad_input(tmp_path, capsys):
+    plan = json.loads(open(PLAN).read())
+    plan["islands"][0]["platform"] = "rocm"  # island "fast"; this test process has only the cpu backend
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    assert cn.main(["--plan", str(path), "--set", "model.vocab_size=512"]) == cn.EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "island fast: platform 'rocm' is not available" in err and "mpiexec" in err, err
+
+
 # ---- one process per island under mpiexec -------------------------------------------------------------
 @pytest.mark.mpi
 def test_mpi_two_islands_perturbed_layer_named(tmp_path):
