@@ -55,8 +55,8 @@ UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 *
 #: Roundings to the compute dtype on one piece's path, each worth at most u relative: a decoder layer
 #: rounds about eight intermediate tensors (normed input, q/k/v, probabilities, attention output,
 #: residual sums, SwiGLU product) plus its weights; with independent errors their sum grows more slowly
-#: than their count, so GROWTH * u bounds a piece (measured on CPU: at most 2.0 u for float16 and 1.5 u for
-#: bfloat16 layers of the tiny model, docs/numerics.md).
+#: than their count, so GROWTH * u bounds a piece (measured on CPU: at most 2.0 u for float16 and
+#: 1.5 u for bfloat16 layers of the tiny model, docs/numerics.md).
 GROWTH = 8.0
 #: lambda of the probabilistic bound lambda * sqrt(n) * u of an n-term float32 inner product or sum
 #: (Higham & Mary 2019, "A New Approach to Probabilistic Rounding Error Analysis", SIAM J. Sci. Comput.
