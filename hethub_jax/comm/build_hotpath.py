@@ -74,7 +74,8 @@ def mpi_of_mpi4py() -> dict:
         from mpi4py import MPI
     except Exception as e:  # noqa: BLE001 - any failure means: no MPI to build against
         raise BuildSkipped(f"mpi4py cannot be imported ({type(e).__name__}: {e})") from e
-    info = {"library_version": MPI.Get_library_version().strip(), "libmpi": loaded_libmpi(),
+    info = {"library_version": MPI.Get_library_version().replace("\x00", "").strip(),
+            "libmpi": loaded_libmpi(),
             "mpicc": None, "include_dir": None}
     cfg = mpi4py.get_config() or {}
     if cfg.get("mpicc"):  # built from source: its own compiler wrapper

@@ -95,7 +95,7 @@ def _load_hotpath():
             built_for = json.load(f).get("library_version")
     except (OSError, ValueError):
         return None
-    if built_for != MPI.Get_library_version().strip():
+    if built_for != MPI.Get_library_version().replace("\x00", "").strip():  # Open MPI: NUL-terminated
         return None
     try:
         from . import _hotpath
