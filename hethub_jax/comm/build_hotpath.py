@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -54,9 +55,8 @@ def loaded_libmpi() -> str | None:
             paths = [line.split()[-1] for line in f if "/libmpi" in line]
     except OSError:
         return None
-    for p in paths:
-        name = os.path.basename(p)
-        if name.startswith(("libmpi.so", "libmpi_abi.so", "libmpi-")) and os.path.exists(p):
+    for p in paths:  # MPICH, Open MPI, Intel MPI: libmpi.so.N; also libmpich, Cray, MPI ABI
+        if re.match(r"libmpi(ch|_cray|_abi)?\.so", os.path.basename(p)) and os.path.exists(p):
             return p
     return None
 
