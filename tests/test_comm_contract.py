@@ -2,8 +2,10 @@
 
 - ``local``: LocalCommunicator.create(4), one thread per logical rank, in this process.
 - ``mpi``: MPIHostBridge with 1 MiB chunks, `mpiexec -n 4 python tests/mpi/run_contract.py` launched
-  once per session; each check's verdict is read from its output lines. The C hot path of the
-  bridge (``hethub_jax/comm/_hotpath.c``) must be built and in use.
+  once per session; each check's verdict is read from its output lines. Where
+  ``HETHUB_EXPECT_HOTPATH=1`` (CI sets it: its install builds the C hot path,
+  ``python -m hethub_jax.comm.build_hotpath``) the hot path (``hethub_jax/comm/_hotpath.c``) must be
+  built and in use; elsewhere (a site MPI, no compiler) the checks pass either way.
 - ``mpi_python``: the same with ``HETHUB_COMM_HOTPATH=0``: the bridge's pure-Python paths.
 """
 
@@ -124,9 +126,19 @@ def test_mpi_only_checks_and_clean_exit(mpi_results):
     for name in ("chunking_mpi", "fast_path_timeouts_mpi", "fast_paths_taken_mpi"):
         assert results.get(name) == {r: "PASS" for r in range(comm_checks.SIZE)}, (name, tail)
     assert "pending" not in proc.stderr, proc.stderr[-2000:]  # no request left behind
-    # the C hot path is built by the install and used unless turned off
-    want = "ON" if backend == "mpi" else "OFF"
-    assert results.get("hotpath") == {r: want for r in range(comm_checks.SIZE)}, tail
+    # HETHUB_COMM_HOTPATH=0 turns the C hot path off; otherwise it is used wherever it was built
+    # for mpi4py's MPI, which an install that expects it (CI) must have done
+    got = results.get("hotpath", {})
+    if backend == "mpi_python" or hotpath_expected():
+        want = "ON" if backend == "mpi" else "OFF"
+        assert got == {r: want for r in range(comm_checks.SIZE)}, tail
+    else:
+        assert set(got) == set(range(comm_checks.SIZE)) and len(set(got.values())) == 1, tail
+
+
+def hotpath_expected() -> bool:
+    """True where the environment says the C hot path was built (``HETHUB_EXPECT_HOTPATH=1``)."""
+    return os.environ.get("HETHUB_EXPECT_HOTPATH", "").strip() == "1"
 
 
 # ---- pieces that need no second rank --------------------------------------------------------

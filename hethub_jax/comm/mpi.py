@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import json
 import os
 import time
 from typing import Any
@@ -80,14 +81,21 @@ _HOTPATH_INTERFACE = 2  # HOTPATH_INTERFACE of the _hotpath.c this module calls
 
 
 def _load_hotpath():
-    """The C hot path (``_hotpath.c``), or None: not built, turned off with the environment variable
-    ``HETHUB_COMM_HOTPATH=0``, or mpi4py runs on another MPI library or ABI than the one it was
-    compiled for (its handle constants must equal mpi4py's; it is not even imported unless mpi4py
-    runs on MPICH, so a second MPI library is never loaded), or it was built from another
-    version of ``_hotpath.c`` (its ``INTERFACE``)."""
+    """The C hot path (``_hotpath.c``), or None: not built (``python -m
+    hethub_jax.comm.build_hotpath``), turned off with the environment variable
+    ``HETHUB_COMM_HOTPATH=0``, built for another MPI library than the one mpi4py runs on (the
+    ``MPI.Get_library_version()`` recorded in ``_hotpath.json`` at build time must equal mpi4py's;
+    checked before the import, so a second MPI library is never loaded), its handle constants differ
+    from mpi4py's (another ABI), or it was built from another version of ``_hotpath.c`` (its
+    ``INTERFACE``)."""
     if os.environ.get("HETHUB_COMM_HOTPATH", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
-    if not MPI.Get_library_version().startswith("MPICH"):
+    try:
+        with open(os.path.join(os.path.dirname(__file__), "_hotpath.json")) as f:
+            built_for = json.load(f).get("library_version")
+    except (OSError, ValueError):
+        return None
+    if built_for != MPI.Get_library_version().replace("\x00", "").strip():  # Open MPI: NUL-terminated
         return None
     try:
         from . import _hotpath
