@@ -290,7 +290,8 @@ def test_dataclasses_are_frozen_and_positions_set():
     p = Plan.from_dict(base())
     with pytest.raises(Exception):
         p.global_batch_size = 3
-    rep = ReplicaSpec(stages=[StageSpec("a", 1, 1, 0, 1), StageSpec("a", 1, 1, 2, 3)])
+    rep = ReplicaSpec(stages=[StageSpec(island="a", dp=1, tp=1, first_layer=0, last_layer=1),
+                             StageSpec(island="a", dp=1, tp=1, first_layer=2, last_layer=3)])
     assert [(s.index, s.is_first, s.is_last) for s in rep.stages] == [(0, True, False), (1, False, True)]
 
 
