@@ -106,26 +106,35 @@ def _field_at(model: type[BaseModel], loc: tuple) -> tuple[Optional[type[BaseMod
     return (last if field is not None else model), field
 
 
+def _unwrap(annotation: Any) -> tuple[Any, list, bool]:
+    """``(base type, constraint metadata, nullable)`` of ``Optional[Annotated[T, ...]]`` and the like."""
+    metadata, nullable = [], False
+    while True:
+        origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+        if origin is Annotated:
+            annotation, metadata = args[0], metadata + list(annotation.__metadata__)
+        elif origin is Union and type(None) in args and len(args) == 2:
+            annotation, nullable = next(a for a in args if a is not type(None)), True
+        else:
+            return annotation, metadata, nullable
+
+
 def _type_words(annotation: Any) -> str:
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if typing.get_origin(annotation) is Union and len(args) == 1:
-        return _type_words(args[0])
-    if typing.get_origin(annotation) is Annotated:
-        return _type_words(args[0])
+    base = _unwrap(annotation)[0]
+    if typing.get_origin(base) in (tuple, list):
+        return "a list"
     return {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}.get(
-        annotation, "a list" if typing.get_origin(annotation) in (tuple, list) else "a JSON object")
+        base, "a JSON object")
 
 
 def _expected(field: Any, item: bool) -> str:
     """``"an integer >= 1"``, ``"a non-empty string or null"``, ... for a field (or one item of it)."""
-    ann = field.annotation
-    nullable = typing.get_origin(ann) is Union and type(None) in typing.get_args(ann)
+    base, metadata, nullable = _unwrap(field.annotation)
     if item:
-        inner = [a for a in typing.get_args(ann) if a is not type(None)]
-        seq = inner[0] if nullable and inner else ann
-        return _type_words(typing.get_args(seq)[0]) if typing.get_args(seq) else "a valid item"
-    words = _type_words(ann)
-    for m in field.metadata:
+        args = typing.get_args(base)
+        return _type_words(args[0]) if args else "a valid item"
+    words = _type_words(base)
+    for m in list(field.metadata) + metadata:
         if isinstance(m, annotated_types.Ge):
             words += f" >= {m.ge}"
         elif isinstance(m, annotated_types.Gt):

@@ -36,6 +36,7 @@ from hethub_jax.models.config import LlamaConfig
 from hethub_jax.models.llama import Llama
 from hethub_jax.optim import OptimConfig, make_optimizer
 from hethub_jax.parallel.plan import Plan
+from hethub_jax.parallel.rules import check_shares
 from hethub_jax.parallel.schedule import Action, ActionKind
 from hethub_jax.parallel.stage import PipelineStage
 from hethub_jax.parallel.trace import ActionRecord
@@ -478,11 +479,9 @@ class PipelineRuntime:
           ValueError: naming the constraint that failed.
         """
         mbs, gbs = self.plan.microbatch_size, self.plan.global_batch_size
-        if len(shares) != self.plan.num_replicas or sum(shares) != gbs:
-            raise ValueError(f"batch shares {shares} must be {self.plan.num_replicas} values summing to "
-                             f"global_batch_size {gbs}")
-        if any(s < mbs or s % mbs for s in shares):
-            raise ValueError(f"every batch share must be a positive multiple of microbatch_size {mbs}, got {shares}")
+        if len(shares) != self.plan.num_replicas:
+            raise ValueError(f"batch shares {shares} must be {self.plan.num_replicas} values, one per replica")
+        check_shares(shares, gbs, mbs)
         from hethub_jax.parallel.schedule import get_schedule
 
         self.shares = list(shares)
