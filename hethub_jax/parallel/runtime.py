@@ -479,8 +479,9 @@ class PipelineRuntime:
           ValueError: naming the constraint that failed.
         """
         mbs, gbs = self.plan.microbatch_size, self.plan.global_batch_size
-        if len(shares) != self.plan.num_replicas:
-            raise ValueError(f"batch shares {shares} must be {self.plan.num_replicas} values, one per replica")
+        if len(shares) != self.plan.num_replicas or sum(shares) != gbs:
+            raise ValueError(f"batch shares {shares} must be {self.plan.num_replicas} values summing to "
+                             f"global_batch_size {gbs}")
         check_shares(shares, gbs, mbs)
         from hethub_jax.parallel.schedule import get_schedule
 
