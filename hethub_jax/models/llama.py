@@ -38,9 +38,9 @@ def _host_normal(seed: int, path: tuple, shape: tuple[int, ...], std: float, dty
 
 
 def _tracing() -> bool:
-    from jax._src import core  # no public equivalent in jax 0.10
-
-    return not core.trace_state_clean()
+    """True under a JAX trace (`jax.jit`, `jax.eval_shape`, `nnx.eval_shape`): every jnp operation is
+    staged there (omnistaging), so a fresh constant is a `jax.core.Tracer` (public API)."""
+    return isinstance(jnp.zeros(()), jax.core.Tracer)
 
 
 def _normal(seed: int, path: tuple, shape: tuple[int, ...], std: float, dtype: str) -> Array:
