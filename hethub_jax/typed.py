@@ -53,7 +53,13 @@ Float = Annotated[float, BeforeValidator(_yaml11_float), Field(allow_inf_nan=Fal
 class StrictModel(BaseModel):
     """Base of the package's frozen, strict, closed models. Constructing one with bad fields raises
     ``ValueError`` (:class:`FieldTypeError` for a wrong type) naming the field, not pydantic's
-    ``ValidationError``."""
+    ``ValidationError``.
+
+    Adapter note: pydantic has no public switch for "wrap the constructor's errors but not
+    ``model_validate``'s"; this ``__init__`` carries pydantic's own marker ``__pydantic_base_init__``
+    so that validation of nested models bypasses it and keeps their locations. If a pydantic release
+    drops the marker, ``tests/test_typed.py`` and ``tests/test_plan.py`` (nested error paths) fail.
+    """
 
     model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
 
