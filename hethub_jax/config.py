@@ -16,22 +16,24 @@ Precedence, lowest first: field defaults < the YAML file < ``--set SECTION.FIELD
 
 Every error is a :class:`ConfigError` (a ``ValueError``) whose message names the section and field
 (``train.microbatch_size``) and the constraint, raised before any JAX computation. Nothing here
-compiles or allocates arrays; importing this module imports jax (through the model config).
+compiles or allocates arrays; importing this module imports jax (through ``hethub_jax.optim``).
+The sections are frozen, strict pydantic models (``hethub_jax.typed``); their JSON Schema is
+``docs/schema/config.schema.json`` (``python -m hethub_jax.schema``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
-from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Annotated, Any, Iterable, Mapping, Optional
 
 import yaml
+from pydantic import Field, StringConstraints, model_validator
 
 from hethub_jax.data import DataConfig
 from hethub_jax.models.config import PRESETS, LlamaConfig, get_preset
 from hethub_jax.optim import OptimConfig
+from hethub_jax.parallel.rules import check_batch
+from hethub_jax.typed import StrictModel, validate_model
 
 __all__ = ["ConfigError", "TrainSettings", "TrainConfig", "SECTIONS", "load_config", "parse_override",
            "build_model_config", "DEFAULT_BATCH_SIZE"]
@@ -39,13 +41,16 @@ __all__ = ["ConfigError", "TrainSettings", "TrainConfig", "SECTIONS", "load_conf
 SECTIONS = ("model", "data", "optim", "train")
 DEFAULT_BATCH_SIZE = 16  # global batch (samples) when neither the config nor a plan gives one
 
+PositiveInt = Annotated[int, Field(ge=1)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+PathStr = Annotated[str, StringConstraints(min_length=1)]
+
 
 class ConfigError(ValueError):
     """A configuration error; the message names ``section.field`` and the violated constraint."""
 
 
-@dataclass(frozen=True)
-class TrainSettings:
+class TrainSettings(StrictModel):
     """The ``train`` section: the training loop, its outputs and the parallel plan.
 
     Attributes:
@@ -70,48 +75,37 @@ class TrainSettings:
       plan: path of a plan JSON (``docs/plan_format.md``); ``None``: one island ``main`` on the
         local JAX platform, one stage with all layers on one device, schedule ``1f1b``.
       trace_file: write a Chrome trace (Perfetto) of the last step's actions here (``None``: none).
+
+    Raises:
+      ValueError: on construction, naming the field and the constraint (through :func:`from_dict`:
+        a :class:`ConfigError` naming ``train.<field>``).
     """
 
-    steps: int = 200
-    global_batch_size: int | None = None
-    microbatch_size: int | None = None
-    eval_every: int = 50
+    steps: PositiveInt = 200
+    global_batch_size: Optional[PositiveInt] = None
+    microbatch_size: Optional[PositiveInt] = None
+    eval_every: PositiveInt = 50
     eval_at_start: bool = True
-    eval_batches: int | None = 8
-    log_every: int = 50
-    seed: int = 0
-    metrics_file: str | None = "runs/tiny/metrics.jsonl"
-    checkpoint_dir: str | None = "runs/tiny/checkpoints"
-    checkpoint_every: int = 0
+    eval_batches: Optional[PositiveInt] = 8
+    log_every: NonNegativeInt = 50
+    seed: NonNegativeInt = 0
+    metrics_file: Optional[PathStr] = "runs/tiny/metrics.jsonl"
+    checkpoint_dir: Optional[PathStr] = "runs/tiny/checkpoints"
+    checkpoint_every: NonNegativeInt = 0
     resume: bool = False
-    plan: str | None = None
-    trace_file: str | None = None
+    plan: Optional[PathStr] = None
+    trace_file: Optional[PathStr] = None
 
-    def __post_init__(self) -> None:
-        _pos_int("train.steps", self.steps)
-        for name in ("global_batch_size", "microbatch_size", "eval_batches"):
-            if getattr(self, name) is not None:
-                _pos_int(f"train.{name}", getattr(self, name))
-        _pos_int("train.eval_every", self.eval_every)
-        for name in ("log_every", "checkpoint_every", "seed"):
-            _nonneg_int(f"train.{name}", getattr(self, name))
-        for name in ("eval_at_start", "resume"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"train.{name} must be true or false, got {getattr(self, name)!r}")
-        for name in ("metrics_file", "checkpoint_dir", "plan", "trace_file"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, str) or not v):
-                raise ConfigError(f"train.{name} must be a non-empty path string or null, got {v!r}")
-        g, m = self.global_batch_size, self.microbatch_size
-        if g is not None and m is not None and g % m:
-            raise ConfigError(f"train.global_batch_size must be divisible by train.microbatch_size: "
-                              f"{g} % {m} = {g % m}")
+    @model_validator(mode="after")
+    def _check(self) -> "TrainSettings":
+        if self.global_batch_size is not None and self.microbatch_size is not None:
+            check_batch(self.global_batch_size, self.microbatch_size, prefix="train.")
         if self.resume and self.checkpoint_dir is None:
-            raise ConfigError("train.resume needs train.checkpoint_dir (null given)")
+            raise ValueError("train.resume needs train.checkpoint_dir (null given)")
+        return self
 
 
-@dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(StrictModel):
     """The whole validated configuration.
 
     Attributes:
@@ -133,34 +127,12 @@ class TrainConfig:
         """JSON-serialisable form (the run record of the metrics file); ``model`` is the resolved
         architecture, ``model_spec`` what the file said."""
         return {"model": self.model.to_dict(), "model_spec": _plain(self.model_spec),
-                "data": dataclasses.asdict(self.data), "optim": dataclasses.asdict(self.optim),
-                "train": dataclasses.asdict(self.train)}
+                "data": self.data.model_dump(), "optim": self.optim.model_dump(),
+                "train": self.train.model_dump()}
 
 
 # --------------------------------------------------------------------------------------------------
 # validation helpers
-
-def _pos_int(name: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
-    return v
-
-
-def _nonneg_int(name: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ConfigError(f"{name} must be an integer >= 0, got {v!r}")
-    return v
-
-
-def _yaml11_float(v: Any) -> Any:
-    """YAML 1.1 (PyYAML) reads ``3e-3`` (no dot) as a string; accept it as the number it means."""
-    if isinstance(v, str):
-        try:
-            return float(v)
-        except ValueError:
-            return v
-    return v
-
 
 def _plain(v: Any) -> Any:
     if isinstance(v, Mapping):
@@ -179,23 +151,11 @@ def _section(raw: Mapping[str, Any], name: str) -> dict[str, Any]:
     return dict(v)
 
 
-def _check_keys(section: str, given: Iterable[str], allowed: Iterable[str]) -> None:
-    allowed = list(allowed)
-    for k in given:
-        if k not in allowed:
-            raise ConfigError(f"unknown key {k!r} in section {section!r}; allowed keys: {sorted(allowed)}")
-
-
-def _wrap(section: str, fn, *args):
-    """Call a constructor, turning its ValueError/TypeError into a ConfigError naming the section."""
-    try:
-        return fn(*args)
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as e:
-        msg = str(e)
-        prefix = f"{section}."
-        raise ConfigError(msg if msg.startswith(prefix) else f"{section}: {msg}") from None
+def _validate(model: type, section: str, fields: Mapping[str, Any]):
+    """``model`` from a section's fields (YAML: ``3e-3`` is a float); a ConfigError naming
+    ``section.field`` or ``unknown key ... in section '...'``."""
+    return validate_model(model, fields, root=section, container=f"section {section!r}", cls=ConfigError,
+                          yaml=True)
 
 
 def build_model_config(spec: Any) -> LlamaConfig:
@@ -218,20 +178,19 @@ def build_model_config(spec: Any) -> LlamaConfig:
         raise ConfigError(f"model must be a preset name or a mapping, got {type(spec).__name__}: {spec!r}")
     fields = dict(spec)
     preset = fields.pop("preset", None)
-    _check_keys("model", fields, [f.name for f in dataclasses.fields(LlamaConfig)])
     if preset is None:
-        return _wrap("model", LlamaConfig.from_dict, fields)
+        return _validate(LlamaConfig, "model", fields)
     if not isinstance(preset, str) or preset not in PRESETS:
         raise ConfigError(f"model.preset: unknown preset {preset!r}; known presets: {sorted(PRESETS)}")
     base = get_preset(preset).to_dict()
     base.update(fields)
-    if "num_attention_heads" in fields and "num_key_value_heads" not in fields \
+    if "num_attention_heads" in fields and isinstance(fields["num_attention_heads"], int) and "num_key_value_heads" not in fields \
             and base["num_key_value_heads"] > fields["num_attention_heads"]:
         base["num_key_value_heads"] = None  # do not keep a preset KV count above the new head count
     if "hidden_size" in fields or "num_attention_heads" in fields:
         if "head_dim" not in fields:
             base["head_dim"] = None  # recompute from the new width / heads
-    return _wrap("model", LlamaConfig.from_dict, base)
+    return _validate(LlamaConfig, "model", base)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -315,31 +274,12 @@ def from_dict(raw: Mapping[str, Any]) -> TrainConfig:
     _check_keys_top(raw, "config")
     model = build_model_config(raw.get("model", "tiny"))
 
-    data_d = _section(raw, "data")
-    _check_keys("data", data_d, [f.name for f in dataclasses.fields(DataConfig)])
-    data = _wrap("data", DataConfig.from_dict, data_d)
-
-    train_d = _section(raw, "train")
-    _check_keys("train", train_d, [f.name for f in dataclasses.fields(TrainSettings)])
-    train = _wrap("train", lambda d: TrainSettings(**d), train_d)
-
+    data = _validate(DataConfig, "data", _section(raw, "data"))
+    train = _validate(TrainSettings, "train", _section(raw, "train"))
     optim_d = _section(raw, "optim")
-    _check_keys("optim", optim_d, [f.name for f in dataclasses.fields(OptimConfig)])
     if optim_d.get("decay_steps") is None:
         optim_d["decay_steps"] = train.steps
-    for name in ("warmup_steps", "decay_steps"):
-        v = optim_d.get(name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-            raise ConfigError(f"optim.{name} must be an integer, got {v!r}")
-    for name in ("learning_rate", "min_lr_ratio", "weight_decay", "b1", "b2", "eps", "grad_clip_norm"):
-        if name not in optim_d:
-            continue
-        v = optim_d[name] = _yaml11_float(optim_d[name])
-        if v is None and name != "grad_clip_norm":
-            raise ConfigError(f"optim.{name} must be a finite number, got null")
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
-            raise ConfigError(f"optim.{name} must be a finite number, got {v!r}")
-    optim = _wrap("optim", OptimConfig.from_dict, optim_d)
+    optim = _validate(OptimConfig, "optim", optim_d)
 
     if data.seq_len > model.max_position_embeddings:
         raise ConfigError(f"data.seq_len ({data.seq_len}) must be <= model.max_position_embeddings "

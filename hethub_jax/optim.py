@@ -8,17 +8,16 @@ stage then applies `make_optimizer` to its own parameters. The reference chains
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import jax
 import optax
+from pydantic import model_validator
 
-from hethub_jax.fields import from_dict_strict
+from hethub_jax.typed import Float, StrictModel, unknown_keys
 
 
-@dataclass(frozen=True)
-class OptimConfig:
+class OptimConfig(StrictModel):
     """AdamW with linear warm-up and cosine decay (Loshchilov & Hutter 2019; 2017).
 
     Attributes:
@@ -30,19 +29,23 @@ class OptimConfig:
       weight_decay: decoupled weight decay, applied to matrices (ndim >= 2) only.
       b1, b2, eps: Adam moments and epsilon.
       grad_clip_norm: clip the global gradient L2 norm to this value; None disables clipping.
+
+    Raises:
+      ValueError: on construction, naming the field (``optim.<field>``) and the constraint.
     """
 
-    learning_rate: float = 3e-3
+    learning_rate: Float = 3e-3
     warmup_steps: int = 20
     decay_steps: int = 200
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    grad_clip_norm: float | None = 1.0
+    min_lr_ratio: Float = 0.1
+    weight_decay: Float = 0.1
+    b1: Float = 0.9
+    b2: Float = 0.95
+    eps: Float = 1e-8
+    grad_clip_norm: Optional[Float] = 1.0
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _check(self) -> "OptimConfig":
         if not self.learning_rate > 0:
             raise ValueError(f"optim.learning_rate must be > 0, got {self.learning_rate}")
         if self.warmup_steps < 0 or self.decay_steps < 1:
@@ -52,10 +55,13 @@ class OptimConfig:
             raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
             raise ValueError(f"optim.grad_clip_norm must be > 0 or null, got {self.grad_clip_norm}")
+        return self
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "OptimConfig":
-        return from_dict_strict(cls, d, "optim")
+        """``OptimConfig(**d)``; raises ValueError naming unknown keys (``unknown optim key(s)``)."""
+        unknown_keys(cls, d, "optim")
+        return cls(**d)
 
 
 def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:

@@ -104,19 +104,16 @@ def _resolve_plan(cfg, platform: str):
 
     Returns ``(plan, notes)``; notes say where batch sizes came from. Raises ValueError (plan
     validation) or OSError (unreadable plan file)."""
-    from dataclasses import replace
-
     from hethub_jax.config import DEFAULT_BATCH_SIZE
     from hethub_jax.parallel.plan import Plan
+    from hethub_jax.parallel.rules import check_batch
 
     t = cfg.train
     notes = []
     if t.plan is None:
         gbs = t.global_batch_size or DEFAULT_BATCH_SIZE
         mbs = t.microbatch_size or gbs
-        if gbs % mbs:
-            raise ValueError(f"train.global_batch_size must be divisible by train.microbatch_size: "
-                             f"{gbs} % {mbs} = {gbs % mbs}")
+        check_batch(gbs, mbs, prefix="train.")
         plan = default_plan(gbs, mbs, cfg.model.num_hidden_layers, platform)
     else:
         try:
@@ -133,7 +130,7 @@ def _resolve_plan(cfg, platform: str):
         if changes:
             notes.append("config overrides the plan's " + ", ".join(
                 f"{k} {getattr(plan, k)} -> {v}" for k, v in changes.items()))
-            plan = replace(plan, **changes)
+            plan = plan.replace(**changes)
     try:
         plan.validate(cfg.model)
     except ValueError as e:

@@ -6,14 +6,13 @@ Field names and meanings follow `transformers.LlamaConfig`, so a HF `config.json
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
-from flax.core import FrozenDict
+from pydantic import model_validator
 
-from hethub_jax.fields import from_dict_strict
+from hethub_jax.typed import Float, StrictModel, unknown_keys
+
+__all__ = ["LlamaConfig", "RopeScaling", "PRESETS", "get_preset"]
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _ROPE_TYPES = ("default", "linear", "llama3")
@@ -24,9 +23,72 @@ _ROPE_KEYS = {
 }
 
 
-@dataclass(frozen=True)
-class LlamaConfig:
-    """Architecture of a Llama-2/3 family decoder-only transformer.
+class RopeScaling(StrictModel):
+    """RoPE frequency scaling (HF ``rope_scaling`` / ``rope_parameters``), frozen and hashable.
+
+    Attributes:
+      rope_type: "default" (none), "linear" (Chen et al. 2023, position interpolation: every frequency
+        divided by ``factor``) or "llama3" (Llama 3.1 report, Meta 2024). Read from "rope_type" or the
+        older "type"; a "rope_theta" key (transformers >= 5) is dropped (it is ``LlamaConfig.rope_theta``).
+      factor: frequency divisor (> 0); "linear" and "llama3".
+      low_freq_factor, high_freq_factor, original_max_position_embeddings: the llama3 band
+        (``high_freq_factor > low_freq_factor``); "llama3" only.
+
+    ``rs["factor"]`` reads a parameter as from the HF dict (``KeyError`` for one the type lacks);
+    :meth:`to_dict` gives that dict back.
+
+    Raises:
+      ValueError: naming the key: unsupported type, a parameter missing or unknown for the type, a
+        factor <= 0, ``high_freq_factor <= low_freq_factor``.
+    """
+
+    rope_type: str = "default"
+    factor: Optional[Float] = None
+    low_freq_factor: Optional[Float] = None
+    high_freq_factor: Optional[Float] = None
+    original_max_position_embeddings: Optional[int] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _keys_for_type(cls, d: Any) -> Any:
+        if not isinstance(d, Mapping):
+            return d
+        d = dict(d)
+        rope_type = d.pop("rope_type", d.pop("type", "default"))
+        d.pop("rope_theta", None)  # transformers>=5 keeps rope_theta inside rope_parameters
+        if rope_type not in _ROPE_TYPES:
+            raise ValueError(f"LlamaConfig.rope_scaling: rope_type {rope_type!r} is not supported; "
+                             f"supported: {_ROPE_TYPES}")
+        missing = _ROPE_KEYS[rope_type] - set(d)
+        if missing:
+            raise ValueError(f"LlamaConfig.rope_scaling ({rope_type}) is missing {sorted(missing)}")
+        extra = set(d) - _ROPE_KEYS[rope_type]
+        if extra:
+            raise ValueError(f"LlamaConfig.rope_scaling ({rope_type}) has unknown key(s) {sorted(extra)}")
+        return {"rope_type": rope_type, **d}
+
+    @model_validator(mode="after")
+    def _values(self) -> "RopeScaling":
+        if self.rope_type != "default" and not self.factor > 0:
+            raise ValueError(f"LlamaConfig.rope_scaling.factor must be > 0, got {self.factor!r}")
+        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError("LlamaConfig.rope_scaling: high_freq_factor must exceed low_freq_factor")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """The HF form: ``{"rope_type": ..., <the type's parameters>}``."""
+        return self.model_dump(exclude_none=True)
+
+    def __getitem__(self, key: str) -> Any:
+        d = self.to_dict()
+        if key not in d:
+            raise KeyError(key)
+        return d[key]
+
+
+class LlamaConfig(StrictModel):
+    """Architecture of a Llama-2/3 family decoder-only transformer (frozen, hashable: it is static
+    data of jitted functions). Importing this module imports no JAX.
 
     Attributes (HF `LlamaConfig` meanings):
       vocab_size: number of token ids.
@@ -34,12 +96,13 @@ class LlamaConfig:
       intermediate_size: width of the SwiGLU MLP.
       num_hidden_layers: number of decoder layers.
       num_attention_heads: query heads.
-      num_key_value_heads: key/value heads (grouped-query attention); must divide the query heads.
-      head_dim: per-head width; defaults to hidden_size // num_attention_heads.
+      num_key_value_heads: key/value heads (grouped-query attention); must divide the query heads;
+        ``None`` on input: equal to the query heads.
+      head_dim: per-head width; ``None`` on input: hidden_size // num_attention_heads.
       rope_theta: RoPE base (Su et al. 2021, "RoFormer", eq. 15: theta_i = base^(-2i/d)).
-      rope_scaling: None or a dict with "rope_type" in {"default", "linear", "llama3"} and its
-        parameters (Llama 3.1: factor, low_freq_factor, high_freq_factor,
-        original_max_position_embeddings).
+      rope_scaling: None or a :class:`RopeScaling` (given as the HF dict: "rope_type" in {"default",
+        "linear", "llama3"} and its parameters; Llama 3.1: factor, low_freq_factor,
+        high_freq_factor, original_max_position_embeddings).
       rms_norm_eps: epsilon of RMSNorm (Zhang & Sennrich 2019).
       max_position_embeddings: longest sequence the model is configured for.
       tie_word_embeddings: LM head reuses the token embedding matrix.
@@ -48,7 +111,8 @@ class LlamaConfig:
       param_dtype: dtype in which parameters are stored.
 
     Raises:
-      ValueError: on construction, naming the field and the constraint that failed.
+      ValueError: on construction, naming the field and the constraint that failed (a wrong type:
+        ``hethub_jax.typed.FieldTypeError``, also a ``TypeError``).
     """
 
     vocab_size: int = 32000
@@ -56,63 +120,71 @@ class LlamaConfig:
     intermediate_size: int = 11008
     num_hidden_layers: int = 32
     num_attention_heads: int = 32
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    rope_theta: float = 10000.0
-    rope_scaling: Mapping[str, Any] | None = None
-    rms_norm_eps: float = 1e-6
+    num_key_value_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    rope_theta: Float = 10000.0
+    rope_scaling: Optional[RopeScaling] = None
+    rms_norm_eps: Float = 1e-6
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    initializer_range: float = 0.02
+    initializer_range: Float = 0.02
     dtype: str = "float32"
     param_dtype: str = "float32"
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _check(self) -> "LlamaConfig":
+        fill = self.__dict__  # frozen: derived defaults are filled once, while validating
         if self.num_key_value_heads is None:
-            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+            fill["num_key_value_heads"] = self.num_attention_heads
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if value < 1:
                 raise ValueError(f"LlamaConfig.{name} must be a positive integer, got {value!r}")
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(
                     f"LlamaConfig: num_attention_heads ({self.num_attention_heads}) must divide "
                     f"hidden_size ({self.hidden_size}) when head_dim is not given")
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        if not isinstance(self.head_dim, int) or self.head_dim < 2 or self.head_dim % 2:
+            fill["head_dim"] = self.hidden_size // self.num_attention_heads
+        if self.head_dim < 2 or self.head_dim % 2:
             raise ValueError(f"LlamaConfig.head_dim must be an even integer >= 2 (RoPE rotates "
                              f"pairs), got {self.head_dim!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"LlamaConfig: num_key_value_heads ({self.num_key_value_heads}) must divide "
                 f"num_attention_heads ({self.num_attention_heads})")
-        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+        if not self.rope_theta > 0:
             raise ValueError(f"LlamaConfig.rope_theta must be a positive number, got {self.rope_theta!r}")
         if not self.rms_norm_eps > 0:
             raise ValueError(f"LlamaConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(f"LlamaConfig.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
-        if self.rope_scaling is not None:
-            # FrozenDict keeps the config hashable (it is static data of jitted functions).
-            object.__setattr__(self, "rope_scaling", FrozenDict(_check_rope_scaling(self.rope_scaling)))
+        return self
 
     # ----------------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "LlamaConfig":
-        """Builds a config from a dict of our field names; an unknown key raises ValueError."""
-        return from_dict_strict(cls, d, "LlamaConfig")
+        """Builds a config from a dict of our field names (``rope_scaling`` as the HF dict).
+
+        Raises:
+          ValueError: for unknown keys (all named: ``unknown LlamaConfig key(s) [...]``) or as the
+            constructor."""
+        unknown_keys(cls, d, "LlamaConfig")
+        return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        if d["rope_scaling"] is not None:
-            d["rope_scaling"] = dict(d["rope_scaling"])
+        """Every field; ``rope_scaling`` as the HF dict (or None). ``LlamaConfig.from_dict`` of it
+        gives an equal config."""
+        d = self.model_dump()
+        d["rope_scaling"] = None if self.rope_scaling is None else self.rope_scaling.to_dict()
         return d
 
     def replace(self, **changes: Any) -> "LlamaConfig":
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes``, validated again (derived ``head_dim`` / ``num_key_value_heads``
+        are kept unless changed, as ``dataclasses.replace``)."""
+        return LlamaConfig.from_dict(self.to_dict() | changes)
 
     def num_params(self) -> int:
         """Parameter count (a count, not bytes), computed analytically from the shapes."""
@@ -122,26 +194,6 @@ class LlamaConfig:
         layer = d * q + 2 * d * kv + q * d + 3 * d * f + 2 * d
         head = 0 if self.tie_word_embeddings else d * v
         return v * d + self.num_hidden_layers * layer + d + head
-
-
-def _check_rope_scaling(rs: Mapping[str, Any]) -> dict[str, Any]:
-    rs = dict(rs)
-    rope_type = rs.pop("rope_type", rs.pop("type", "default"))
-    rs.pop("rope_theta", None)  # transformers>=5 keeps rope_theta inside rope_parameters
-    if rope_type not in _ROPE_TYPES:
-        raise ValueError(f"LlamaConfig.rope_scaling: rope_type {rope_type!r} is not supported; "
-                         f"supported: {_ROPE_TYPES}")
-    missing = _ROPE_KEYS[rope_type] - set(rs)
-    if missing:
-        raise ValueError(f"LlamaConfig.rope_scaling ({rope_type}) is missing {sorted(missing)}")
-    extra = set(rs) - _ROPE_KEYS[rope_type]
-    if extra:
-        raise ValueError(f"LlamaConfig.rope_scaling ({rope_type}) has unknown key(s) {sorted(extra)}")
-    if rope_type != "default" and not rs["factor"] > 0:
-        raise ValueError(f"LlamaConfig.rope_scaling.factor must be > 0, got {rs['factor']!r}")
-    if rope_type == "llama3" and not rs["high_freq_factor"] > rs["low_freq_factor"]:
-        raise ValueError("LlamaConfig.rope_scaling: high_freq_factor must exceed low_freq_factor")
-    return {"rope_type": rope_type, **rs}
 
 
 # Presets. Sources: the HF config.json of meta-llama/Llama-2-7b-hf, Meta-Llama-3-8B and

@@ -38,9 +38,9 @@ def _host_normal(seed: int, path: tuple, shape: tuple[int, ...], std: float, dty
 
 
 def _tracing() -> bool:
-    from jax._src import core  # no public equivalent in jax 0.10
-
-    return not core.trace_state_clean()
+    """True under a JAX trace (`jax.jit`, `jax.eval_shape`, `nnx.eval_shape`): every jnp operation is
+    staged there (omnistaging), so a fresh constant is a `jax.core.Tracer` (public API)."""
+    return isinstance(jnp.zeros(()), jax.core.Tracer)
 
 
 def _normal(seed: int, path: tuple, shape: tuple[int, ...], std: float, dtype: str) -> Array:
@@ -83,12 +83,12 @@ def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
     inv = (1.0 / (np.float32(config.rope_theta) ** (np.arange(0, dh, 2, dtype=np.float32) / np.float32(dh))))
     inv = inv.astype(np.float32)
     rs = config.rope_scaling
-    if rs is None or rs["rope_type"] == "default":
+    if rs is None or rs.rope_type == "default":
         return inv
-    if rs["rope_type"] == "linear":
-        return (inv / np.float32(rs["factor"])).astype(np.float32)
-    factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
-    old = rs["original_max_position_embeddings"]
+    if rs.rope_type == "linear":
+        return (inv / np.float32(rs.factor)).astype(np.float32)
+    factor, lo, hi = rs.factor, rs.low_freq_factor, rs.high_freq_factor
+    old = rs.original_max_position_embeddings
     low_freq_wavelen, high_freq_wavelen = old / lo, old / hi
     wavelen = 2 * np.pi / inv
     scaled = np.where(wavelen > low_freq_wavelen, inv / factor, inv)

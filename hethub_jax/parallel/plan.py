@@ -19,19 +19,23 @@ import json
 import math
 import numbers
 import os
-from dataclasses import dataclass, replace
 from fractions import Fraction
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Annotated, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+from pydantic import Field, PrivateAttr, StringConstraints, model_validator
+
+from hethub_jax.parallel.rules import check_batch, check_shares, check_tp
+from hethub_jax.typed import Float, StrictModel, TupleOf, validate_model
 
 __all__ = ["IslandSpec", "StageSpec", "ReplicaSpec", "Plan", "proportional_shares", "SCHEDULE_NAMES",
            "RECOMPUTE_POLICIES"]
 
 SCHEDULE_NAMES = ("gpipe", "1f1b")
 RECOMPUTE_POLICIES = ("none", "full")
+NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
 
 
-@dataclass(frozen=True)
-class IslandSpec:
+class IslandSpec(StrictModel):
     """One island: the processes of one accelerator type sharing one JAX runtime.
 
     Attributes:
@@ -44,11 +48,11 @@ class IslandSpec:
         duration.
     """
 
-    name: str
-    platform: str
+    name: NonEmptyStr
+    platform: NonEmptyStr
     num_processes: int = 1
     devices_per_process: int = 1
-    slowdown: float = 1.0
+    slowdown: Float = 1.0
 
     @property
     def num_devices(self) -> int:
@@ -56,8 +60,7 @@ class IslandSpec:
         return self.num_processes * self.devices_per_process
 
 
-@dataclass(frozen=True)
-class StageSpec:
+class StageSpec(StrictModel):
     """One pipeline stage: an inclusive layer range on a ``Mesh(('dp', 'tp'))`` of one island.
 
     Attributes:
@@ -68,21 +71,25 @@ class StageSpec:
       devices: optional explicit island-local device indices, ``dp * tp`` of them, in mesh order
         (row-major over ``(dp, tp)``); ``None``: assigned by :meth:`Plan.stage_devices`.
       index, num_stages: position of the stage in its replica's pipeline and that pipeline's length.
-        Set by :class:`ReplicaSpec` (not part of the JSON).
+        Set by :class:`ReplicaSpec` (not part of the JSON; 0 and 1 for a stage on its own).
     """
 
-    island: str
-    dp: int
-    tp: int
+    island: NonEmptyStr
+    dp: int = 1
+    tp: int = 1
     first_layer: int
     last_layer: int
-    devices: Optional[Tuple[int, ...]] = None
-    index: int = 0
-    num_stages: int = 1
+    devices: Optional[TupleOf[int]] = Field(None, exclude_if=lambda v: v is None)
+    _index: int = PrivateAttr(0)
+    _num_stages: int = PrivateAttr(1)
 
-    def __post_init__(self) -> None:
-        if self.devices is not None:
-            object.__setattr__(self, "devices", tuple(self.devices))
+    @property
+    def index(self) -> int:
+        return self._index
+
+    @property
+    def num_stages(self) -> int:
+        return self._num_stages
 
     @property
     def num_layers(self) -> int:
@@ -103,25 +110,29 @@ class StageSpec:
         return self.index == self.num_stages - 1
 
 
-@dataclass(frozen=True)
-class ReplicaSpec:
+class ReplicaSpec(StrictModel):
     """One data-parallel replica: a pipeline of stages over all layers.
 
     Attributes:
-      stages: the pipeline stages in order (their ``index``/``num_stages`` are set here).
+      stages: the pipeline stages in order (their ``index``/``num_stages`` are set here, on copies).
       batch_share: samples of the global batch this replica processes per step, or ``None``.
       throughput: relative throughput (any positive unit, e.g. samples/s) used to compute the share
         when no replica gives ``batch_share``; ``None`` when not known.
     """
 
-    stages: Tuple[StageSpec, ...]
+    stages: TupleOf[StageSpec]
     batch_share: Optional[int] = None
-    throughput: Optional[float] = None
+    throughput: Optional[Float] = None
 
-    def __post_init__(self) -> None:
-        n = len(self.stages)
-        object.__setattr__(self, "stages", tuple(replace(st, index=i, num_stages=n)
-                                                 for i, st in enumerate(self.stages)))
+    @model_validator(mode="after")
+    def _number_stages(self) -> "ReplicaSpec":
+        staged = []
+        for i, st in enumerate(self.stages):
+            st = st.model_copy()
+            st._index, st._num_stages = i, len(self.stages)
+            staged.append(st)
+        self.__dict__["stages"] = tuple(staged)  # frozen: set once, while validating
+        return self
 
     @property
     def num_stages(self) -> int:
@@ -167,77 +178,8 @@ def proportional_shares(global_units: int, throughputs: Sequence[float]) -> List
 
 
 # ---------------------------------------------------------------------------------------------------
-# JSON parsing helpers
 
-def _keys(d: Any, where: str, required: Sequence[str], optional: Sequence[str]) -> Mapping[str, Any]:
-    if not isinstance(d, Mapping):
-        raise ValueError(f"{where} must be a JSON object, got {type(d).__name__}")
-    allowed = list(required) + list(optional)
-    for k in d:
-        if k not in allowed:
-            raise ValueError(f"unknown key {k!r} in {where}; allowed keys: {allowed}")
-    for k in required:
-        if k not in d:
-            raise ValueError(f"missing key {k!r} in {where}")
-    return d
-
-
-def _int(v: Any, where: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ValueError(f"{where} must be an integer, got {v!r}")
-    return v
-
-
-def _num(v: Any, where: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError(f"{where} must be a number, got {v!r}")
-    return float(v)
-
-
-def _str(v: Any, where: str) -> str:
-    if not isinstance(v, str) or not v:
-        raise ValueError(f"{where} must be a non-empty string, got {v!r}")
-    return v
-
-
-def _opt(v: Any, conv, where: str):
-    return None if v is None else conv(v, where)
-
-
-def _island_from_dict(d: Any, where: str) -> IslandSpec:
-    d = _keys(d, where, ["name", "platform"], ["num_processes", "devices_per_process", "slowdown"])
-    return IslandSpec(name=_str(d["name"], f"{where}.name"), platform=_str(d["platform"], f"{where}.platform"),
-                      num_processes=_int(d.get("num_processes", 1), f"{where}.num_processes"),
-                      devices_per_process=_int(d.get("devices_per_process", 1), f"{where}.devices_per_process"),
-                      slowdown=_num(d.get("slowdown", 1.0), f"{where}.slowdown"))
-
-
-def _stage_from_dict(d: Any, where: str) -> StageSpec:
-    d = _keys(d, where, ["island", "first_layer", "last_layer"], ["dp", "tp", "devices"])
-    devices = d.get("devices")
-    if devices is not None:
-        if not isinstance(devices, (list, tuple)):
-            raise ValueError(f"{where}.devices must be a list of integers, got {devices!r}")
-        devices = tuple(_int(x, f"{where}.devices[{i}]") for i, x in enumerate(devices))
-    return StageSpec(island=_str(d["island"], f"{where}.island"), dp=_int(d.get("dp", 1), f"{where}.dp"),
-                     tp=_int(d.get("tp", 1), f"{where}.tp"),
-                     first_layer=_int(d["first_layer"], f"{where}.first_layer"),
-                     last_layer=_int(d["last_layer"], f"{where}.last_layer"), devices=devices)
-
-
-def _replica_from_dict(d: Any, where: str) -> ReplicaSpec:
-    d = _keys(d, where, ["stages"], ["batch_share", "throughput"])
-    if not isinstance(d["stages"], (list, tuple)):
-        raise ValueError(f"{where}.stages must be a list")
-    return ReplicaSpec(stages=tuple(_stage_from_dict(s, f"{where}.stages[{i}]") for i, s in enumerate(d["stages"])),
-                       batch_share=_opt(d.get("batch_share"), _int, f"{where}.batch_share"),
-                       throughput=_opt(d.get("throughput"), _num, f"{where}.throughput"))
-
-
-# ---------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Plan:
+class Plan(StrictModel):
     """A full parallel plan (JSON format in ``docs/plan_format.md``).
 
     Attributes:
@@ -251,17 +193,26 @@ class Plan:
       description: free text for humans.
     """
 
-    islands: Tuple[IslandSpec, ...]
-    replicas: Tuple[ReplicaSpec, ...]
+    description: str = Field("", exclude_if=lambda v: not v)
+    islands: TupleOf[IslandSpec]
+    replicas: TupleOf[ReplicaSpec]
     global_batch_size: int
     microbatch_size: int
-    schedule: str = "1f1b"
-    recompute: str = "none"
-    description: str = ""
+    schedule: str = Field("1f1b", json_schema_extra={"enum": list(SCHEDULE_NAMES)})
+    recompute: str = Field("none", json_schema_extra={"enum": list(RECOMPUTE_POLICIES)})
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "islands", tuple(self.islands))
-        object.__setattr__(self, "replicas", tuple(self.replicas))
+    @model_validator(mode="before")
+    @classmethod
+    def _stages_shorthand(cls, d: Any) -> Any:
+        if isinstance(d, Mapping) and "stages" in d:
+            if "replicas" in d:
+                raise ValueError("plan needs exactly one of 'replicas' (list of pipelines) or 'stages' "
+                                 "(shorthand for one replica)")
+            d = {k: v for k, v in d.items() if k != "stages"} | {"replicas": [{"stages": d["stages"]}]}
+        elif isinstance(d, Mapping) and "replicas" not in d:
+            raise ValueError("plan needs exactly one of 'replicas' (list of pipelines) or 'stages' "
+                             "(shorthand for one replica)")
+        return d
 
     # ---- loading and saving ----------------------------------------------------------------------
 
@@ -272,24 +223,9 @@ class Plan:
 
         Raises:
           ValueError: for an unknown or missing key, or a value of the wrong type, naming the key and
-            where it is (e.g. ``replicas[0].stages[1]``).
+            where it is (e.g. ``replicas[0].stages[1].tp must be an integer, got '2'``).
         """
-        d = _keys(d, "plan", ["islands", "global_batch_size", "microbatch_size"],
-                  ["replicas", "stages", "schedule", "recompute", "description"])
-        if ("replicas" in d) == ("stages" in d):
-            raise ValueError("plan needs exactly one of 'replicas' (list of pipelines) or 'stages' "
-                             "(shorthand for one replica)")
-        reps = d["replicas"] if "replicas" in d else [{"stages": d["stages"]}]
-        for key, v in (("islands", d["islands"]), ("replicas", reps)):
-            if not isinstance(v, (list, tuple)):
-                raise ValueError(f"plan.{key} must be a list")
-        return cls(islands=tuple(_island_from_dict(x, f"islands[{i}]") for i, x in enumerate(d["islands"])),
-                   replicas=tuple(_replica_from_dict(x, f"replicas[{i}]") for i, x in enumerate(reps)),
-                   global_batch_size=_int(d["global_batch_size"], "global_batch_size"),
-                   microbatch_size=_int(d["microbatch_size"], "microbatch_size"),
-                   schedule=_str(d.get("schedule", "1f1b"), "schedule"),
-                   recompute=_str(d.get("recompute", "none"), "recompute"),
-                   description=_str(d["description"], "description") if "description" in d else "")
+        return validate_model(cls, d, container="plan")
 
     @classmethod
     def from_json(cls, source: Union[str, os.PathLike, Mapping[str, Any]]) -> "Plan":
@@ -313,24 +249,14 @@ class Plan:
         return cls.from_dict(data)
 
     def to_dict(self) -> Dict[str, Any]:
-        """The canonical JSON object (always the ``"replicas"`` form; ``devices`` only where given)."""
-        def stage(st: StageSpec) -> Dict[str, Any]:
-            out = {"island": st.island, "dp": st.dp, "tp": st.tp, "first_layer": st.first_layer,
-                   "last_layer": st.last_layer}
-            if st.devices is not None:
-                out["devices"] = list(st.devices)
-            return out
-        d: Dict[str, Any] = {}
-        if self.description:
-            d["description"] = self.description
-        d["islands"] = [{"name": i.name, "platform": i.platform, "num_processes": i.num_processes,
-                         "devices_per_process": i.devices_per_process, "slowdown": i.slowdown}
-                        for i in self.islands]
-        d["replicas"] = [{"stages": [stage(s) for s in r.stages], "batch_share": r.batch_share,
-                          "throughput": r.throughput} for r in self.replicas]
-        d.update(global_batch_size=self.global_batch_size, microbatch_size=self.microbatch_size,
-                 schedule=self.schedule, recompute=self.recompute)
-        return d
+        """The canonical JSON object (always the ``"replicas"`` form; ``devices`` only where given,
+        ``description`` only when not empty)."""
+        return self.model_dump(mode="json")
+
+    def replace(self, **changes: Any) -> "Plan":
+        """A copy with ``changes`` (field name -> value, e.g. ``global_batch_size=32``), checked as
+        :meth:`from_dict` checks (keys and types). Raises ValueError as :meth:`from_dict`."""
+        return Plan.from_dict(self.model_dump() | changes)
 
     def to_json(self, path: Union[str, os.PathLike, None] = None, indent: int = 2) -> str:
         """The canonical JSON text; also written to ``path`` when given."""
@@ -496,9 +422,12 @@ class Plan:
     def validate(self, model_config: Any = None) -> "Plan":
         """Check every constraint of the plan; return ``self``.
 
-        ``model_config`` is any object with ``num_hidden_layers``, ``num_attention_heads`` and
-        ``num_key_value_heads`` (``None`` means equal to the attention heads). Without it, the layer
-        count L is taken from the first replica's last stage and the head checks are skipped.
+        ``model_config`` is any object with ``num_hidden_layers``, ``num_attention_heads``,
+        ``num_key_value_heads`` (``None`` means equal to the attention heads) and optionally
+        ``intermediate_size`` (a :class:`hethub_jax.models.config.LlamaConfig`). Without it, the layer
+        count L is taken from the first replica's last stage and the TP checks are skipped. With it, a
+        plan that validates builds: the TP rule is the one ``PipelineStage`` applies
+        (:func:`hethub_jax.parallel.rules.check_tp`).
 
         Raises:
           ValueError: for the first violated constraint, naming it and the offending values:
@@ -506,8 +435,8 @@ class Plan:
             ``slowdown`` >= 1 and != 1 only on platform ``cpu``, every island runs a stage);
             ``schedule`` in :data:`SCHEDULE_NAMES`; ``recompute`` in :data:`RECOMPUTE_POLICIES`;
             stages (island exists, ``dp``, ``tp`` >= 1, no empty stage, each replica's layer ranges
-            cover 0..L-1 exactly once and in order; TP degree divides the attention heads and divides
-            or is a multiple of the KV heads; devices exist on the island, see :meth:`stage_devices`);
+            cover 0..L-1 exactly once and in order; TP degree divides the attention heads and
+            ``intermediate_size`` and divides or is a multiple of the KV heads; devices exist on the island, see :meth:`stage_devices`);
             batch (sizes >= 1, ``global_batch_size`` divisible by ``microbatch_size``, global batch
             not smaller than the number of replicas, each share >= 1 microbatch and a multiple of
             ``microbatch_size``, shares sum to ``global_batch_size``, ``microbatch_size`` divisible
@@ -521,7 +450,7 @@ class Plan:
         if not self.replicas:
             raise ValueError("plan needs at least one replica (pipeline of stages)")
         if model_config is not None:
-            num_layers = _int(getattr(model_config, "num_hidden_layers"), "model_config.num_hidden_layers")
+            num_layers = model_config.num_hidden_layers
         else:
             num_layers = self.replicas[0].stages[-1].last_layer + 1 if self.replicas[0].stages else 0
         names = {i.name for i in self.islands}
@@ -545,7 +474,7 @@ class Plan:
                                      f"order: {where} starts at layer {st.first_layer}, expected {nxt} ({what})")
                 nxt = st.last_layer + 1
                 if model_config is not None:
-                    self._validate_tp(st, where, model_config)
+                    check_tp(model_config, st.tp, where)
             if nxt != num_layers:
                 raise ValueError(f"layer ranges must cover layers 0..{num_layers - 1} exactly once, in order: "
                                  f"replicas[{r}] ends at layer {nxt - 1}, the model has {num_layers} layers")
@@ -575,36 +504,9 @@ class Plan:
                                  f"'cpu': island {isl.name!r} has platform {isl.platform!r} and slowdown "
                                  f"{isl.slowdown}")
 
-    @staticmethod
-    def _validate_tp(st: StageSpec, where: str, cfg: Any) -> None:
-        heads = getattr(cfg, "num_attention_heads")
-        kv = getattr(cfg, "num_key_value_heads", None) or heads
-        if heads % st.tp:
-            raise ValueError(f"TP degree must divide the number of attention heads: {where} has tp={st.tp}, "
-                             f"model has {heads} heads")
-        if kv % st.tp and st.tp % kv:
-            raise ValueError(f"TP degree must divide the number of KV heads or be a multiple of it (KV heads "
-                             f"then replicated): {where} has tp={st.tp}, model has {kv} KV heads")
-
     def _validate_batch(self) -> None:
         gbs, mbs = self.global_batch_size, self.microbatch_size
-        if gbs < 1 or mbs < 1:
-            raise ValueError(f"global_batch_size and microbatch_size must be >= 1, got {gbs} and {mbs}")
-        if gbs % mbs:
-            raise ValueError(f"global_batch_size must be divisible by microbatch_size: {gbs} % {mbs} = {gbs % mbs}")
-        shares = self.batch_shares()  # raises for a global batch smaller than the number of replicas
-        for r, share in enumerate(shares):
-            if share < mbs:
-                raise ValueError(f"each replica's batch share must be at least one microbatch: replicas[{r}] "
-                                 f"has batch_share {share} < microbatch_size {mbs}")
-            if share % mbs:
-                raise ValueError(f"each replica's batch share must be divisible by microbatch_size: "
-                                 f"replicas[{r}] has batch_share {share}, microbatch_size {mbs}")
-        if sum(shares) != gbs:
-            raise ValueError(f"batch shares must sum to global_batch_size: {shares} sums to {sum(shares)}, "
-                             f"global_batch_size is {gbs}")
-        for r, rep in enumerate(self.replicas):
-            for s, st in enumerate(rep.stages):
-                if mbs % st.dp:
-                    raise ValueError(f"microbatch_size must be divisible by each stage's dp: microbatch_size "
-                                     f"{mbs}, replicas[{r}].stages[{s}] has dp={st.dp}")
+        check_batch(gbs, mbs)
+        check_shares(self.batch_shares(), gbs, mbs)  # batch_shares raises for too few samples
+        check_batch(gbs, mbs, {f"replicas[{r}].stages[{s}]": st.dp for r, rep in enumerate(self.replicas)
+                               for s, st in enumerate(rep.stages)})

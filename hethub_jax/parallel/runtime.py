@@ -36,6 +36,7 @@ from hethub_jax.models.config import LlamaConfig
 from hethub_jax.models.llama import Llama
 from hethub_jax.optim import OptimConfig, make_optimizer
 from hethub_jax.parallel.plan import Plan
+from hethub_jax.parallel.rules import check_shares
 from hethub_jax.parallel.schedule import Action, ActionKind
 from hethub_jax.parallel.stage import PipelineStage
 from hethub_jax.parallel.trace import ActionRecord
@@ -481,8 +482,7 @@ class PipelineRuntime:
         if len(shares) != self.plan.num_replicas or sum(shares) != gbs:
             raise ValueError(f"batch shares {shares} must be {self.plan.num_replicas} values summing to "
                              f"global_batch_size {gbs}")
-        if any(s < mbs or s % mbs for s in shares):
-            raise ValueError(f"every batch share must be a positive multiple of microbatch_size {mbs}, got {shares}")
+        check_shares(shares, gbs, mbs)
         from hethub_jax.parallel.schedule import get_schedule
 
         self.shares = list(shares)

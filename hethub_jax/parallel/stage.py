@@ -27,20 +27,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from hethub_jax.models.config import LlamaConfig
 from hethub_jax.models.llama import Llama
 from hethub_jax.optim import clip_by_norm
+from hethub_jax.parallel import rules
 
 Params = Any  # nested dict of arrays (nnx pure dict)
 
 
 def check_tp(config: LlamaConfig, tp: int) -> None:
-    """Raises ValueError if TP degree `tp` is incompatible with the model's heads or MLP width."""
-    h, k, f = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
-    if h % tp:
-        raise ValueError(f"TP degree {tp} must divide num_attention_heads ({h})")
-    if k % tp and tp % k:
-        raise ValueError(f"TP degree {tp} must divide num_key_value_heads ({k}) or be a multiple of it "
-                         f"(then KV heads are replicated)")
-    if f % tp:
-        raise ValueError(f"TP degree {tp} must divide intermediate_size ({f})")
+    """Raises ValueError if TP degree `tp` does not fit the model: `hethub_jax.parallel.rules.check_tp`,
+    the rule `Plan.validate` applies too."""
+    rules.check_tp(config, tp)
 
 
 def logical_rules(config: LlamaConfig, tp: int) -> dict[str, str | None]:

@@ -1,0 +1,96 @@
+"""The validity rules that more than one part of the package checks, each written once (pure Python).
+
+* :func:`check_tp`: may a pipeline stage of a model use TP degree ``tp``? Called by
+  :meth:`hethub_jax.parallel.plan.Plan.validate` and by ``hethub_jax.parallel.stage.PipelineStage``, so
+  a plan that validates builds.
+* :func:`check_batch` and :func:`check_shares`: global batch, microbatch, DP degree and per-replica
+  batch shares. Called by the plan, the training config (``train.*``), ``train.py`` and the runtime.
+
+Every function raises ``ValueError`` naming the constraint and the offending values.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+__all__ = ["check_tp", "check_batch", "check_shares"]
+
+
+def check_tp(config: Any, tp: int, where: str = "the stage") -> None:
+    """Raise if TP degree ``tp`` does not fit the model (Megatron-LM layout, Shoeybi et al. 2019, sec. 3).
+
+    The rules: ``tp`` divides the attention heads (q/o are split by heads); ``tp`` divides the KV heads
+    or is a multiple of them (then the KV projections are replicated, DESIGN.md section 5); ``tp``
+    divides ``intermediate_size`` (gate/up/down are split along it). The vocabulary is no constraint:
+    the embedding and LM head are split over the vocabulary when ``tp`` divides it and replicated
+    otherwise (``hethub_jax.parallel.stage.logical_rules``); nothing is padded.
+
+    Args:
+      config: any object with ``num_attention_heads``, ``num_key_value_heads`` (``None``: equal to the
+        attention heads) and optionally ``intermediate_size`` (not checked when absent), e.g. a
+        :class:`hethub_jax.models.config.LlamaConfig`.
+      tp: TP degree (>= 1).
+      where: the stage, for the message (``"replicas[0].stages[1]"``).
+
+    Raises:
+      ValueError: for ``tp < 1`` or the first rule above that fails.
+    """
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    ffn = getattr(config, "intermediate_size", None)
+    if tp < 1:
+        raise ValueError(f"TP degree must be >= 1: {where} has tp={tp}")
+    if heads % tp:
+        raise ValueError(f"TP degree must divide the number of attention heads: {where} has tp={tp}, "
+                         f"model has {heads} heads")
+    if kv % tp and tp % kv:
+        raise ValueError(f"TP degree must divide the number of KV heads or be a multiple of it (KV heads "
+                         f"then replicated): {where} has tp={tp}, model has {kv} KV heads")
+    if ffn is not None and ffn % tp:
+        raise ValueError(f"TP degree must divide intermediate_size (the MLP is split along it): {where} "
+                         f"has tp={tp}, model has intermediate_size {ffn}")
+
+
+def check_batch(global_batch_size: int, microbatch_size: int, dp: Mapping[str, int] | None = None,
+                prefix: str = "") -> None:
+    """Raise unless the global batch splits into whole microbatches and every microbatch into equal
+    DP slices.
+
+    Args:
+      global_batch_size: samples per optimizer step (>= 1).
+      microbatch_size: samples per microbatch (>= 1); must divide ``global_batch_size``.
+      dp: stage location -> DP degree of that stage's mesh; each must divide ``microbatch_size``
+        (the microbatch is split over ``dp`` on its batch dimension).
+      prefix: prefix of the field names in messages (``"train."``).
+
+    Raises:
+      ValueError: naming the first rule that fails and the values.
+    """
+    g, m = global_batch_size, microbatch_size
+    if g < 1 or m < 1:
+        raise ValueError(f"{prefix}global_batch_size and {prefix}microbatch_size must be >= 1, got {g} and {m}")
+    if g % m:
+        raise ValueError(f"{prefix}global_batch_size must be divisible by {prefix}microbatch_size: "
+                         f"{g} % {m} = {g % m}")
+    for where, d in (dp or {}).items():
+        if m % d:
+            raise ValueError(f"{prefix}microbatch_size must be divisible by each stage's dp: "
+                             f"microbatch_size {m}, {where} has dp={d}")
+
+
+def check_shares(shares: Sequence[int], global_batch_size: int, microbatch_size: int) -> None:
+    """Raise unless per-replica batch shares (samples) are each at least one microbatch and a multiple
+    of ``microbatch_size``, and sum to ``global_batch_size``.
+
+    Raises:
+      ValueError: naming the replica (``replicas[r]``) and the rule.
+    """
+    for r, share in enumerate(shares):
+        if share < microbatch_size:
+            raise ValueError(f"each replica's batch share must be at least one microbatch: replicas[{r}] "
+                             f"has batch_share {share} < microbatch_size {microbatch_size}")
+        if share % microbatch_size:
+            raise ValueError(f"each replica's batch share must be divisible by microbatch_size: "
+                             f"replicas[{r}] has batch_share {share}, microbatch_size {microbatch_size}")
+    if sum(shares) != global_batch_size:
+        raise ValueError(f"batch shares must sum to global_batch_size: {list(shares)} sums to {sum(shares)}, "
+                         f"global_batch_size is {global_batch_size}")
