@@ -1,9 +1,16 @@
 """Training entry point: ``python -m hethub_jax.train [--config PATH] [flags]`` (docs/training.md).
 
-Steps: parse the command line -> load and validate the config (``hethub_jax.config``) and the plan
-(``Plan.validate``) -> build the datasets (``hethub_jax.data``) -> build the pipeline runtime
-(``hethub_jax.parallel.runtime``) -> train for ``train.steps`` optimizer steps with periodic
-validation, a progress bar, JSON-lines metrics and orbax checkpoints.
+``main`` runs four parts, each a function here:
+
+1. set-up (``_set_up``): parse the command line -> load and validate the config
+   (``hethub_jax.config``) -> under ``mpiexec``, start this rank's island -> the plan
+   (``Plan.validate``) -> the datasets (``hethub_jax.data``) -> launch checks -> the pipeline runtime
+   (``hethub_jax.parallel.runtime``). Every failure here is a configuration error.
+2. warm-up (``_warm_up_batch_shares``): heterogeneous DP without shares in the plan measures them.
+3. resume (``_resume``) from the newest checkpoint with ``train.resume``; the banner.
+4. the loop (``_train_loop``): ``train.steps`` optimizer steps; after each, the hooks built by
+   ``_build_hooks`` (``hethub_jax.train_hooks``: validation, checkpoints, Chrome trace, metrics,
+   progress bar, text lines) see a ``TrainState``.
 
 With no flags it trains the ``tiny`` preset on the Shakespeare corpus on the local CPU (one island,
 one stage). A configuration error (unknown key, impossible value, missing corpus, invalid plan)
