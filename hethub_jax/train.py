@@ -266,11 +266,14 @@ class _Run:
     """What set-up produces and the rest of ``main`` reads.
 
     Attributes:
-      args: the parsed command line.  cfg: the validated ``hethub_jax.config`` config.
-      plan: the validated plan (config batch sizes applied); plan_notes: lines for the banner.
+      args: the parsed command line.
+      cfg: the validated config (``hethub_jax.config``).
+      plan: the validated plan (config batch sizes applied).
+      plan_notes: where the batch sizes came from (lines for the banner).
       comm, rank, world_size, island: this process's place in an MPI job (None, 0, 1, None without).
       train_ds, val_ds: the ``hethub_jax.data.TokenDataset`` splits.
-      rt: the ``PipelineRuntime``; log: whether this rank prints and writes metrics.
+      rt: the ``PipelineRuntime``.
+      log: whether this rank prints and writes the metrics file and trace (the logging rank).
       emulation: the runtime's EMULATED lines (empty without emulated slowdowns).
       share_source: where the heterogeneous-DP batch shares came from (``"plan"`` or the warm-up).
       start_step: steps already done (resume), 0 otherwise.
@@ -310,7 +313,7 @@ def _start_processes(cfg, args: argparse.Namespace):
     """``(comm, rank, world_size, island)``: under ``mpiexec`` this rank's island is started
     (``_start_mpi``, before JAX is imported); a single process gets ``(None, 0, 1, None)``."""
     size = _mpi_world_size()
-    if size == 1:
+    if size <= 1:
         return None, 0, 1, None
     try:
         island = _start_mpi(cfg.train.plan, args.island, size)
