@@ -1,9 +1,16 @@
 """Training entry point: ``python -m hethub_jax.train [--config PATH] [flags]`` (docs/training.md).
 
-Steps: parse the command line -> load and validate the config (``hethub_jax.config``) and the plan
-(``Plan.validate``) -> build the datasets (``hethub_jax.data``) -> build the pipeline runtime
-(``hethub_jax.parallel.runtime``) -> train for ``train.steps`` optimizer steps with periodic
-validation, a progress bar, JSON-lines metrics and orbax checkpoints.
+``main`` runs four parts, each a function here:
+
+1. set-up (``_set_up``): parse the command line -> load and validate the config
+   (``hethub_jax.config``) -> under ``mpiexec``, start this rank's island -> the plan
+   (``Plan.validate``) -> the datasets (``hethub_jax.data``) -> launch checks -> the pipeline runtime
+   (``hethub_jax.parallel.runtime``). Every failure here is a configuration error.
+2. warm-up (``_warm_up_batch_shares``): heterogeneous DP without shares in the plan measures them.
+3. resume (``_resume``) from the newest checkpoint with ``train.resume``; the banner.
+4. the loop (``_train_loop``): ``train.steps`` optimizer steps; after each, the hooks built by
+   ``_build_hooks`` (``hethub_jax.train_hooks``: validation, checkpoints, Chrome trace, metrics,
+   progress bar, text lines) see a ``TrainState``.
 
 With no flags it trains the ``tiny`` preset on the Shakespeare corpus on the local CPU (one island,
 one stage). A configuration error (unknown key, impossible value, missing corpus, invalid plan)
@@ -20,13 +27,15 @@ Metrics file (JSON lines; field units in docs/training.md):
 from __future__ import annotations
 
 import argparse
-import json
-import math
+import dataclasses
 import os
 import platform as _platform
 import sys
 import time
 from typing import Any, Sequence
+
+from hethub_jax.train_hooks import (CheckpointHook, Console, ConsoleHook, EvalHook, Hook, MetricsHook,
+                                    MetricsWriter, ProgressHook, TraceHook, TrainState)
 
 __all__ = ["main", "build_parser", "default_plan", "EXIT_CONFIG_ERROR"]
 
@@ -242,37 +251,317 @@ def _versions() -> dict[str, str]:
     return out
 
 
-class _Metrics:
-    """JSON-lines writer: one record per line, flushed after each line (a crash loses at most the
-    line being written). Only the logging rank writes."""
+# ---------------------------------------------------------------------------------------------------
+# set-up: every failure here is a configuration error (_ConfigError), reported before any compilation
 
-    def __init__(self, path: str | None, append: bool):
-        self.f = None
-        if path is not None:
-            d = os.path.dirname(os.path.abspath(path))
-            os.makedirs(d, exist_ok=True)
-            self.f = open(path, "a" if append else "w", buffering=1)
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self.f is not None:
-            self.f.write(json.dumps(record, default=_json_default) + "\n")
-            self.f.flush()
-
-    def close(self) -> None:
-        if self.f is not None:
-            self.f.close()
+class _ConfigError(Exception):
+    """A configuration error found during set-up: ``main`` prints it as one line and returns 2."""
 
 
-def _json_default(x: Any) -> Any:
-    if hasattr(x, "item"):
-        return x.item()
-    if isinstance(x, (set, tuple)):
-        return list(x)
-    return str(x)
+@dataclasses.dataclass
+class _Run:
+    """What set-up produces and the rest of ``main`` reads.
+
+    Attributes:
+      args: the parsed command line.
+      cfg: the validated config (``hethub_jax.config``).
+      plan: the validated plan (config batch sizes applied).
+      plan_notes: where the batch sizes came from (lines for the banner).
+      comm, rank, world_size, island: this process's place in an MPI job (None, 0, 1, None without).
+      train_ds, val_ds: the ``hethub_jax.data.TokenDataset`` splits.
+      rt: the ``PipelineRuntime``.
+      log: whether this rank prints and writes the metrics file and trace (the logging rank).
+      emulation: the runtime's EMULATED lines (empty without emulated slowdowns).
+      share_source: where the heterogeneous-DP batch shares came from (``"plan"`` or the warm-up).
+      start_step: steps already done (resume), 0 otherwise.
+    """
+
+    args: argparse.Namespace
+    cfg: Any
+    plan: Any
+    plan_notes: list[str]
+    comm: Any
+    rank: int
+    world_size: int
+    island: Any
+    train_ds: Any
+    val_ds: Any
+    rt: Any = None
+    log: bool = True
+    emulation: list[str] = dataclasses.field(default_factory=list)
+    share_source: str = "plan"
+    start_step: int = 0
 
 
-def _fmt_rate(x: float) -> str:
-    return f"{x / 1000:.1f}k" if x >= 1000 else f"{x:.0f}"
+def _load_config(args: argparse.Namespace):
+    """The validated config: file, then ``--set``, then the dedicated flags."""
+    overrides = list(args.overrides)
+    if args.no_checkpoint:
+        overrides.append("train.checkpoint_dir=null")
+    _prepare_devices(args.plan, args.island)
+    try:
+        from hethub_jax.config import load_config
+        return load_config(args.config, overrides, _flags(args))
+    except ValueError as e:  # ConfigError is a ValueError
+        raise _ConfigError(str(e)) from None
+
+
+def _start_processes(cfg, args: argparse.Namespace):
+    """``(comm, rank, world_size, island)``: under ``mpiexec`` this rank's island is started
+    (``_start_mpi``, before JAX is imported); a single process gets ``(None, 0, 1, None)``."""
+    size = _mpi_world_size()
+    if size <= 1:
+        return None, 0, 1, None
+    try:
+        island = _start_mpi(cfg.train.plan, args.island, size)
+    except ValueError as e:
+        raise _ConfigError(str(e)) from None
+    return island.world, island.world.rank, island.world.size, island
+
+
+def _load_plan_and_data(cfg):
+    """``(plan, notes, train_ds, val_ds)``: the plan (``_resolve_plan``; checked for checkpointing if
+    checkpoints are on) and the datasets, checked against the model's vocabulary and the global batch."""
+    import jax
+
+    from hethub_jax import checkpoint as ckpt
+    from hethub_jax.data import build_datasets
+
+    try:
+        plan, notes = _resolve_plan(cfg, jax.default_backend())
+        if cfg.train.checkpoint_dir is not None:
+            ckpt.check_supported(plan)
+    except (ValueError, OSError) as e:
+        raise _ConfigError(str(e)) from None
+    try:
+        train_ds, val_ds, tokenizer = build_datasets(cfg.data)
+    except (ValueError, OSError, TypeError) as e:
+        raise _ConfigError(f"data: {e}") from None
+    if cfg.model.vocab_size < tokenizer.vocab_size:
+        raise _ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) must be >= the tokenizer's vocabulary "
+                           f"({tokenizer.vocab_size} ids)")
+    try:
+        train_ds.batches(plan.global_batch_size)  # checks the batch size against the split at the call
+        val_ds.batches(plan.global_batch_size)
+    except ValueError as e:
+        raise _ConfigError(f"train.global_batch_size: {e}") from None
+    return plan, notes, train_ds, val_ds
+
+
+def _check_launch(run: _Run) -> None:
+    """``--island`` needs ``mpiexec``; under MPI every rank checks that all ranks run the same config
+    and plan (``cluster.handshake``)."""
+    plan = run.plan
+    if run.comm is None and plan.world_size > 1 and run.args.island is not None:
+        raise _ConfigError(f"--island {run.args.island}: the plan has {plan.world_size} ranks; run it under "
+                           f"mpiexec -n {plan.world_size}, or without --island to run every island in one "
+                           f"process")
+    if run.comm is not None:
+        import jax
+
+        from hethub_jax import cluster
+        digest = cluster.config_hash(run.cfg.to_dict(), plan.to_dict())
+        cluster.handshake(run.comm, cluster.handshake_record(digest, run.island.name, run.island.platform,
+                                                             jax.local_device_count()))
+
+
+def _set_up(args: argparse.Namespace) -> _Run:
+    """Config, processes, plan, data, launch checks and the pipeline runtime, in that order.
+
+    Raises:
+      _ConfigError: any configuration error, before anything is compiled.
+    """
+    cfg = _load_config(args)
+    comm, rank, world_size, island = _start_processes(cfg, args)
+    plan, notes, train_ds, val_ds = _load_plan_and_data(cfg)
+    run = _Run(args=args, cfg=cfg, plan=plan, plan_notes=notes, comm=comm, rank=rank,
+               world_size=world_size, island=island, train_ds=train_ds, val_ds=val_ds)
+    _check_launch(run)
+    from hethub_jax.parallel.runtime import PipelineRuntime
+    try:
+        run.rt = PipelineRuntime(plan, cfg.model, cfg.optim, seed=cfg.train.seed, comm=comm, rank=rank)
+    except ValueError as e:
+        raise _ConfigError(str(e)) from None
+    run.log = run.rt.is_logging_rank
+    run.emulation = run.rt.emulation_lines()
+    return run
+
+
+# ---------------------------------------------------------------------------------------------------
+# warm-up and resume
+
+def _warm_up_batch_shares(run: _Run) -> None:
+    """Heterogeneous DP: unless the plan gives batch shares or throughputs, measure each replica's
+    throughput on one batch (forward/backward, no update) and give it a proportional share
+    (``plan.proportional_shares``, in whole microbatches). Sets ``run.share_source``."""
+    plan, rt = run.plan, run.rt
+    if plan.num_replicas == 1 or any(r.batch_share is not None or r.throughput is not None
+                                     for r in plan.replicas):
+        return
+    from hethub_jax.parallel.plan import proportional_shares
+
+    if run.log:
+        print("heterogeneous DP: measuring replica throughputs in a warm-up (forward/backward on one "
+              "batch, no update)...", flush=True)
+    warm = next(iter(run.train_ds.batches(plan.global_batch_size)))
+    thr = rt.measure_throughputs(warm, steps=2)
+    units = proportional_shares(plan.global_batch_size // plan.microbatch_size, thr)
+    rt.set_batch_shares([u * plan.microbatch_size for u in units])
+    run.share_source = "warm-up: " + ", ".join(f"replica {r} {x:.1f} samples/s" for r, x in enumerate(thr))
+    if run.log:
+        print(f"heterogeneous DP: measured {run.share_source}"
+              + (" (EMULATED slowdowns included)" if run.emulation else "")
+              + f" -> batch shares {rt.shares}", flush=True)
+
+
+def _resume(run: _Run) -> None:
+    """With ``train.resume``: restore the newest complete checkpoint (if any) into the runtime and
+    set ``run.start_step`` to its step."""
+    from hethub_jax import checkpoint as ckpt
+
+    t = run.cfg.train
+    latest = ckpt.latest_step(t.checkpoint_dir, run.plan.world_size)
+    if latest is not None:
+        state = ckpt.restore(t.checkpoint_dir, latest, run.rank, run.rt.checkpoint_state())
+        run.rt.restore_checkpoint_state(state)
+        run.start_step = latest
+
+
+def _save_checkpoint(run: _Run, step: int):
+    """Save this rank's state at ``step``; the logging rank also writes the step's ``meta.json``.
+    Returns the step's checkpoint directory."""
+    from hethub_jax import checkpoint as ckpt
+
+    t = run.cfg.train
+    path = ckpt.save(t.checkpoint_dir, step, run.rank, run.rt.checkpoint_state())
+    if run.log:
+        ckpt.write_meta(t.checkpoint_dir, step, {"step": step, "world_size": run.plan.world_size,
+                                                  "config": run.cfg.to_dict(), "plan": run.plan.to_dict()})
+    return path.parent
+
+
+# ---------------------------------------------------------------------------------------------------
+# reporting at start
+
+def _model_name(cfg) -> str:
+    if isinstance(cfg.model_spec, dict) and "preset" in cfg.model_spec:
+        return f"{cfg.model_spec['preset']} (with overrides)"
+    return cfg.model_spec if isinstance(cfg.model_spec, str) else "custom"
+
+
+def _banner(run: _Run) -> list[str]:
+    """The start-up banner (docs/training.md): model, data, plan, devices, optimizer, steps, EMULATED."""
+    import jax
+
+    cfg, plan, t, o, m = run.cfg, run.plan, run.cfg.train, run.cfg.optim, run.cfg.model
+    gbs = plan.global_batch_size
+    where = f"plan ({t.plan or 'built-in'}):"
+    lines = [
+        f"hethub-jax training: model {_model_name(cfg)}, {m.num_params():,} parameters "
+        f"({m.num_hidden_layers} layers, d={m.hidden_size}, vocab {m.vocab_size}, {m.dtype})",
+        f"data: {len(run.train_ds.stream):,} train / {len(run.val_ds.stream):,} validation tokens, seq_len "
+        f"{cfg.data.seq_len}; {gbs * cfg.data.seq_len:,} tokens per step",
+        f"{where} {plan.description}" if plan.description else where,
+        *plan_summary(plan, m, run.rt.shares), *(f"  note: {n}" for n in run.plan_notes),
+        f"jax {jax.__version__}, backend {jax.default_backend()}, {len(jax.devices())} local device(s)"
+        + (f"; rank {run.rank} of {run.world_size}" if run.comm is not None else "; single process"),
+        f"optimizer: AdamW peak lr {o.learning_rate:g}, warm-up {o.warmup_steps}, cosine "
+        f"decay over {o.decay_steps} steps, clip {o.grad_clip_norm}",
+        f"steps {run.start_step}->{t.steps}, eval every {t.eval_every} steps on "
+        f"{t.eval_batches if t.eval_batches is not None else 'all'} validation batch(es); metrics "
+        f"{t.metrics_file or 'off'}; checkpoints {t.checkpoint_dir or 'off'}",
+    ]
+    if o.warmup_steps >= o.decay_steps:
+        lines.append(f"  note: optim.warmup_steps ({o.warmup_steps}) >= decay steps "
+                     f"({o.decay_steps}): the peak learning rate is never reached")
+    lines += run.emulation
+    if run.emulation:
+        lines.append("EMULATED: step times and tokens/s include the emulated slowdown waits; they are "
+                     "not measurements of real slower hardware.")
+    return lines
+
+
+def _run_record(run: _Run) -> dict[str, Any]:
+    """The metrics file's first record (``kind: run``): config, plan, batch shares, emulation,
+    versions, host."""
+    import jax
+
+    plan = run.plan
+    return {
+        "kind": "run", "start_step": run.start_step, "time_unix": time.time(), "config": run.cfg.to_dict(),
+        "plan": plan.to_dict(), "plan_file": run.cfg.train.plan, "batch_shares": list(run.rt.shares),
+        "batch_shares_source": run.share_source,
+        "num_params": run.cfg.model.num_params(),
+        "emulation": {"active": bool(run.emulation), "lines": run.emulation,
+                      "slowdown": {i.name: i.slowdown for i in plan.islands}},
+        "versions": _versions(), "host": {"platform": _platform.platform(), "backend": jax.default_backend(),
+                                          "local_devices": len(jax.devices()), "world_size": run.world_size},
+        "tokens_per_s_counts": "non-pad (loss_mask 1) tokens of the global batch / step_time_s",
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# the loop and its hooks
+
+def _open_metrics(run: _Run) -> MetricsWriter:
+    """The metrics file (the logging rank's; appended to when resuming), its ``run`` record written."""
+    t = run.cfg.train
+    metrics = MetricsWriter(t.metrics_file if run.log else None, append=run.start_step > 0)
+    metrics.write(_run_record(run))
+    return metrics
+
+
+def _build_hooks(run: _Run, metrics: MetricsWriter, console: Console) -> list[Hook]:
+    """The hooks of the run, in the order they are called (see ``hethub_jax.train_hooks``).
+
+    This is the place to add a hook (e.g. one comparing a predicted step time with
+    ``state.step_time_s``): construct it here from ``run`` (plan, model config, runtime) and put it
+    before ``MetricsHook`` if it adds fields to the step records through ``state.extra``.
+    """
+    t = run.cfg.train
+    val_batches = run.val_ds.batches(run.plan.global_batch_size, max_batches=t.eval_batches)
+    hooks: list[Hook] = [EvalHook(run.rt.eval_loss, val_batches, t.eval_every, t.eval_at_start)]
+    if t.checkpoint_dir is not None:
+        hooks.append(CheckpointHook(lambda step: _save_checkpoint(run, step), t.checkpoint_every))
+    if t.trace_file is not None and run.log:
+        hooks.append(TraceHook(t.trace_file))
+    hooks.append(MetricsHook(metrics, emulated=bool(run.emulation), trace_file=t.trace_file))
+    if console.bar is not None:
+        hooks.append(ProgressHook(console))
+    if run.log:
+        hooks.append(ConsoleHook(console, t.log_every, emulated=bool(run.emulation)))
+    return hooks
+
+
+def _train_loop(run: _Run, hooks: list[Hook], console: Console) -> TrainState:
+    """Steps ``start_step + 1 .. train.steps``: one ``rt.train_step`` on the next global batch, then
+    every hook's ``on_step``. Stops early (``state.status = 1``) at a non-finite loss. Calls
+    ``on_start`` before the first step and ``on_end`` after the last."""
+    from hethub_jax.optim import learning_rate_schedule
+
+    t = run.cfg.train
+    lr_at = learning_rate_schedule(run.cfg.optim)
+    train_iter = run.train_ds.batches(run.plan.global_batch_size, start_step=run.start_step)
+    state = TrainState(start_step=run.start_step, total_steps=t.steps, t_start=time.perf_counter(),
+                       step=run.start_step)
+    for hook in hooks:
+        hook.on_start(state)
+    try:
+        for step in range(run.start_step + 1, t.steps + 1):
+            result = run.rt.train_step(next(train_iter))
+            state.record_step(step, result, lr=float(lr_at(step - 1)))
+            for hook in hooks:
+                hook.on_step(state)
+            if not state.finite:
+                console.say(f"step {step}: loss is {state.loss}; stopping")
+                state.status = 1
+                break
+    finally:
+        console.close()
+    state.wall_s = time.perf_counter() - state.t_start
+    for hook in hooks:
+        hook.on_end(state)
+    return state
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -281,259 +570,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run training. Returns the exit status: 0 success, 2 configuration error (one line on stderr),
     1 training failure (non-finite loss). Other exceptions propagate with their traceback."""
     args = build_parser().parse_args(argv)
-    overrides = list(args.overrides)
-    if args.no_checkpoint:
-        overrides.append("train.checkpoint_dir=null")
-
-    # ---- set-up: every failure here is a configuration error, reported before any compilation ----
-    _prepare_devices(args.plan, args.island)
     try:
-        from hethub_jax.config import load_config
-        cfg = load_config(args.config, overrides, _flags(args))
-    except ValueError as e:  # ConfigError is a ValueError
+        run = _set_up(args)
+    except _ConfigError as e:
         return _fail(str(e))
-
-    comm, rank, world_size, island = None, 0, 1, None
-    size = _mpi_world_size()
-    if size > 1:
-        try:
-            island = _start_mpi(cfg.train.plan, args.island, size)
-        except ValueError as e:
-            return _fail(str(e))
-        comm, rank, world_size = island.world, island.world.rank, island.world.size
-
-    import jax
-
-    from hethub_jax import checkpoint as ckpt
-    from hethub_jax.data import build_datasets
-    from hethub_jax.optim import learning_rate_schedule
-
-    t = cfg.train
-    try:
-        plan, plan_notes = _resolve_plan(cfg, jax.default_backend())
-        if t.checkpoint_dir is not None:
-            ckpt.check_supported(plan)
-    except (ValueError, OSError) as e:
-        return _fail(str(e))
-    try:
-        datasets = build_datasets(cfg.data)
-    except (ValueError, OSError, TypeError) as e:
-        return _fail(f"data: {e}")
-    train_ds, val_ds, tokenizer = datasets
-    if cfg.model.vocab_size < tokenizer.vocab_size:
-        return _fail(f"model.vocab_size ({cfg.model.vocab_size}) must be >= the tokenizer's vocabulary "
-                     f"({tokenizer.vocab_size} ids)")
-    gbs = plan.global_batch_size
-    try:
-        train_ds.batches(gbs)  # checks the batch size against the split at the call
-        val_ds.batches(gbs)
-    except ValueError as e:
-        return _fail(f"train.global_batch_size: {e}")
-
-    if comm is None and plan.world_size > 1 and args.island is not None:
-        return _fail(f"--island {args.island}: the plan has {plan.world_size} ranks; run it under "
-                     f"mpiexec -n {plan.world_size}, or without --island to run every island in one process")
-    if comm is not None:
-        from hethub_jax import cluster
-        digest = cluster.config_hash(cfg.to_dict(), plan.to_dict())
-        cluster.handshake(comm, cluster.handshake_record(digest, island.name, island.platform,
-                                                         jax.local_device_count()))
-
-    from hethub_jax.parallel.runtime import PipelineRuntime
-    try:
-        rt = PipelineRuntime(plan, cfg.model, cfg.optim, seed=t.seed, comm=comm, rank=rank)
-    except ValueError as e:
-        return _fail(str(e))
-    log = rt.is_logging_rank
-    emulation = rt.emulation_lines()
-
-    # ---- heterogeneous DP: shares measured in a warm-up unless the plan gives shares or throughputs --
-    share_source = "plan"
-    if plan.num_replicas > 1 and all(r.batch_share is None and r.throughput is None for r in plan.replicas):
-        from hethub_jax.parallel.plan import proportional_shares
-
-        if log:
-            print("heterogeneous DP: measuring replica throughputs in a warm-up (forward/backward on one "
-                  "batch, no update)...", flush=True)
-        warm = next(iter(train_ds.batches(gbs)))
-        thr = rt.measure_throughputs(warm, steps=2)
-        units = proportional_shares(gbs // plan.microbatch_size, thr)
-        rt.set_batch_shares([u * plan.microbatch_size for u in units])
-        share_source = "warm-up: " + ", ".join(f"replica {r} {x:.1f} samples/s" for r, x in enumerate(thr))
-        if log:
-            print(f"heterogeneous DP: measured {share_source}" + (" (EMULATED slowdowns included)" if emulation else "")
-                  + f" -> batch shares {rt.shares}", flush=True)
-
-    # ---- resume -------------------------------------------------------------------------------
-    start_step = 0
+    _warm_up_batch_shares(run)
+    t = run.cfg.train
     if t.resume:
-        latest = ckpt.latest_step(t.checkpoint_dir, plan.world_size)
-        if latest is not None:
-            rt.restore_checkpoint_state(ckpt.restore(t.checkpoint_dir, latest, rank, rt.checkpoint_state()))
-            start_step = latest
-        if start_step >= t.steps:
-            if log:
-                print(f"checkpoint step {start_step} already reaches train.steps={t.steps}; nothing to do")
+        _resume(run)
+        if run.start_step >= t.steps:
+            if run.log:
+                print(f"checkpoint step {run.start_step} already reaches train.steps={t.steps}; "
+                      "nothing to do")
             return 0
-
-    # ---- banner and run record ------------------------------------------------------------------
-    n_params = cfg.model.num_params()
-    model_name = cfg.model_spec if isinstance(cfg.model_spec, str) else "custom"
-    if isinstance(cfg.model_spec, dict) and "preset" in cfg.model_spec:
-        model_name = f"{cfg.model_spec['preset']} (with overrides)"
-    devs = jax.devices()
-    banner = [
-        f"hethub-jax training: model {model_name}, {n_params:,} parameters "
-        f"({cfg.model.num_hidden_layers} layers, d={cfg.model.hidden_size}, vocab {cfg.model.vocab_size}, "
-        f"{cfg.model.dtype})",
-        f"data: {len(train_ds.stream):,} train / {len(val_ds.stream):,} validation tokens, seq_len "
-        f"{cfg.data.seq_len}; {gbs * cfg.data.seq_len:,} tokens per step",
-        f"plan ({t.plan or 'built-in'}): {plan.description}" if plan.description else
-        f"plan ({t.plan or 'built-in'}):",
-        *plan_summary(plan, cfg.model, rt.shares), *(f"  note: {n}" for n in plan_notes),
-        f"jax {jax.__version__}, backend {jax.default_backend()}, {len(devs)} local device(s)"
-        + (f"; rank {rank} of {world_size}" if comm is not None else "; single process"),
-        f"optimizer: AdamW peak lr {cfg.optim.learning_rate:g}, warm-up {cfg.optim.warmup_steps}, cosine "
-        f"decay over {cfg.optim.decay_steps} steps, clip {cfg.optim.grad_clip_norm}",
-        f"steps {start_step}->{t.steps}, eval every {t.eval_every} steps on "
-        f"{t.eval_batches if t.eval_batches is not None else 'all'} validation batch(es); metrics "
-        f"{t.metrics_file or 'off'}; checkpoints {t.checkpoint_dir or 'off'}",
-    ]
-    if cfg.optim.warmup_steps >= cfg.optim.decay_steps:
-        banner.append(f"  note: optim.warmup_steps ({cfg.optim.warmup_steps}) >= decay steps "
-                      f"({cfg.optim.decay_steps}): the peak learning rate is never reached")
-    banner += emulation if emulation else []
-    if emulation:
-        banner.append("EMULATED: step times and tokens/s include the emulated slowdown waits; they are "
-                      "not measurements of real slower hardware.")
-    if log:
-        print("\n".join(banner), flush=True)
-
-    metrics = _Metrics(t.metrics_file if log else None, append=start_step > 0)
-    metrics.write({
-        "kind": "run", "start_step": start_step, "time_unix": time.time(), "config": cfg.to_dict(),
-        "plan": plan.to_dict(), "plan_file": t.plan, "batch_shares": list(rt.shares),
-        "batch_shares_source": share_source,
-        "num_params": n_params, "emulation": {"active": bool(emulation), "lines": emulation,
-                                              "slowdown": {i.name: i.slowdown for i in plan.islands}},
-        "versions": _versions(), "host": {"platform": _platform.platform(), "backend": jax.default_backend(),
-                                          "local_devices": len(devs), "world_size": world_size},
-        "tokens_per_s_counts": "non-pad (loss_mask 1) tokens of the global batch / step_time_s",
-    })
-
-    # ---- data ---------------------------------------------------------------------------------
-    val_batches = list(val_ds.batches(gbs, max_batches=t.eval_batches))
-    train_iter = train_ds.batches(gbs, start_step=start_step)
-    lr_at = learning_rate_schedule(cfg.optim)
-
-    def evaluate() -> float:
-        s = n = 0.0
-        for b in val_batches:
-            ls, c = rt.eval_loss(b)
-            s, n = s + ls, n + c
-        return s / n
-
-    bar = None
-    if log and not args.no_progress:
-        from tqdm import tqdm
-        tty = sys.stderr.isatty()
-        bar = tqdm(total=t.steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr,
-                   mininterval=0.5 if tty else 10.0, smoothing=0.1, desc="train")
-
-    def say(msg: str) -> None:
-        if not log:
-            return
-        if bar is not None:
-            bar.write(msg, file=sys.stdout)
-        else:
-            print(msg, flush=True)
-
-    t_start = time.perf_counter()
-    val_loss = None
-    first_val = None
-    if t.eval_at_start and start_step == 0:
-        val_loss = first_val = evaluate()
-        metrics.write({"kind": "eval", "step": 0, "val_loss": val_loss, "wall_s": time.perf_counter() - t_start})
-        say(f"step 0: val_loss {val_loss:.4f}")
-
-    tok_sum = time_sum = 0.0
-    loss = float("nan")
-    last_records = []
-    status = 0
-    try:
-        for step in range(start_step + 1, t.steps + 1):
-            batch = next(train_iter)
-            res = rt.train_step(batch)
-            loss, last_records = res.loss, res.records
-            tps = res.num_tokens / res.step_time_s if res.step_time_s > 0 else float("nan")
-            if step > start_step + 1:  # the first step includes compilation
-                tok_sum, time_sum = tok_sum + res.num_tokens, time_sum + res.step_time_s
-            rec = {"kind": "step", "step": step, "loss": res.loss, "tokens_per_s": tps,
-                   "step_time_s": res.step_time_s, "grad_norm": res.grad_norm,
-                   "lr": float(lr_at(step - 1)), "num_tokens": res.num_tokens,
-                   "wall_s": time.perf_counter() - t_start}
-            if emulation:
-                rec["emulated"] = True
-            evaluated = step % t.eval_every == 0 or step == t.steps
-            if evaluated:
-                val_loss = evaluate()
-                rec["val_loss"] = val_loss
-            metrics.write(rec)
-            if not math.isfinite(res.loss):
-                say(f"step {step}: loss is {res.loss}; stopping")
-                status = 1
-                break
-            if bar is not None:
-                post = {"loss": f"{res.loss:.3f}", "tok/s": _fmt_rate(tps)}
-                if val_loss is not None:
-                    post["val_loss"] = f"{val_loss:.3f}"
-                bar.set_postfix(post, refresh=False)
-                bar.update(1)
-            if evaluated or (t.log_every and step % t.log_every == 0):
-                say(f"step {step}/{t.steps}: loss {res.loss:.4f}"
-                    + (f", val_loss {val_loss:.4f}" if evaluated else "")
-                    + f", {_fmt_rate(tps)} tokens/s{' (EMULATED)' if emulation else ''}, "
-                      f"grad_norm {res.grad_norm:.3f}, lr {rec['lr']:.2e}")
-            if t.checkpoint_dir is not None and t.checkpoint_every and step % t.checkpoint_every == 0 \
-                    and step != t.steps:
-                _save(ckpt, t.checkpoint_dir, step, rank, rt, log, cfg, plan)
-    finally:
-        if bar is not None:
-            bar.close()
-
-    wall = time.perf_counter() - t_start
-    ckpt_path = None
-    if status == 0 and t.checkpoint_dir is not None:
-        ckpt_path = _save(ckpt, t.checkpoint_dir, t.steps, rank, rt, log, cfg, plan)
-    if t.trace_file is not None and last_records and log:
-        from hethub_jax.parallel.trace import to_chrome_trace
-        os.makedirs(os.path.dirname(os.path.abspath(t.trace_file)), exist_ok=True)
-        to_chrome_trace(last_records, t.trace_file)
-    mean_tps = tok_sum / time_sum if time_sum > 0 else None
-    metrics.write({"kind": "end", "status": "ok" if status == 0 else "non-finite loss", "steps": t.steps,
-                   "final_loss": loss, "first_val_loss": first_val, "final_val_loss": val_loss,
-                   "wall_s": wall, "mean_tokens_per_s_after_first_step": mean_tps,
-                   "emulated": bool(emulation), "checkpoint": str(ckpt_path) if ckpt_path else None,
-                   "trace_file": t.trace_file})
-    metrics.close()
-    if log:
-        summary = f"done in {wall:.1f} s: loss {loss:.4f}"
-        if val_loss is not None:
-            summary += f", val_loss {val_loss:.4f}" + (f" (from {first_val:.4f})" if first_val else "")
-        if mean_tps:
-            summary += f", {_fmt_rate(mean_tps)} tokens/s after the first step{' (EMULATED)' if emulation else ''}"
-        print(summary, flush=True)
-        if ckpt_path:
-            print(f"checkpoint: {ckpt_path}", flush=True)
-    return status
-
-
-def _save(ckpt, checkpoint_dir: str, step: int, rank: int, rt, log: bool, cfg, plan):
-    path = ckpt.save(checkpoint_dir, step, rank, rt.checkpoint_state())
-    if log:
-        ckpt.write_meta(checkpoint_dir, step, {"step": step, "world_size": plan.world_size,
-                                                "config": cfg.to_dict(), "plan": plan.to_dict()})
-    return path.parent
+    if run.log:
+        print("\n".join(_banner(run)), flush=True)
+    metrics = _open_metrics(run)
+    console = Console(run.log, progress=not args.no_progress, total=t.steps, initial=run.start_step)
+    hooks = _build_hooks(run, metrics, console)
+    return _train_loop(run, hooks, console).status
 
 
 if __name__ == "__main__":

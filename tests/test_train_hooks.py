@@ -1,0 +1,90 @@
+"""The training loop's hooks (hethub_jax/train_hooks.py) on their own, without JAX: when they evaluate,
+checkpoint and report, against the schedules docs/training.md states. The full loop is covered by
+tests/test_train.py and tests/test_train_plan.py."""
+
+import json
+import math
+import subprocess
+import sys
+from types import SimpleNamespace
+
+from hethub_jax.train_hooks import (CheckpointHook, Console, ConsoleHook, EvalHook, MetricsHook, MetricsWriter,
+                                    TrainState)
+
+
+def _run(hooks, losses, start_step=0):
+    """Drive the hooks as train._train_loop does, with made-up step results (100 tokens, 0.5 s)."""
+    state = TrainState(start_step=start_step, total_steps=start_step + len(losses), t_start=0.0, step=start_step)
+    for h in hooks:
+        h.on_start(state)
+    for i, loss in enumerate(losses):
+        state.record_step(start_step + i + 1, SimpleNamespace(loss=loss, grad_norm=1.0, num_tokens=100,
+                                                               step_time_s=0.5, records=[]), lr=1e-3)
+        for h in hooks:
+            h.on_step(state)
+        if not state.finite:
+            state.status = 1
+            break
+    for h in hooks:
+        h.on_end(state)
+    return state
+
+
+def test_eval_schedule_and_token_weighted_mean():
+    calls = []
+
+    def eval_loss(batch):
+        calls.append(batch)
+        return batch * 10.0, 10.0              # summed loss, token count
+
+    ev = EvalHook(eval_loss, [1, 3], every=3, at_start=True)
+    seen = []
+
+    class Probe:
+        on_start = on_step = lambda self, s: seen.append((s.step, s.evaluated, s.val_loss))
+        on_end = lambda self, s: None
+
+    state = _run([ev, Probe()], [5.0] * 7)
+    assert [(s, e) for s, e, _ in seen if e] == [(0, True), (3, True), (6, True), (7, True)]
+    assert all(v == 2.0 for _, e, v in seen if e)      # (10 + 30) / 20
+    assert state.first_val_loss == 2.0 and len(calls) == 2 * 4
+
+
+def test_checkpoints_every_k_and_at_the_end_only_if_finite():
+    saved = []
+    hook = CheckpointHook(lambda step: saved.append(step) or f"dir/step_{step}", every=2)
+    state = _run([hook], [1.0] * 6)
+    assert saved == [2, 4, 6] and state.checkpoint_path == "dir/step_6"   # step 6 once, at the end
+    saved.clear()
+    state = _run([hook], [1.0, 1.0, math.nan, 1.0])
+    assert saved == [2] and state.status == 1 and state.checkpoint_path is None
+
+
+def test_metrics_records_and_first_step_excluded_from_mean(tmp_path):
+    path = tmp_path / "m.jsonl"
+    ev = EvalHook(lambda b: (4.0, 2.0), [0], every=2, at_start=True)
+    _run([ev, MetricsHook(MetricsWriter(str(path), append=False), emulated=True, trace_file=None)],
+         [3.0, 2.0, 1.0], start_step=0)
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["kind"] for r in recs] == ["eval", "step", "step", "step", "end"]
+    step = recs[1]
+    assert list(step) == ["kind", "step", "loss", "tokens_per_s", "step_time_s", "grad_norm", "lr", "num_tokens",
+                          "wall_s", "emulated"]
+    assert step["tokens_per_s"] == 100 / 0.5 and "val_loss" not in step and recs[2]["val_loss"] == 2.0
+    end = recs[-1]
+    assert end["status"] == "ok" and end["final_loss"] == 1.0 and end["first_val_loss"] == 2.0
+    assert end["mean_tokens_per_s_after_first_step"] == (2 * 100) / (2 * 0.5)
+
+
+def test_console_lines(capsys):
+    console = Console(log=True, progress=False, total=4, initial=0)
+    _run([ConsoleHook(console, log_every=2, emulated=False)], [4.0, 3.0, 2.0, math.nan])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("step 2/4: loss 3.0000, 200 tokens/s, grad_norm 1.000, lr 1.00e-03")
+    assert out[1].startswith("done in ") and "loss nan" in out[1] and len(out) == 2   # step 4 not finite
+
+
+def test_imports_without_jax():
+    code = "import sys, hethub_jax.train_hooks; assert 'jax' not in sys.modules, 'jax imported'"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
