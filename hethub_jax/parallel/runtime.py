@@ -9,7 +9,9 @@ host path, as they would over the bridge.
 
 Execution: every local stage advances through its list until it reaches a receive whose message has
 not arrived; the process then switches to another local stage, and polls when none can advance
-(so several stages per process and any schedule in `schedule.py` run without deadlock).
+(so several stages per process and any schedule in `schedule.py` run without deadlock). One step's
+execution is a `_StepExecutor`: its `_forward`, `_backward`, `_send` and `_receive` methods carry out
+the four kinds of action.
 
 Loss and gradients (DESIGN.md section 6): the last stage returns the *summed* token cross-entropy of
 each microbatch; gradients are accumulated as sums over microbatches, summed over data-parallel
