@@ -18,6 +18,7 @@ from flax import nnx
 
 from hethub_jax.models.config import LlamaConfig
 from hethub_jax.models.llama import Llama
+from hethub_jax.models.loss import token_cross_entropy
 from hethub_jax.optim import OptimConfig, make_reference_optimizer
 
 
@@ -39,9 +40,9 @@ class ReferenceTrainer:
         self.opt_state = jax.device_put(self.tx.init(self.params), device)
 
         def loss_fn(params, batch):
-            logits = nnx.merge(graphdef, params)(batch["tokens"]).astype(jnp.float32)
-            ce = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, batch["targets"][..., None], -1)[..., 0]
-            return jnp.sum(ce * batch["loss_mask"]) / jnp.sum(batch["loss_mask"])
+            logits = nnx.merge(graphdef, params)(batch["tokens"])
+            loss_sum, num_tokens = token_cross_entropy(logits, batch["targets"], batch["loss_mask"])
+            return loss_sum / num_tokens
 
         def step(params, opt_state, batch):
             loss, grads = jax.value_and_grad(loss_fn)(params, batch)

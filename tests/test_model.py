@@ -202,3 +202,23 @@ def test_unknown_config_key_rejected():
 def test_bad_layer_range():
     with pytest.raises(ValueError, match="layer range"):
         Llama(LlamaConfig(**SMALL), first_layer=1, last_layer=2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_token_cross_entropy_matches_torch(dtype):
+    """The loss written once for the pipeline's last stage and the reference: against torch's
+    `cross_entropy` (summed over the unmasked tokens, count = mask sum), in float32 from any dtype."""
+    from hethub_jax.models.loss import token_cross_entropy
+
+    rng = np.random.default_rng(3)
+    logits = (rng.standard_normal((3, 7, 50)) * 4).astype(np.float32)
+    targets = rng.integers(0, 50, size=(3, 7)).astype(np.int32)
+    mask = (rng.random((3, 7)) > 0.3).astype(np.float32)
+    logits_in = jnp.asarray(logits, dtype)
+    loss_sum, count = token_cross_entropy(logits_in, jnp.asarray(targets), jnp.asarray(mask))
+    ref = torch.nn.functional.cross_entropy(torch.from_numpy(np.asarray(logits_in.astype(jnp.float32))).reshape(-1, 50),
+                                            torch.from_numpy(targets).long().reshape(-1), reduction="none")
+    want = float((ref * torch.from_numpy(mask).reshape(-1)).sum())
+    assert loss_sum.dtype == jnp.float32 and count.dtype == jnp.float32
+    np.testing.assert_allclose(float(loss_sum), want, rtol=1e-5)
+    assert float(count) == mask.sum()

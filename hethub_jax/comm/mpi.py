@@ -66,11 +66,31 @@ _MAX_CHUNK = (1 << 31) - 1
 _N_INTERNAL = 16  # internal (negative) tags -1 .. -16
 
 _MPI_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
-_MPI_TYPES = {np.dtype(t): m for t, m in [
-    (np.int8, MPI.INT8_T), (np.int16, MPI.INT16_T), (np.int32, MPI.INT32_T), (np.int64, MPI.INT64_T),
-    (np.uint8, MPI.UINT8_T), (np.uint16, MPI.UINT16_T), (np.uint32, MPI.UINT32_T),
-    (np.uint64, MPI.UINT64_T), (np.float32, MPI.FLOAT), (np.float64, MPI.DOUBLE),
-    (np.complex64, MPI.C_FLOAT_COMPLEX), (np.complex128, MPI.C_DOUBLE_COMPLEX)]}
+_MPI_TYPES: dict[np.dtype, Any] = {}  # reduction dtype -> predefined MPI datatype (cached)
+
+
+def _mpi_type(dtype: np.dtype) -> Any:
+    """The predefined MPI datatype of a plain numpy dtype: mpi4py's own typecode table
+    (``MPI.Datatype.fromcode(dtype.char)``, the lookup ``mpi4py.util.dtlib.from_numpy_dtype`` makes for
+    elementary types), cached.
+
+    Not ``from_numpy_dtype`` itself: it returns a ``Dup`` of the predefined type (a user datatype the
+    caller must free), and MPICH refuses MPI_SUM/MAX/MIN on it ("MPI_Op operation not defined for this
+    datatype"). Used only by ``allreduce``, which reduces in ``base.reduction_dtype`` (a plain numpy
+    dtype, never an ml_dtypes one); point-to-point messages, broadcast and allgather move raw bytes
+    (``MPI.BYTE``), so ml_dtypes arrays (bfloat16, float8, ...), which mpi4py does not know, arrive
+    bit-exact.
+
+    Raises:
+      TypeError: mpi4py has no MPI datatype for ``dtype``.
+    """
+    mtype = _MPI_TYPES.get(dtype)
+    if mtype is None:
+        try:
+            mtype = _MPI_TYPES[dtype] = MPI.Datatype.fromcode(dtype.char)
+        except (ValueError, KeyError):
+            raise TypeError(f"allreduce does not support dtype {dtype}") from None
+    return mtype
 
 
 _BYTE = MPI.BYTE
@@ -669,9 +689,7 @@ class MPIHostBridge(Communicator):
         red = reduction_dtype(arr.dtype)
         src = arr.astype(red, copy=False).reshape(-1)
         out = np.empty_like(src)
-        mtype, waiter = _MPI_TYPES.get(red), _CollRequest(self, f"allreduce({op})")
-        if mtype is None:
-            raise TypeError(f"allreduce does not support dtype {arr.dtype}")
+        mtype, waiter = _mpi_type(red), _CollRequest(self, f"allreduce({op})")
         step = max(self.chunk_bytes // red.itemsize, 1)
         for o in range(0, src.size, step):
             n = min(step, src.size - o)

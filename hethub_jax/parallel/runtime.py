@@ -9,7 +9,9 @@ host path, as they would over the bridge.
 
 Execution: every local stage advances through its list until it reaches a receive whose message has
 not arrived; the process then switches to another local stage, and polls when none can advance
-(so several stages per process and any schedule in `schedule.py` run without deadlock).
+(so several stages per process and any schedule in `schedule.py` run without deadlock). One step's
+execution is a `_StepExecutor`: its `_forward`, `_backward`, `_send` and `_receive` methods carry out
+the four kinds of action.
 
 Loss and gradients (DESIGN.md section 6): the last stage returns the *summed* token cross-entropy of
 each microbatch; gradients are accumulated as sums over microbatches, summed over data-parallel
@@ -38,7 +40,7 @@ from hethub_jax.optim import OptimConfig, make_optimizer
 from hethub_jax.parallel.plan import Plan
 from hethub_jax.parallel.rules import check_shares
 from hethub_jax.parallel.schedule import Action, ActionKind
-from hethub_jax.parallel.stage import PipelineStage
+from hethub_jax.parallel.stage import Backward, PipelineStage, StageInputs
 from hethub_jax.parallel.trace import ActionRecord
 
 #: The wait that emulates a slower accelerator (DESIGN.md section 9): sleeps ``seconds``. A module-level
@@ -192,125 +194,14 @@ class PipelineRuntime:
     # ---- execution ------------------------------------------------------------------------------
     def _run(self, batch: dict[str, np.ndarray], train: bool,
              update_inv_tokens: float | None = None) -> tuple[dict, dict, list[ActionRecord]]:
-        """Executes the action lists. With `update_inv_tokens` (only when `_update_fusable()`), the
-        last microbatch also applies the optimizer update; the returned acc then maps the stage to
-        the global gradient norm (a device scalar) instead of its gradients."""
-        actions = self.train_actions if train else self.eval_actions
-        lists = {k: actions[k[0]][k[1]] for k in self.local_keys}
-        ptr = {k: 0 for k in self.local_keys}
-        mailbox: dict[tuple, Any] = {}
-        outbox: dict[tuple, Any] = {}
-        saved: dict[tuple, Any] = {}
-        fuse_update = update_inv_tokens is not None
-        num_b = {k: sum(a.kind == ActionKind.B for a in lists[k]) for k in self.local_keys}
-        # no accumulator for a one-microbatch step whose update is fused (its gradients never leave the jit)
-        acc = {k: (None if fuse_update and num_b[k] == 1 else self.stages[k].new_grad_buffer())
-               for k in self.local_keys} if train else {}
-        norms: dict[StageKey, Any] = {}
-        n_acc = {k: 0 for k in self.local_keys}
-        loss_sums: dict[StageKey, list] = {k: [] for k in self.local_keys}
-        records: list[ActionRecord] = []
-        pending_sends: list = []
-        fused: dict[tuple, Any] = {}
-        recvs = self._post_receives(lists, batch) if self.comm is not None else {}
+        """Executes the action lists of this rank's stages (see `_StepExecutor`).
 
-        def message(kind: str, src: StageKey, dst: StageKey, mb: int) -> tuple:
-            return (kind, src, dst, mb)
-
-        def ready(k: StageKey, a: Action) -> bool:
-            if not a.is_recv:
-                return True
-            kind = "act" if a.kind == ActionKind.RECV_ACT else "grad"
-            m = message(kind, (k[0], a.peer), k, a.microbatch)
-            if m in mailbox:
-                return True
-            h = recvs.get(m)
-            if h is not None and h.test():
-                mailbox[m] = h.wait()
-                return True
-            return False
-
-        def execute(k: StageKey, a: Action, nxt: Action | None) -> None:
-            st, r, mb = self.stages[k], k[0], a.microbatch
-            t0 = time.perf_counter()
-            if a.kind == ActionKind.F:
-                data = self._microbatch(batch, k, mb)
-                pos = np.broadcast_to(np.arange(data["tokens"].shape[1], dtype=np.int32), data["tokens"].shape)
-                x = st.place_tokens(data["tokens"]) if st.is_first else outbox.pop(("in", k, mb))
-                extra = (st.place_tokens(data["targets"]), st.place_tokens(data["loss_mask"].astype(np.float32))) if st.is_last else ()
-                pos = st.place_tokens(pos)
-                if not train:
-                    out = st.forward(st.params, x, pos, *extra)
-                elif (st.is_last and self.fuse_last_stage and nxt is not None and nxt.kind == ActionKind.B
-                      and nxt.microbatch == mb):
-                    if fuse_update and n_acc[k] == num_b[k] - 1:  # the last backward, and the update
-                        out, norms[k], st.params, st.opt_state = st.forward_backward_update(
-                            st.params, st.opt_state, x, pos, *extra, acc[k], np.bool_(n_acc[k] == 0),
-                            jnp.float32(update_inv_tokens))
-                        fused[(k, mb)] = (None,)
-                    else:
-                        out, *fused[(k, mb)] = st.forward_backward(st.params, x, pos, *extra, acc[k],
-                                                                  np.bool_(n_acc[k] == 0))
-                    acc[k] = fused[(k, mb)][0]  # the donated buffer is replaced at once
-                elif st.recompute:
-                    out = st.forward(st.params, x, pos, *extra)
-                    saved[(k, mb)] = (x, pos, extra)
-                else:
-                    out, saved[(k, mb)] = st.forward_saving(st.params, x, pos, *extra)
-                if st.is_last:
-                    loss_sums[k].append(out)
-                else:
-                    outbox[("out", k, mb)] = out
-                self._emulate(k, (out, fused.get((k, mb))), t0)
-            elif a.kind == ActionKind.B:
-                g = jnp.ones((), jnp.float32) if st.is_last else outbox.pop(("gout", k, mb))
-                first = np.bool_(n_acc[k] == 0)
-                if (k, mb) in fused:  # computed with the forward
-                    grads = fused.pop((k, mb))
-                elif st.recompute:
-                    x, pos, extra = saved.pop((k, mb))
-                    grads = st.backward_recompute(st.params, x, pos, *extra, g, acc[k], first)
-                else:
-                    grads = st.backward_saved(saved.pop((k, mb)), g, acc[k], first)
-                acc[k] = grads[0]
-                n_acc[k] += 1
-                if not st.is_first:
-                    outbox[("gin", k, mb)] = grads[1]
-                self._emulate(k, acc[k] if acc[k] is not None else norms.get(k), t0)
-            elif a.is_send:
-                kind, box = ("act", "out") if a.kind == ActionKind.SEND_ACT else ("grad", "gin")
-                dst = (r, a.peer)
-                x = outbox.pop((box, k, mb))
-                self._send(message(kind, k, dst, mb), x, mailbox, pending_sends)
-            else:  # receive: the message is in the mailbox (ready() checked)
-                kind, box = ("act", "in") if a.kind == ActionKind.RECV_ACT else ("grad", "gout")
-                x = mailbox.pop(message(kind, (r, a.peer), k, mb))
-                outbox[(box, k, mb)] = jax.device_put(x, st.act_sharding)
-            records.append(ActionRecord(k[1], str(a), t0, time.perf_counter(),
-                                        island=self.plan.stage(*k).island, replica=r))
-
-        deadline = None
-        while any(ptr[k] < len(lists[k]) for k in self.local_keys):
-            progressed = False
-            for k in self.local_keys:
-                while ptr[k] < len(lists[k]) and ready(k, lists[k][ptr[k]]):
-                    execute(k, lists[k][ptr[k]], lists[k][ptr[k] + 1] if ptr[k] + 1 < len(lists[k]) else None)
-                    ptr[k] += 1
-                    progressed = True
-            if progressed:
-                deadline = None
-                continue
-            if self.comm is None:
-                stuck = {k: str(lists[k][ptr[k]]) for k in self.local_keys if ptr[k] < len(lists[k])}
-                raise RuntimeError(f"pipeline deadlock: every stage waits on a message: {stuck}")
-            deadline = deadline or time.monotonic() + self.timeout_s
-            if time.monotonic() > deadline:
-                stuck = {k: str(lists[k][ptr[k]]) for k in self.local_keys if ptr[k] < len(lists[k])}
-                raise TimeoutError(f"rank {self.rank}: no message for {self.timeout_s:.0f} s; waiting on {stuck}")
-            time.sleep(0.0002)
-        for h in pending_sends:
-            h.wait()
-        return (norms if fuse_update else acc), loss_sums, records
+        Returns (acc, loss_sums, records): acc maps each local stage to its token-summed gradient
+        accumulator (empty when not `train`); with `update_inv_tokens` (only when `_update_fusable()`)
+        the last microbatch also applies the optimizer update and acc maps the stage to the global
+        gradient norm (a device scalar) instead. loss_sums: each last stage's summed losses, one per
+        microbatch; records: one `ActionRecord` per executed action."""
+        return _StepExecutor(self, batch, train, update_inv_tokens).run()
 
     def _emulate(self, k: StageKey, out: Any, t0: float) -> None:
         """Waits for the action's (or update's) result; on an emulated slow island also sleeps
@@ -345,8 +236,7 @@ class PipelineRuntime:
         for k, acts in lists.items():
             for a in acts:
                 if a.is_recv and self.owner[(k[0], a.peer)] != self.rank:
-                    kind = "act" if a.kind == ActionKind.RECV_ACT else "grad"
-                    m = (kind, (k[0], a.peer), k, a.microbatch)
+                    m = _incoming(k, a)
                     buf = np.full(shape, np.nan, dtype) if self.debug_nan else np.empty(shape, dtype)
                     recvs[m] = self.comm.irecv(self.owner[(k[0], a.peer)], self._tag(m), out=buf)
         return recvs
@@ -522,6 +412,196 @@ class PipelineRuntime:
             st.params = jax.device_put(item["params"], st.param_shardings)
             st.opt_state = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding),
                                         item["opt_state"], st.opt_state)
+
+
+def _incoming(key: StageKey, a: Action) -> tuple:
+    """The message that receive action `a` of stage `key` waits for: (kind, src, dst, microbatch)."""
+    kind = "act" if a.kind == ActionKind.RECV_ACT else "grad"
+    return (kind, (key[0], a.peer), key, a.microbatch)
+
+
+class _StepExecutor:
+    """One step's execution of the action lists of a runtime's local stages.
+
+    Every local stage advances through its list until it reaches a receive whose message has not
+    arrived; the executor then moves on to the next local stage, and polls when none can advance.
+    Each action kind is one method: `_forward`, `_backward`, `_send` and `_receive`.
+
+    Values between actions of a stage travel through `outbox`, keyed (box, stage, microbatch) with
+    box "in" (received activation), "out" (activation to send), "gout" (received gradient of the
+    output) or "gin" (gradient of the input to send); messages from other stages arrive in
+    `mailbox`, keyed (kind, src stage, dst stage, microbatch) with kind "act" or "grad".
+    """
+
+    def __init__(self, rt: PipelineRuntime, batch: dict[str, np.ndarray], train: bool,
+                 update_inv_tokens: float | None):
+        self.rt, self.batch, self.train = rt, batch, train
+        self.fuse_update, self.inv_tokens = update_inv_tokens is not None, update_inv_tokens
+        keys = rt.local_keys
+        actions = rt.train_actions if train else rt.eval_actions
+        self.lists = {k: actions[k[0]][k[1]] for k in keys}
+        self.ptr = {k: 0 for k in keys}
+        self.mailbox: dict[tuple, Any] = {}
+        self.outbox: dict[tuple, Any] = {}
+        self.saved: dict[tuple, Any] = {}    # forward residuals (or inputs, with recompute) per (stage, mb)
+        self.fused: dict[tuple, Backward] = {}  # backward results computed with the forward
+        self.num_b = {k: sum(a.kind == ActionKind.B for a in self.lists[k]) for k in keys}
+        self.n_acc = {k: 0 for k in keys}
+        # no accumulator for a one-microbatch step whose update is fused (its gradients never leave the jit)
+        self.acc = {k: (None if self.fuse_update and self.num_b[k] == 1 else rt.stages[k].new_grad_buffer())
+                    for k in keys} if train else {}
+        self.norms: dict[StageKey, Any] = {}
+        self.loss_sums: dict[StageKey, list] = {k: [] for k in keys}
+        self.records: list[ActionRecord] = []
+        self.pending_sends: list = []
+        self.recvs = rt._post_receives(self.lists, batch) if rt.comm is not None else {}
+
+    def run(self) -> tuple[dict, dict, list[ActionRecord]]:
+        """Executes every action; returns what `PipelineRuntime._run` documents."""
+        deadline = None
+        while any(self.ptr[k] < len(self.lists[k]) for k in self.rt.local_keys):
+            if self._advance():
+                deadline = None
+            else:
+                deadline = self._wait(deadline)
+        for h in self.pending_sends:
+            h.wait()
+        return (self.norms if self.fuse_update else self.acc), self.loss_sums, self.records
+
+    def _advance(self) -> bool:
+        """Runs every local stage as far as its messages allow; True if any action ran."""
+        progressed = False
+        for k in self.rt.local_keys:
+            acts = self.lists[k]
+            while self.ptr[k] < len(acts) and self._ready(k, acts[self.ptr[k]]):
+                i = self.ptr[k]
+                self._execute(k, acts[i], acts[i + 1] if i + 1 < len(acts) else None)
+                self.ptr[k] += 1
+                progressed = True
+        return progressed
+
+    def _wait(self, deadline: float | None) -> float:
+        """Nothing can advance: sleeps briefly and returns the deadline for the awaited messages.
+
+        Raises:
+          RuntimeError: in a single process (no message can arrive: the schedule deadlocks).
+          TimeoutError: no message from another process arrived within the runtime's `timeout_s`.
+        """
+        rt = self.rt
+        if rt.comm is None:
+            raise RuntimeError(f"pipeline deadlock: every stage waits on a message: {self._stuck()}")
+        deadline = deadline or time.monotonic() + rt.timeout_s
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rt.rank}: no message for {rt.timeout_s:.0f} s; waiting on {self._stuck()}")
+        time.sleep(0.0002)
+        return deadline
+
+    def _stuck(self) -> dict:
+        return {k: str(self.lists[k][self.ptr[k]]) for k in self.rt.local_keys if self.ptr[k] < len(self.lists[k])}
+
+    def _ready(self, k: StageKey, a: Action) -> bool:
+        """False only for a receive whose message has not arrived (a completed receive from another
+        process moves its payload into the mailbox)."""
+        if not a.is_recv:
+            return True
+        m = _incoming(k, a)
+        if m in self.mailbox:
+            return True
+        h = self.recvs.get(m)
+        if h is not None and h.test():
+            self.mailbox[m] = h.wait()
+            return True
+        return False
+
+    def _execute(self, k: StageKey, a: Action, nxt: Action | None) -> None:
+        """Runs action `a` of stage `k` (`nxt`: the stage's next action) and records its times."""
+        t0 = time.perf_counter()
+        if a.kind == ActionKind.F:
+            self.rt._emulate(k, self._forward(k, a.microbatch, nxt), t0)
+        elif a.kind == ActionKind.B:
+            self.rt._emulate(k, self._backward(k, a.microbatch), t0)
+        elif a.is_send:
+            self._send(k, a)
+        else:  # receive: the message is in the mailbox (_ready checked)
+            self._receive(k, a)
+        self.records.append(ActionRecord(k[1], str(a), t0, time.perf_counter(),
+                                         island=self.rt.plan.stage(*k).island, replica=k[0]))
+
+    def _inputs(self, k: StageKey, mb: int) -> StageInputs:
+        """Microbatch `mb`'s inputs of stage `k`, placed on the stage's mesh: token ids (first stage)
+        or the received activation, positions, and targets and loss mask on the last stage."""
+        st, data = self.rt.stages[k], self.rt._microbatch(self.batch, k, mb)
+        tokens = data["tokens"]
+        x = st.place_tokens(tokens) if st.is_first else self.outbox.pop(("in", k, mb))
+        pos = st.place_tokens(np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape))
+        if not st.is_last:
+            return StageInputs(x, pos)
+        return StageInputs(x, pos, st.place_tokens(data["targets"]),
+                           st.place_tokens(data["loss_mask"].astype(np.float32)))
+
+    def _forward(self, k: StageKey, mb: int, nxt: Action | None) -> Any:
+        """F: the stage's forward on microbatch `mb` (with the backward when it comes next on the last
+        stage, see `PipelineRuntime.fuse_last_stage`). Returns what to wait for."""
+        st, inputs = self.rt.stages[k], self._inputs(k, mb)
+        if not self.train:
+            out = st.forward(st.params, inputs)
+        elif (st.is_last and self.rt.fuse_last_stage and nxt is not None and nxt.kind == ActionKind.B
+              and nxt.microbatch == mb):
+            out = self._forward_backward(k, mb, inputs)
+        elif st.recompute:
+            out = st.forward(st.params, inputs)
+            self.saved[(k, mb)] = inputs
+        else:
+            out, self.saved[(k, mb)] = st.forward_saving(st.params, inputs)
+        if st.is_last:
+            self.loss_sums[k].append(out)
+        else:
+            self.outbox[("out", k, mb)] = out
+        return out, self.fused.get((k, mb))
+
+    def _forward_backward(self, k: StageKey, mb: int, inputs: StageInputs) -> Any:
+        """Last stage: forward and backward in one jit; the last one applies the update too when the
+        step fuses it. The backward's result waits in `fused` for the B action. Returns the loss."""
+        st, first = self.rt.stages[k], np.bool_(self.n_acc[k] == 0)
+        if self.fuse_update and self.n_acc[k] == self.num_b[k] - 1:  # the last backward, and the update
+            out, self.norms[k], st.params, st.opt_state = st.forward_backward_update(
+                st.params, st.opt_state, inputs, self.acc[k], first, jnp.float32(self.inv_tokens))
+            grads = Backward(None, None)
+        else:
+            out, grads = st.forward_backward(st.params, inputs, self.acc[k], first)
+        self.fused[(k, mb)] = grads
+        self.acc[k] = grads.acc  # the donated buffer is replaced at once
+        return out
+
+    def _backward(self, k: StageKey, mb: int) -> Any:
+        """B: accumulates microbatch `mb`'s parameter gradients and, past the first stage, puts the
+        input's gradient in the outbox. Returns what to wait for."""
+        st = self.rt.stages[k]
+        g = jnp.ones((), jnp.float32) if st.is_last else self.outbox.pop(("gout", k, mb))
+        first = np.bool_(self.n_acc[k] == 0)
+        if (k, mb) in self.fused:  # computed with the forward
+            grads = self.fused.pop((k, mb))
+        elif st.recompute:
+            grads = st.backward_recompute(st.params, self.saved.pop((k, mb)), g, self.acc[k], first)
+        else:
+            grads = st.backward_saved(self.saved.pop((k, mb)), g, self.acc[k], first)
+        self.acc[k] = grads.acc
+        self.n_acc[k] += 1
+        if not st.is_first:
+            self.outbox[("gin", k, mb)] = grads.dx
+        return self.acc[k] if self.acc[k] is not None else self.norms.get(k)
+
+    def _send(self, k: StageKey, a: Action) -> None:
+        """SEND_ACT / SEND_GRAD: hands the outbox's activation or input gradient to the runtime."""
+        kind, box = ("act", "out") if a.kind == ActionKind.SEND_ACT else ("grad", "gin")
+        x = self.outbox.pop((box, k, a.microbatch))
+        self.rt._send((kind, k, (k[0], a.peer), a.microbatch), x, self.mailbox, self.pending_sends)
+
+    def _receive(self, k: StageKey, a: Action) -> None:
+        """RECV_ACT / RECV_GRAD: places the arrived message on the stage's activation sharding."""
+        box = "in" if a.kind == ActionKind.RECV_ACT else "gout"
+        x = self.mailbox.pop(_incoming(k, a))
+        self.outbox[(box, k, a.microbatch)] = jax.device_put(x, self.rt.stages[k].act_sharding)
 
 
 def _forward_only(num_stages: int, num_microbatches: int) -> list[list[Action]]:

@@ -15,7 +15,7 @@ exactly the gradient of the global mean loss.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,10 +26,41 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hethub_jax.models.config import LlamaConfig
 from hethub_jax.models.llama import Llama
+from hethub_jax.models.loss import token_cross_entropy
 from hethub_jax.optim import clip_by_norm
 from hethub_jax.parallel import rules
 
 Params = Any  # nested dict of arrays (nnx pure dict)
+
+
+class StageInputs(NamedTuple):
+    """One microbatch's inputs to a stage's compiled functions (a pytree; None fields are absent).
+
+    Attributes:
+      x: first stage: token ids `[mb, S]` int32; other stages: hidden states `[mb, S, D]` in the
+        compute dtype (the previous stage's output).
+      positions: `[mb, S]` int32 token positions (RoPE).
+      targets: last stage only: `[mb, S]` int32 next-token ids; None elsewhere.
+      mask: last stage only: `[mb, S]` float32 loss weights (0 on pads); None elsewhere.
+    """
+
+    x: Any
+    positions: Any
+    targets: Any = None
+    mask: Any = None
+
+
+class Backward(NamedTuple):
+    """Result of a stage's backward on one microbatch.
+
+    Attributes:
+      acc: the gradient accumulator after adding this microbatch's parameter gradients (token sums,
+        the parameters' tree and shardings).
+      dx: gradient with respect to the stage input `x` (`[mb, S, D]`), None on the first stage.
+    """
+
+    acc: Any
+    dx: Any
 
 
 def check_tp(config: LlamaConfig, tp: int) -> None:
@@ -116,86 +147,100 @@ class PipelineStage:
     def _apply(self, params: Params, x: jax.Array, positions: jax.Array) -> jax.Array:
         return nnx.merge(self._graphdef, params)(x, positions)
 
-    def _stage_fn(self, params, x, positions, targets=None, mask=None):
+    def _stage_fn(self, params: Params, inputs: StageInputs) -> jax.Array:
         """Non-last stage: hidden `[mb, S, D]`. Last stage: summed token cross-entropy (f32 scalar)."""
-        out = self._apply(params, x, positions)
+        out = self._apply(params, inputs.x, inputs.positions)
         if not self.is_last:
             return jax.lax.with_sharding_constraint(out, self.act_sharding)
-        logits = out.astype(jnp.float32)
-        ce = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
-        return jnp.sum(ce * mask)
+        return token_cross_entropy(out, inputs.targets, inputs.mask)[0]
+
+    def _vjp(self, params: Params, inputs: StageInputs):
+        """(stage output, vjp function) with respect to the parameters and, unless this is the first
+        stage (token ids are not differentiable), the stage input `inputs.x`."""
+        if self.is_first:
+            return jax.vjp(lambda p: self._stage_fn(p, inputs), params)
+        return jax.vjp(lambda p, h: self._stage_fn(p, inputs._replace(x=h)), params, inputs.x)
+
+    def _accumulate(self, grads: tuple, acc: Params | None, first: jax.Array) -> Backward:
+        """Backward(acc + param grads, or the grads alone on the first microbatch; input grads).
+        `where` rather than `+` on the first microbatch: a NaN-filled buffer never leaks.
+        acc None (no buffer: a one-microbatch step): the grads themselves."""
+        if acc is None:
+            gp = grads[0]
+        else:
+            gp = jax.tree.map(lambda a, g: jnp.where(first, g, a + g), acc, grads[0])
+        gp = jax.lax.with_sharding_constraint(gp, self.param_shardings)
+        if self.is_first:
+            return Backward(gp, None)
+        return Backward(gp, jax.lax.with_sharding_constraint(grads[1], self.act_sharding))
+
+    def _forward_backward(self, params: Params, inputs: StageInputs, acc: Params | None,
+                          first: jax.Array) -> tuple[jax.Array, Backward]:
+        """Last stage: forward and backward of one microbatch in one jit (no residuals leave it)."""
+        out, f = self._vjp(params, inputs)
+        return out, self._accumulate(f(jnp.ones((), jnp.float32)), acc, first)
+
+    def _sq_norm(self, grads: Params, inv_tokens: jax.Array) -> jax.Array:
+        """Squared L2 norm (f32) of token-summed grads after division by the token count."""
+        return sum(jnp.sum(jnp.square(g.astype(jnp.float32) * inv_tokens)) for g in jax.tree.leaves(grads))
+
+    def _update(self, params: Params, opt_state: Any, grads: Params, inv_tokens: jax.Array,
+                global_norm: jax.Array) -> tuple[Params, Any]:
+        """grads: token-summed; divided by the global token count, clipped by the global norm."""
+        grads = jax.tree.map(lambda g: g * inv_tokens.astype(g.dtype), grads)
+        grads = clip_by_norm(grads, global_norm, self._clip_norm)
+        updates, opt_state = self.optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def _forward_backward_update(self, params: Params, opt_state: Any, inputs: StageInputs,
+                                 acc: Params | None, first: jax.Array, inv_tokens: jax.Array):
+        """Whole-model stage of a one-stage, one-replica plan, last microbatch of the step: forward,
+        backward, accumulation, global norm, clipping and the optimizer update in one program (the
+        stage holds every gradient, so no norm or gradient has to leave it).
+        -> (summed loss f32, global grad norm f32, new params, new opt_state)."""
+        loss, grads = self._forward_backward(params, inputs, acc, first)
+        norm = jnp.sqrt(self._sq_norm(grads.acc, inv_tokens))
+        params, opt_state = self._update(params, opt_state, grads.acc, inv_tokens, norm)
+        return loss, norm, params, opt_state
 
     def _build_functions(self) -> None:
-        ps, act, tok = self.param_shardings, self.act_sharding, self.tok_sharding
-        x_sh = tok if self.is_first else act
-        extra_sh = (tok, tok) if self.is_last else ()
-        in_sh = (ps, x_sh, tok) + extra_sh
+        """The jitted entry points (argument names as in the methods they wrap):
 
-        def vjp(params, x, positions, *extra):
-            if self.is_first:  # token ids are not differentiable: only the parameters are
-                return jax.vjp(lambda p: self._stage_fn(p, x, positions, *extra), params)
-            return jax.vjp(lambda p, h: self._stage_fn(p, h, positions, *extra), params, x)
+        - `forward(params, inputs)` -> stage output; `forward_saving(params, inputs)` -> (output, vjp
+          residuals) for `backward_saved(residuals, g, acc, first)`;
+        - `backward_recompute(params, inputs, g, acc, first)` recomputes the forward from the input;
+          `g` is the `[mb, S, D]` cotangent of the output, or the f32 scalar 1.0 on the last stage;
+        - last stage: `forward_backward(params, inputs, acc, first)` -> (summed loss, Backward);
+          one-stage plan: `forward_backward_update(params, opt_state, inputs, acc, first, inv_tokens)`;
+        - `sq_norm(grads, inv_tokens)`, `update(params, opt_state, grads, inv_tokens, global_norm)`.
 
-        def accumulate(grads, acc, first):
-            """(acc + param grads, or the grads alone on the first microbatch; input grads).
-            `where` rather than `+` on the first microbatch: a NaN-filled buffer never leaks.
-            acc None (no buffer: a one-microbatch step): the grads themselves."""
-            if acc is None:
-                gp = grads[0]
-            else:
-                gp = jax.tree.map(lambda a, g: jnp.where(first, g, a + g), acc, grads[0])
-            gp = jax.lax.with_sharding_constraint(gp, ps)
-            return (gp,) if self.is_first else (gp, jax.lax.with_sharding_constraint(grads[1], act))
-
+        Every backward returns `Backward(acc, dx)`; `acc` is donated where an output can reuse it.
+        """
+        ps, tok = self.param_shardings, self.tok_sharding
+        last = tok if self.is_last else None
+        self.inputs_sharding = StageInputs(tok if self.is_first else self.act_sharding, tok, last, last)
+        in_sh = (ps, self.inputs_sharding)
         self.forward = jax.jit(self._stage_fn, in_shardings=in_sh)
-        self.forward_saving = jax.jit(vjp, in_shardings=in_sh)
-        # backward(..., g, acc, first) -> (new acc, grad w.r.t. the stage input unless first stage);
-        # g: [mb, S, D] cotangent of the output, or the f32 scalar 1.0 on the last stage.
-        self.backward_saved = jax.jit(lambda f, g, acc, first: accumulate(f(g), acc, first), donate_argnums=2)
-        self.backward_recompute = jax.jit(
-            lambda params, x, positions, *rest: accumulate(
-                vjp(params, x, positions, *rest[:-3])[1](rest[-3]), rest[-2], rest[-1]),
-            donate_argnums=(), static_argnums=())
+        self.forward_saving = jax.jit(self._vjp, in_shardings=in_sh)
 
-        def forward_backward(params, x, positions, *rest):
-            """Last stage: forward and backward of one microbatch in one jit (no residuals leave it).
-            rest = (targets, mask, acc, first) -> (summed loss, new acc[, grad w.r.t. the input])."""
-            *extra, acc, first = rest
-            out, f = vjp(params, x, positions, *extra)
-            return (out,) + accumulate(f(jnp.ones((), jnp.float32)), acc, first)
+        def backward_saved(residuals, g, acc, first):
+            return self._accumulate(residuals(g), acc, first)
+
+        def backward_recompute(params, inputs, g, acc, first):
+            return self._accumulate(self._vjp(params, inputs)[1](g), acc, first)
+        self.backward_saved = jax.jit(backward_saved, donate_argnames="acc")
+        self.backward_recompute = jax.jit(backward_recompute)
         if self.is_last:
-            self.forward_backward = jax.jit(forward_backward, donate_argnums=3 + len(extra_sh))
+            self.forward_backward = jax.jit(self._forward_backward, donate_argnames="acc")
         self._zeros = jax.jit(lambda: jax.tree.map(
             lambda x: jnp.full(x.shape, jnp.nan if self.debug_nan else 0, x.dtype), self._abstract_params),
             out_shardings=ps)
-
-        def sq_norm(grads, inv_tokens):
-            """Squared L2 norm (f32) of token-summed grads after division by the token count."""
-            return sum(jnp.sum(jnp.square(g.astype(jnp.float32) * inv_tokens)) for g in jax.tree.leaves(grads))
-        self.sq_norm = jax.jit(sq_norm)
-
-        clip = self._clip_norm
-
-        def update(params, opt_state, grads, inv_tokens, global_norm):
-            """grads: token-summed; divided by the global token count, clipped by the global norm."""
-            grads = jax.tree.map(lambda g: g * inv_tokens.astype(g.dtype), grads)
-            grads = clip_by_norm(grads, global_norm, clip)
-            updates, opt_state = self.optimizer.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-        self.update = jax.jit(update, donate_argnums=(0, 1), out_shardings=(ps, self.opt_shardings))
-
-        def forward_backward_update(params, opt_state, x, positions, targets, mask, acc, first, inv_tokens):
-            """Whole-model stage of a one-stage, one-replica plan, last microbatch of the step: forward,
-            backward, accumulation, global norm, clipping and the optimizer update in one program (the
-            stage holds every gradient, so no norm or gradient has to leave it).
-            -> (summed loss f32, global grad norm f32, new params, new opt_state)."""
-            loss, gp = forward_backward(params, x, positions, targets, mask, acc, first)
-            norm = jnp.sqrt(sq_norm(gp, inv_tokens))
-            params, opt_state = update(params, opt_state, gp, inv_tokens, norm)
-            return loss, norm, params, opt_state
+        self.sq_norm = jax.jit(self._sq_norm)
+        self.update = jax.jit(self._update, donate_argnames=("params", "opt_state"),
+                              out_shardings=(ps, self.opt_shardings))
         if self.is_first and self.is_last:
             self.forward_backward_update = jax.jit(
-                forward_backward_update, donate_argnums=(0, 1),  # acc: no output left to reuse it
+                self._forward_backward_update, donate_argnames=("params", "opt_state"),  # acc: no output left to reuse it
                 out_shardings=(None, None, ps, self.opt_shardings))
 
     # ---- helpers for the runtime ---------------------------------------------------------------

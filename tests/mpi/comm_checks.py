@@ -178,6 +178,12 @@ def check_collectives(comm):
         acc += (vals * (k + 1)).astype(ml_dtypes.bfloat16).astype(np.float32)
     assert_bits(comm.allreduce(xb), acc.astype(ml_dtypes.bfloat16), "allreduce bf16")
     assert_bits(comm.allreduce(np.array([r == 1, False])), np.array([True, False]), "bool or")
+    for dt in (np.int8, np.int16, np.int64, np.uint8, np.uint16, np.uint32, np.uint64, np.float64,
+               np.complex64, np.complex128, np.float16):  # every plain dtype reduces (MPI datatype lookup)
+        got, want = comm.allreduce(np.array([r + 1, 2 * r], dt)), np.array([n * (n + 1) // 2, n * (n - 1)], dt)
+        assert got.dtype == want.dtype and np.array_equal(got, want), (np.dtype(dt).name, got, want)
+        if np.dtype(dt).kind != "c":  # MPI_MAX is not defined on complex types
+            assert_bits(comm.allreduce(np.array([r], dt), "max"), np.array([n - 1], dt), f"max {np.dtype(dt).name}")
     g = comm.allgather(np.array([r, -r], np.int64))
     assert_bits(g, np.array([[k, -k] for k in range(n)], np.int64), "allgather")
     b = comm.broadcast(np.arange(5, dtype=np.float16) + 0.5 if r == 2 else None, root=2)
