@@ -29,7 +29,7 @@ from hethub_jax.parallel.schedule import Action, ActionKind, in_flight_bound, ma
 from hethub_jax.parallel.trace import ActionRecord
 from hethub_jax.planner import analytic
 from hethub_jax.planner.costs import DeviceCosts, LinkModel
-from hethub_jax.planner.simulator import simulate
+from hethub_jax.planner.simulator import simulate, simulate_processes
 
 __all__ = ["MemoryBreakdown", "StagePrediction", "Prediction", "stage_compute_s", "stage_memory_bytes",
            "predict", "DEFAULT_BRIDGE"]
@@ -158,8 +158,9 @@ def stage_memory_bytes(cfg: Any, first_layer: int, last_layer: int, is_first: bo
     """Peak memory per device of a stage (bytes), see :class:`MemoryBreakdown`.
 
     ``in_flight``: microbatches whose forward ran and backward has not (``schedule.in_flight_bound``).
-    Activations (``analytic.layer_activation_bytes``): recompute ``none``: ``in_flight x layers x``
-    residuals; ``full``: ``in_flight`` stage inputs plus one microbatch's residuals while its backward
+    Activations (``analytic.layer_activation_bytes``, on the last stage plus
+    ``analytic.head_activation_bytes``): recompute ``none``: ``in_flight x`` the stage's residuals
+    (pass ``in_flight=0`` for a last stage whose forward is fused with its backward); ``full``: ``in_flight`` stage inputs plus one microbatch's residuals while its backward
     runs. dtype sizes default to the config's ``param_dtype`` and ``dtype``.
 
     Raises:
@@ -177,6 +178,8 @@ def stage_memory_bytes(cfg: Any, first_layer: int, last_layer: int, is_first: bo
     tokens = microbatch_size // dp * seq_len
     layers = last_layer - first_layer + 1
     resid = layers * analytic.layer_activation_bytes(cfg, tokens, seq_len, tp, "none", ab)
+    if is_last:
+        resid += analytic.head_activation_bytes(cfg, tokens, tp, ab)
     if recompute == "none":
         act = in_flight * resid
     elif recompute == "full":
@@ -253,7 +256,8 @@ def _pipeline(cfg: Any, plan: Any, ctxs: Dict[Tuple[int, int], _StageCtx], bridg
               fused_update_s: float):
     """(events as (key, action, start, end), busy seconds per key) of the step's pipelines."""
     msg_bytes = plan.microbatch_size * seq_len * cfg.hidden_size * analytic.dtype_bytes(cfg.dtype)
-    lists = {k: plan.actions(k[0])[k[1]] for k in ctxs}
+    per_replica = {r: plan.actions(r) for r in range(plan.num_replicas)}
+    lists = {k: per_replica[k[0]][k[1]] for k in ctxs}
     times: Dict[Tuple[int, int], List[float]] = {}
     for k, ctx in ctxs.items():
         cross = {p: ctxs[(k[0], p)].spec.island != ctx.spec.island
