@@ -10,9 +10,9 @@ What is measured, with the runtime's own code paths (``hethub_jax.parallel.stage
     ``backward_recompute`` / the last stage's fused ``forward_backward`` (``B_recompute``) -- on four
     stages: the first (layer 0, embedding), two middle ones (one and two layers) and the last (LM
     head and loss), each call including the runtime's placement of its host inputs; then per phase
-    ``layer = mid2 - mid1``, ``base = mid1 - layer`` (fixed cost of a call), ``embed = first - mid1``,
-    ``head = last - mid1``, each fitted by least squares (numpy) as ``c0 + c1 x`` with x the layer's /
-    head's forward FLOPs (``hethub_jax.planner.analytic``) or the tokens (embedding);
+    the fixed cost of a call (``base``), a layer's, the embedding's and the LM head + loss's,
+    ``head``, fitted jointly by least squares (numpy, :func:`fit_compute`) as ``c0 + c1 x`` with x the
+    layer's / head's forward FLOPs (``hethub_jax.planner.analytic``) or the tokens (embedding);
   * the optimizer update (``PipelineStage.update``, AdamW) of the four stages: ``c0 + c1 x params``;
   * the device <-> host copy of activation-sized arrays (``jax.device_get`` / ``jax.device_put``) and
     the in-island all-reduce (``psum`` over the island's devices): ``c0 + c1 x bytes``;
@@ -47,8 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny", help="model preset (hethub_jax.models.config.PRESETS)")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sample")
     p.add_argument("--microbatch-sizes", default="1,2,4", help="comma-separated samples per microbatch")
-    p.add_argument("--tp", default="1,2", help="comma-separated TP degrees")
-    p.add_argument("--repeats", type=int, default=5, help="timed calls per figure (median)")
+    p.add_argument("--tp", default="1", help="comma-separated TP degrees (fake CPU devices are added as needed)")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per figure (median)")
     p.add_argument("--device-type", default=None, help="name of the device type (default: the JAX platform)")
     p.add_argument("--slowdown", type=float, default=1.0, help="emulated slowdown factor >= 1 (cpu only)")
     p.add_argument("--out", required=True, help="profile JSON to write")
@@ -69,22 +69,31 @@ def fit_line(x: Sequence[float], y: Sequence[float]) -> Dict[str, float]:
 
 
 def fit_compute(cfg: Any, samples: List[dict], seq_len: int) -> Dict[str, Dict[str, Dict[str, dict]]]:
-    """Per TP degree and phase, the fitted ``layer``/``base``/``embed``/``head`` lines from stage
-    samples (``{"kind": "stage", "stage": first|mid1|mid2|last, "tp", "phase", "tokens", "seconds"}``)."""
-    by: Dict[tuple, float] = {(s["tp"], s["phase"], s["stage"], s["tokens"]): s["seconds"]
-                              for s in samples if s.get("kind") == "stage"}
+    """Per TP degree and phase, the ``base``/``layer``/``embed``/``head`` lines, fitted JOINTLY by least
+    squares over all stage samples of that TP degree and phase (``{"kind": "stage", "tp", "phase",
+    "tokens", "layers": n, "is_first", "is_last", "seconds"}``):
+
+        seconds = base + n (layer_c0 + layer_c1 x layer_flops) + is_first (embed_c0 + embed_c1 x tokens)
+                  + is_last (head_c0 + head_c1 x head_flops)
+
+    (one regression instead of differences of noisy timings). ``rmse`` is the fit's, in seconds."""
+    groups: Dict[tuple, List[dict]] = {}
+    for s in samples:
+        if s.get("kind") == "stage":
+            groups.setdefault((int(s["tp"]), s["phase"]), []).append(s)
     out: Dict[str, Dict[str, Dict[str, dict]]] = {}
-    for tp, phase in sorted({(k[0], k[1]) for k in by}):
-        toks = sorted({k[3] for k in by if k[0] == tp and k[1] == phase})
-        t = {kind: [by[(tp, phase, kind, n)] for n in toks] for kind in STAGE_KINDS}
-        layer = [b - a for a, b in zip(t["mid1"], t["mid2"])]
-        base = [a - l for a, l in zip(t["mid1"], layer)]
-        lf = [analytic.layer_flops(cfg, n, seq_len) for n in toks]
-        hf = [analytic.head_flops(cfg, n) for n in toks]
+    for (tp, phase), rows in sorted(groups.items()):
+        a = np.array([[1.0, r["layers"], r["layers"] * analytic.layer_flops(cfg, r["tokens"], seq_len),
+                       float(r["is_first"]), r["is_first"] * r["tokens"], float(r["is_last"]),
+                       r["is_last"] * analytic.head_flops(cfg, r["tokens"])] for r in rows])
+        y = np.array([r["seconds"] for r in rows])
+        scale = np.maximum(np.abs(a).max(axis=0), 1e-30)  # column scaling for a well-conditioned solve
+        coef = np.linalg.lstsq(a / scale, y, rcond=None)[0] / scale
+        rmse = float(np.sqrt(np.mean((a @ coef - y) ** 2)))
+        line = lambda c0, c1: {"c0": float(c0), "c1": float(c1), "rmse": rmse}
         out.setdefault(str(tp), {})[phase] = {
-            "layer": fit_line(lf, layer), "base": fit_line([0] * len(toks), base),
-            "embed": fit_line(toks, [f - m for f, m in zip(t["first"], t["mid1"])]),
-            "head": fit_line(hf, [h - m for h, m in zip(t["last"], t["mid1"])])}
+            "base": line(coef[0], 0.0), "layer": line(coef[1], coef[2]), "embed": line(coef[3], coef[4]),
+            "head": line(coef[5], coef[6])}
     return out
 
 
@@ -249,8 +258,10 @@ def profile_compute(cfg: Any, seq_len: int, mbs_list: Sequence[int], tps: Sequen
             for mbs in mbs_list:
                 bar.set_postfix_str(f"tp={tp} {kind} mb={mbs}")
                 for phase, sec in measure_stage(st, cfg, mbs, seq_len, repeats).items():
-                    samples.append({"kind": "stage", "stage": kind, "layers": [fl, ll], "tp": tp, "phase": phase,
-                                    "microbatch_size": mbs, "tokens": mbs * seq_len, "seconds": sec})
+                    samples.append({"kind": "stage", "stage": kind, "first_layer": fl, "last_layer": ll,
+                                    "layers": ll - fl + 1, "is_first": st.is_first, "is_last": st.is_last,
+                                    "tp": tp, "phase": phase, "microbatch_size": mbs, "tokens": mbs * seq_len,
+                                    "seconds": sec})
                 bar.update()
             if tp == tps[0]:
                 n = analytic.stage_params_per_device(cfg, fl, ll, fl == 0, ll == cfg.num_hidden_layers - 1, tp)

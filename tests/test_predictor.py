@@ -188,7 +188,10 @@ def test_profile_round_trip(tmp_path):
         mid1 = truth["base"] + truth["layer"] * lf
         vals = {"mid1": mid1, "mid2": mid1 + truth["layer"] * lf, "first": mid1 + truth["embed"] * tok,
                 "last": mid1 + truth["head"] * hf}
-        samples += [{"kind": "stage", "stage": k, "tp": 1, "phase": ph, "tokens": tok, "seconds": v}
+        shape = {"mid1": (1, False, False), "mid2": (2, False, False), "first": (1, True, False),
+                 "last": (1, False, True)}
+        samples += [{"kind": "stage", "layers": shape[k][0], "is_first": shape[k][1], "is_last": shape[k][2],
+                     "tp": 1, "phase": ph, "tokens": tok, "seconds": v}
                     for k, v in vals.items() for ph in ("F", "F_nosave", "B", "B_recompute")]
     prof = {"format": PROFILE_FORMAT, "device_type": "cpu", "memory_bytes": 10**10, "emulated_slowdown": 1.0,
             "fits": {"compute": fit_compute(Cfg, samples, seq), "update": {"c0": 1e-3, "c1": 1e-9},
