@@ -254,3 +254,32 @@ def test_planner_imports_without_jax():
 def test_model_config_imports_without_jax():
     r = _import_blocked(["hethub_jax.models.config", "hethub_jax.planner.predictor"])
     assert r.returncode == 0, r.stderr
+
+
+# ---- predicted against measured ----------------------------------------------------------------------
+
+def test_predicted_records_land_in_their_own_labelled_process_group(tmp_path):
+    import json
+
+    from hethub_jax.parallel.trace import ActionRecord, to_chrome_trace
+    from hethub_jax.planner.predictor import compare_step, predicted_records
+    costs = DeviceCosts.from_profile(fixed_profile(0.01, 0.02))
+    plan = chain_plan(2, 3)
+    c = {i.name: costs for i in plan.islands}
+    measured = [ActionRecord(0, "F0", 100.0, 100.01, "i0"), ActionRecord(1, "F0", 100.02, 100.05, "i1")]
+    pred = predicted_records(Cfg, plan, c, seq_len=8, offset_s=100.0)
+    assert pred and all(r.island.startswith("predicted: ") for r in pred) and min(r.start_s for r in pred) == 100.0
+    out = to_chrome_trace(measured, tmp_path / "t.json", predicted=pred)
+    names = {e["pid"]: e["args"]["name"] for e in out["traceEvents"] if e["name"] == "process_name"}
+    measured_pids = {e["pid"] for e in out["traceEvents"] if e["ph"] == "X" and not e["args"]["predicted"]}
+    predicted_pids = {e["pid"] for e in out["traceEvents"] if e["ph"] == "X" and e["args"]["predicted"]}
+    assert measured_pids == {0, 1} and not measured_pids & predicted_pids
+    assert all(names[p].startswith("PREDICTED") for p in predicted_pids)
+    assert not any(names[p].startswith("PREDICTED") for p in measured_pids)
+    assert json.loads((tmp_path / "t.json").read_text()) == out
+    # without predicted records the trace is what it was (backwards compatible pids and labels)
+    plain = to_chrome_trace(measured, tmp_path / "p.json")
+    assert [e["pid"] for e in plain["traceEvents"] if e["ph"] == "X"] == [0, 1]
+    line, metrics = compare_step(predict(Cfg, plan, c, seq_len=8), 0.2)
+    assert "predicted" in line and "measured 0.2 s" in line
+    assert metrics["predicted_over_measured"] == pytest.approx(metrics["predicted_step_time_s"] / 0.2)

@@ -32,7 +32,7 @@ from hethub_jax.planner.costs import DeviceCosts, LinkModel
 from hethub_jax.planner.simulator import simulate, simulate_processes
 
 __all__ = ["MemoryBreakdown", "StagePrediction", "Prediction", "stage_compute_s", "stage_memory_bytes",
-           "predict", "DEFAULT_BRIDGE"]
+           "predict", "DEFAULT_BRIDGE", "predicted_records", "compare_step", "PREDICTED_LABEL"]
 
 #: bridge between islands when none is given: 20 us + bytes / 1 GB/s (an assumption for MPI over
 #: TCP between hosts; measure it with ``python -m hethub_jax.profile`` under ``mpiexec -n 2``)
@@ -436,3 +436,40 @@ def _critical_path(events, ctxs, pipeline_s: float, reduce_s: float, update_s: f
     parts = ", ".join(f"r{k[0]}s{k[1]} ({ctxs[k].spec.island}) {t:.4g} s" for k, t in sorted(on_path.items()))
     return (f"pipeline {pipeline_s:.4g} s: compute on the critical path {parts}; then gradient "
             f"sums + norm {reduce_s:.4g} s, update {update_s:.4g} s")
+
+
+# ---- predicted against measured -----------------------------------------------------------------------
+
+#: ``island`` label prefix of predicted records in a Chrome trace (their own process group)
+PREDICTED_LABEL = "predicted"
+
+
+def predicted_records(cfg: Any, plan: Any, costs: Mapping[str, DeviceCosts], *, seq_len: int,
+                      bridge: Optional[LinkModel] = None, offset_s: float = 0.0,
+                      prediction: Optional[Prediction] = None) -> List[ActionRecord]:
+    """The PREDICTED ActionRecords of one step of ``plan``, for a Chrome trace beside the measured ones:
+    each record's ``island`` is ``"predicted: <island>"`` and its times start at ``offset_s`` (pass the
+    measured step's first start to line them up). ``to_chrome_trace(..., predicted=...)`` puts them in
+    their own process group labelled predicted. Uses ``prediction`` when given, else :func:`predict`."""
+    p = prediction or predict(cfg, plan, costs, seq_len=seq_len, bridge=bridge)
+    return [ActionRecord(r.stage, r.action, r.start_s + offset_s, r.end_s + offset_s,
+                         f"{PREDICTED_LABEL}: {r.island}", r.replica) for r in p.timeline]
+
+
+def compare_step(prediction: Prediction, measured_step_s: float) -> Tuple[str, Dict[str, float]]:
+    """A "predicted vs measured step time" line and the metrics dict to log with the step.
+
+    Returns:
+      ``(line, metrics)``: ``metrics`` has ``predicted_step_time_s``, ``measured_step_time_s``,
+      ``predicted_over_measured`` and ``predicted_tokens_per_s``; the line says which is which.
+    Raises:
+      ValueError: if ``measured_step_s`` is not positive.
+    """
+    if not measured_step_s > 0:
+        raise ValueError(f"measured step time must be > 0 s, got {measured_step_s}")
+    ratio = prediction.step_time_s / measured_step_s
+    sources = sorted({s.source for s in prediction.stages})
+    line = (f"step time: predicted {prediction.step_time_s:.4g} s ({'/'.join(sources)}) vs measured "
+            f"{measured_step_s:.4g} s (predicted/measured {ratio:.3f})")
+    return line, {"predicted_step_time_s": prediction.step_time_s, "measured_step_time_s": float(measured_step_s),
+                  "predicted_over_measured": ratio, "predicted_tokens_per_s": prediction.tokens_per_s}
