@@ -283,3 +283,21 @@ def test_predicted_records_land_in_their_own_labelled_process_group(tmp_path):
     line, metrics = compare_step(predict(Cfg, plan, c, seq_len=8), 0.2)
     assert "predicted" in line and "measured 0.2 s" in line
     assert metrics["predicted_over_measured"] == pytest.approx(metrics["predicted_step_time_s"] / 0.2)
+
+
+def test_simulate_processes_reports_a_deadlock():
+    from hethub_jax.parallel.schedule import Action, ScheduleDeadlock
+    lists = {(0, 0): [Action("RECV_GRAD", 0, 1), Action("F", 0)], (0, 1): [Action("RECV_ACT", 0, 0), Action("F", 0)]}
+    with pytest.raises(ScheduleDeadlock, match="RECV"):
+        simulate_processes(lists, {(0, 0): "a", (0, 1): "b"}, lambda k, i: 1.0, lambda k, a: 0.0)
+
+
+def test_concurrency_stages_pipelines_an_islands_stages():
+    t_f, t_b, m = 0.01, 0.02, 4
+    costs = DeviceCosts.from_profile(fixed_profile(t_f, t_b))
+    plan = chain_plan(2, m, "1f1b", islands=["a", "a"])
+    plan = Plan.from_dict(dict(plan.to_dict(), islands=[{"name": "a", "platform": "cpu", "devices_per_process": 2}]))
+    pred = predict(Cfg, plan, {"a": costs}, seq_len=8, concurrency="stages")
+    assert pred.pipeline_s == pytest.approx((m + 1) * (t_f + t_b))
+    with pytest.raises(ValueError, match="concurrency"):
+        predict(Cfg, plan, {"a": costs}, seq_len=8, concurrency="threads")
