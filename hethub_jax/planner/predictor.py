@@ -300,9 +300,9 @@ def _simulate_replica(r, keys, lists, times, delivery):
     return [((r, s), a, t0, t1) for s, a, t0, t1 in tl.events]
 
 
-def _shared_groups(cfg: Any, plan: Any) -> List[Tuple[float, List[Tuple[int, int]]]]:
-    """(parameters, holders) of every set of parameters held by several stages: the tied embedding
-    (first and last stage of a replica) and every layer / embedding / head across replicas."""
+def _shared_groups(cfg: Any, plan: Any) -> List[Tuple[float, int, List[Tuple[int, int]]]]:
+    """(parameters, tensors, holders) of every set of parameters held by several stages: the tied
+    embedding (first and last stage of a replica) and every layer / embedding / head across replicas."""
     holders: Dict[str, List[Tuple[int, int]]] = {}
     size = {"embed": analytic.embed_params(cfg), "head": analytic.head_params(cfg)}
     for r, rep in enumerate(plan.replicas):
@@ -315,24 +315,29 @@ def _shared_groups(cfg: Any, plan: Any) -> List[Tuple[float, List[Tuple[int, int
             for n in names:
                 holders.setdefault(n, []).append((r, s))
     lp = analytic.layer_params(cfg)
-    return [(size.get(n, lp), h) for n, h in holders.items() if len(h) > 1]
+    tensors = {"embed": 1, "head": 1 if cfg.tie_word_embeddings else 2}  # a layer: 7 matrices, 2 norms
+    return [(size.get(n, lp), tensors.get(n, 9), h) for n, h in holders.items() if len(h) > 1]
 
 
 def _reduction_s(cfg: Any, plan: Any, ctxs, bridge: LinkModel) -> float:
-    """Seconds of the sums of shared gradients (runtime ``_reduce_shared``: each holder's copy to the
-    host and back, float32; an all-reduce over the bridge when the holders are on several islands)
-    and of the global norm (each stage reads its gradients once, one small all-reduce)."""
-    per_island: Dict[str, float] = {}
+    """Seconds of the sums of shared gradients (runtime ``_reduce_shared``: per island
+    ``DeviceCosts.shared_sum_s`` of the float32 bytes its holders hold; a ring all-reduce over the
+    bridge when the holders are on several islands) and of the global norm (each stage reads its
+    gradients once, one small all-reduce)."""
+    held: Dict[str, List[float]] = {}  # float32 bytes and tensors summed over the holders on each island
     cross = 0.0
-    for n, holders in _shared_groups(cfg, plan):
+    for n, tensors, holders in _shared_groups(cfg, plan):
         nbytes = 4.0 * n
         isl = sorted({ctxs[k].spec.island for k in holders})
         for k in holders:
-            c = ctxs[k].costs
-            per_island[ctxs[k].spec.island] = per_island.get(ctxs[k].spec.island, 0.0) + 2 * c.host_copy_s(nbytes)
+            h = held.setdefault(ctxs[k].spec.island, [0.0, 0])
+            h[0] += nbytes
+            h[1] += tensors
         if len(isl) > 1:
             p = len(isl)
             cross += 2 * (p - 1) * bridge.alpha_s + 2.0 * (p - 1) / p * nbytes / bridge.bandwidth
+    first = {c.spec.island: c for c in ctxs.values()}
+    per_island = {i: first[i].costs.shared_sum_s(b, t) for i, (b, t) in held.items()}
     norm = {}
     for k, ctx in ctxs.items():
         pb = analytic.dtype_bytes(cfg.param_dtype)
