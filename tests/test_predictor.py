@@ -301,3 +301,14 @@ def test_concurrency_stages_pipelines_an_islands_stages():
     assert pred.pipeline_s == pytest.approx((m + 1) * (t_f + t_b))
     with pytest.raises(ValueError, match="concurrency"):
         predict(Cfg, plan, {"a": costs}, seq_len=8, concurrency="threads")
+
+
+def test_costs_for_plan_prefers_profiles_then_the_catalog():
+    from hethub_jax.planner.predictor import costs_for_plan
+    plan = chain_plan(2, 2)
+    c = costs_for_plan(plan, profiles={"i0": fixed_profile(0.01, 0.02)})
+    assert c["i0"].source == "profile" and c["i1"].source == "catalog" and c["i1"].name == "cpu"
+    gpu = Plan.from_dict(dict(plan.to_dict(), islands=[{"name": "i0", "platform": "cuda"}, {"name": "i1", "platform": "cpu"}]))
+    with pytest.raises(ValueError, match="device type"):
+        costs_for_plan(gpu)
+    assert costs_for_plan(gpu, device_types={"i0": "H100-SXM"})["i0"].spec.name == "H100-SXM"

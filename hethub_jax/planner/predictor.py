@@ -32,7 +32,7 @@ from hethub_jax.planner.costs import DeviceCosts, LinkModel
 from hethub_jax.planner.simulator import simulate, simulate_processes
 
 __all__ = ["MemoryBreakdown", "StagePrediction", "Prediction", "stage_compute_s", "stage_memory_bytes",
-           "predict", "DEFAULT_BRIDGE", "predicted_records", "compare_step", "PREDICTED_LABEL"]
+           "predict", "DEFAULT_BRIDGE", "predicted_records", "compare_step", "PREDICTED_LABEL", "costs_for_plan"]
 
 #: bridge between islands when none is given: 20 us + bytes / 1 GB/s (an assumption for MPI over
 #: TCP between hosts; measure it with ``python -m hethub_jax.profile`` under ``mpiexec -n 2``)
@@ -486,3 +486,26 @@ def compare_step(prediction: Prediction, measured_step_s: float) -> Tuple[str, D
             f"{measured_step_s:.4g} s (predicted/measured {ratio:.3f})")
     return line, {"predicted_step_time_s": prediction.step_time_s, "measured_step_time_s": float(measured_step_s),
                   "predicted_over_measured": ratio, "predicted_tokens_per_s": prediction.tokens_per_s}
+
+
+def costs_for_plan(plan: Any, profiles: Optional[Mapping[str, Any]] = None,
+                   device_types: Optional[Mapping[str, str]] = None, efficiency: float = 0.4) -> Dict[str, DeviceCosts]:
+    """Per island name, its :class:`DeviceCosts`: ``DeviceCosts.from_profile(profiles[name])`` when a
+    profile (path or dict) is given for the island, else the catalog entry ``device_types[name]``
+    (default: ``"cpu"`` for platform ``cpu``) at ``efficiency``.
+
+    Raises:
+      ValueError: for a non-cpu island with neither a profile nor a device type, or an unknown type.
+    """
+    profiles, device_types = profiles or {}, device_types or {}
+    out: Dict[str, DeviceCosts] = {}
+    for isl in plan.islands:
+        if isl.name in profiles:
+            out[isl.name] = DeviceCosts.from_profile(profiles[isl.name])
+            continue
+        kind = device_types.get(isl.name) or ("cpu" if isl.platform == "cpu" else None)
+        if kind is None:
+            raise ValueError(f"island {isl.name!r} (platform {isl.platform!r}) needs a profile or a device type "
+                             f"(one of hethub_jax.planner.catalog.CATALOG)")
+        out[isl.name] = DeviceCosts.from_catalog(kind, efficiency)
+    return out
