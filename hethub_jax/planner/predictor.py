@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from hethub_jax.parallel.schedule import Action, ActionKind, in_flight_bound, max_in_flight
+from hethub_jax.parallel.schedule import Action, ActionKind, max_in_flight
 from hethub_jax.parallel.trace import ActionRecord
 from hethub_jax.planner import analytic
 from hethub_jax.planner.costs import DeviceCosts, LinkModel
@@ -398,20 +398,24 @@ def predict(cfg: Any, plan: Any, costs: Mapping[str, DeviceCosts], *, seq_len: i
         per_island[ctxs[k].spec.island] = per_island.get(ctxs[k].spec.island, 0.0) + t
     update_s = 0.0 if fuse else max(per_island.values())
     step = pipeline_s + reduce_s + update_s
-    stages = tuple(_stage_prediction(cfg, plan, ctxs[k], busy[k], pipeline_s, seq_len) for k in keys)
+    acts = {r: plan.actions(r) for r in range(plan.num_replicas)}
+    stages = tuple(_stage_prediction(cfg, plan, ctxs[k], acts[k[0]][k[1]], busy[k], pipeline_s, seq_len)
+                   for k in keys)
     timeline = tuple(ActionRecord(k[1], str(a), t0, t1, ctxs[k].spec.island, k[0]) for k, a, t0, t1 in events)
     crit = _critical_path(events, ctxs, pipeline_s, reduce_s, update_s, proc_of)
     return Prediction(step, plan.global_batch_size * seq_len / step if step > 0 else float("inf"), stages,
                       pipeline_s, reduce_s, update_s, crit, timeline, all(s.fits for s in stages))
 
 
-def _stage_prediction(cfg, plan, ctx: _StageCtx, busy: float, pipeline_s: float, seq_len: int) -> StagePrediction:
+def _stage_prediction(cfg, plan, ctx: _StageCtx, acts: Sequence[Action], busy: float, pipeline_s: float,
+                      seq_len: int) -> StagePrediction:
     r, s = ctx.key
     spec = ctx.spec
-    m = plan.num_microbatches(r)
-    in_flight = in_flight_bound(plan.schedule, spec.num_stages, s, m)
-    if spec.is_last and plan.schedule == "1f1b":
-        in_flight = 0  # every forward is fused with its backward: no residuals outlive the action
+    # microbatches in flight on the runtime's list (schedule.max_in_flight; in_flight_bound promises
+    # the same for GPipe and 1F1B); none when every forward is fused with its backward (last stage)
+    in_flight = max_in_flight(acts)
+    if all(_fused(ctx, acts, i) for i, a in enumerate(acts) if a.kind == ActionKind.F):
+        in_flight = 0
     mem = stage_memory_bytes(cfg, spec.first_layer, spec.last_layer, spec.is_first, spec.is_last,
                              microbatch_size=plan.microbatch_size, seq_len=seq_len, dp=spec.dp, tp=spec.tp,
                              in_flight=in_flight, recompute=plan.recompute)
