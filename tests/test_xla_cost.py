@@ -76,14 +76,15 @@ def test_predicted_stage_memory_matches_memory_analysis(fl, ll, mbs, seq, tp):
 
     from hethub_jax.models.config import get_preset
     from hethub_jax.optim import OptimConfig, make_optimizer
-    from hethub_jax.parallel.stage import PipelineStage
+    from hethub_jax.parallel.stage import PipelineStage, StageInputs
     from hethub_jax.planner.predictor import stage_memory_bytes
     cfg = get_preset("tiny")
     st = PipelineStage(cfg, fl, ll, jax.devices()[:tp], 1, tp, seed=0, recompute=False,
                        optimizer=make_optimizer(OptimConfig()))
     x = jnp.zeros((mbs, seq), jnp.int32) if st.is_first else jnp.zeros((mbs, seq, cfg.hidden_size), jnp.float32)
     extra = (jnp.zeros((mbs, seq), jnp.int32), jnp.zeros((mbs, seq), jnp.float32)) if st.is_last else ()
-    mem = xla_cost.memory_of(st.forward_saving.lower(st.params, x, jnp.zeros((mbs, seq), jnp.int32), *extra).compile())
+    inputs_mb = StageInputs(x, jnp.zeros((mbs, seq), jnp.int32), *(extra or (None, None)))
+    mem = xla_cost.memory_of(st.forward_saving.lower(st.params, inputs_mb).compile())
     pred = stage_memory_bytes(cfg, fl, ll, st.is_first, st.is_last, microbatch_size=mbs, seq_len=seq, dp=1, tp=tp,
                               in_flight=1, recompute="none")
     assert pred.activations == pytest.approx(mem["output"], rel=0.10)
