@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from hethub_jax.parallel.plan import Plan, proportional_shares
-from hethub_jax.parallel.schedule import in_flight_bound
+from hethub_jax.parallel.schedule import get_schedule, in_flight_bound
 from hethub_jax.planner.cluster import ClusterSpec, islands_of, load_cluster
 from hethub_jax.planner.pipeline_time import makespan
 
 __all__ = ["SearchOptions", "Skeleton", "Candidate", "SearchResult", "PlanningError", "search",
-           "exhaustive_search", "min_bottleneck_split", "group_costs", "bridge_for", "valid_tp_degrees"]
+           "exhaustive_search", "min_bottleneck_split", "greedy_bottleneck_split", "group_costs", "bridge_for", "valid_tp_degrees"]
 
 #: relative slack on lower bounds: the planner's linear stage-time formulas and ``predict`` may round the
 #: last bit differently; a bound is trusted to prune only when it exceeds the incumbent by this much
@@ -201,6 +201,30 @@ def min_bottleneck_split(stage_times: Sequence[Sequence[float]], num_layers: int
     return best[S - 1][L], tuple(reversed(counts))
 
 
+def greedy_bottleneck_split(stage_times: Sequence[Sequence[float]], num_layers: int,
+                            minimum: Optional[Sequence[int]] = None) -> Tuple[float, Tuple[int, ...]]:
+    """The same least bottleneck as :func:`min_bottleneck_split`, in ``O(L log S)``: a stage's time
+    depends only on its own layer count and is nondecreasing in it, so the minimax allocation is
+    reached by starting every stage at its minimum (``minimum[s]``, default 1 layer) and giving each
+    further layer to the stage whose time after taking it is least (each step keeps the maximum as
+    small as any allocation of that many layers can; ties to the lower stage index).
+    ``tests/test_planner.py`` checks it against the DP. Returns ``(inf, ())`` when no split fits."""
+    S, L = len(stage_times), num_layers
+    counts = list(minimum or [1] * S)
+    if S == 0 or L < sum(counts) or any(stage_times[s][c] == math.inf for s, c in enumerate(counts)):
+        return math.inf, ()
+    nxt = lambda s: stage_times[s][counts[s] + 1] if counts[s] + 1 <= L else math.inf
+    heap = [(nxt(s), s) for s in range(S)]
+    heapq.heapify(heap)
+    for _ in range(L - sum(counts)):
+        t, s = heapq.heappop(heap)
+        if t == math.inf:
+            return math.inf, ()
+        counts[s] += 1
+        heapq.heappush(heap, (nxt(s), s))
+    return max(stage_times[s][n] for s, n in enumerate(counts)), tuple(counts)
+
+
 # ---------------------------------------------------------------------------------------------------
 # inputs: device costs, links, TP degrees
 
@@ -259,6 +283,17 @@ def valid_tp_degrees(cfg: Any, devices_per_node: int, allowed: Optional[Sequence
     return [t for t in out if allowed is None or t in allowed]
 
 
+def balanced(n: int, k: int) -> List[int]:
+    """``n`` layers over ``k`` stages of one group as evenly as possible (the first ``n % k`` stages take
+    one more): the search space's split inside a group."""
+    q, r = divmod(n, k)
+    return [q + 1] * r + [q] * (k - r)
+
+
+def _stage_counts(sk: "Skeleton", per_group: Sequence[int]) -> Tuple[int, ...]:
+    return tuple(c for n, k in zip(per_group, sk.stages) for c in balanced(n, k))
+
+
 def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -283,6 +318,8 @@ class _Planner:
                        for n, g in self.groups.items()}
         self._times: Dict[tuple, List[float]] = {}
         self._lines: Dict[tuple, tuple] = {}
+        self._fused: Dict[tuple, str] = {}
+        self._upd: Dict[tuple, float] = {}
         self._caps: Dict[tuple, int] = {}
         self._preds: Dict[str, Any] = {}
         self.top: List[Tuple[float, str, Candidate]] = []
@@ -313,50 +350,90 @@ class _Planner:
         fb = lt("F") + lt("B") if rec == "none" else lt("F_nosave") + lt("B_recompute")
         return self.factor[g] * min(fb, lt("B_recompute"))
 
-    def stage_lines(self, g: str, tp: int, dp: int, mbs: int, rec: str, first: bool, last: bool):
-        """``(F, B, fused)`` seconds of one microbatch's actions on a stage of group ``g`` as lines
-        ``(time at 1 layer, time per extra layer)``, the same calls ``predict`` makes
-        (``stage_compute_s`` x the island's slowdown factor); ``fused`` (the last stage's forward+backward
-        action) is None for other stages."""
-        key = (g, tp, dp, mbs, rec, first, last)
+    def stage_lines(self, g: str, tp: int, dp: int, mbs: int, rec: str, first: bool, last: bool, fused: str):
+        """``(F, B)`` seconds of one microbatch's actions on a stage of group ``g`` as lines ``(time at 1
+        layer, time per extra layer)``, from the calls ``predict`` makes (``stage_compute_s`` x the
+        island's slowdown factor). ``fused`` (last stage only): ``"all"`` when every forward directly
+        precedes its own backward in the schedule (the runtime then runs one fused forward+backward
+        action, phase ``B_recompute``, and the B action costs nothing), ``"none"`` when no forward does,
+        ``"some"`` otherwise (then F is the cheaper of the two and B is 0: a lower bound)."""
+        key = (g, tp, dp, mbs, rec, first, last, fused)
         if key not in self._lines:
             from hethub_jax.planner.predictor import stage_compute_s
             c, f, tokens = self.costs[g], self.factor[g], mbs // dp * self.seq
             sc = lambda n, ph: f * stage_compute_s(self.cfg, c, 0, n - 1, first, last, tokens, self.seq, tp, ph)
             line = lambda ph: (sc(1, ph), sc(2, ph) - sc(1, ph))
             fph, bph = ("F", "B") if rec == "none" else ("F_nosave", "B_recompute")
-            self._lines[key] = (line(fph), line(bph), line("B_recompute") if last else None)
+            fl, bl = line(fph), line(bph)
+            if last and fused == "all":
+                fl, bl = line("B_recompute"), (0.0, 0.0)
+            elif last and fused == "some":
+                fu = line("B_recompute")
+                fl, bl = (min(fl[0], fu[0]), min(fl[1], fu[1])), (0.0, 0.0)
+            self._lines[key] = (fl, bl)
         return self._lines[key]
 
-    def stage_times(self, g: str, tp: int, dp: int, mbs: int, rec: str, first: bool, last: bool) -> List[float]:
-        """``t[n]``, n = 0..L: a lower bound of the seconds a stage of ``n`` layers computes per
-        microbatch: F + B (for the last stage the cheaper of F + B and its fused action); ``t[0] = inf``."""
-        key = (g, tp, dp, mbs, rec, first, last)
+    def stage_times(self, g: str, tp: int, dp: int, mbs: int, rec: str, first: bool, last: bool,
+                    fused: str = "none") -> List[float]:
+        """``t[n]``, n = 0..L: seconds of F + B of one microbatch on a stage of ``n`` layers (lines of
+        :meth:`stage_lines`); ``t[0] = inf``."""
+        key = (g, tp, dp, mbs, rec, first, last, fused)
         if key not in self._times:
-            (fa, fs), (ba, bs), fused = self.stage_lines(*key)
-            lines = [(fa + ba, fs + bs)] + ([fused] if fused else [])
-            self._times[key] = [math.inf] + [min(a + (n - 1) * b for a, b in lines) for n in range(1, self.L + 1)]
+            (fa, fs), (ba, bs) = self.stage_lines(*key)
+            self._times[key] = [math.inf] + [fa + ba + (n - 1) * (fs + bs) for n in range(1, self.L + 1)]
         return self._times[key]
 
-    def makespan_lb(self, sk: Skeleton, counts: Sequence[int]) -> float:
+    def fused(self, sched: str, num_stages: int, M: int) -> str:
+        """Whether the last stage's forwards run fused with their backwards (see :meth:`stage_lines`):
+        1F1B's last stage has no warm-up, so every F is directly followed by its own B ("all"); GPipe's
+        runs all F then all B, so only with M = 1 ("all", else "none"). Other schedules: read from the
+        action lists."""
+        if sched == "1f1b":
+            return "all"
+        if sched == "gpipe":
+            return "all" if M == 1 else "none"
+        key = (sched, num_stages, M)
+        if key not in self._fused:
+            acts = [a for a in get_schedule(sched)(num_stages, M)[-1] if a.is_compute]
+            pairs = [i + 1 < len(acts) and acts[i + 1].kind.value == "B" and acts[i + 1].microbatch == a.microbatch
+                     for i, a in enumerate(acts) if a.kind.value == "F"]
+            self._fused[key] = "all" if all(pairs) else ("none" if not any(pairs) else "some")
+        return self._fused[key]
+
+    def step_lb(self, sk: Skeleton, counts: Sequence[int]) -> float:
         """A lower bound of ``predict``'s step time for ``sk`` split as ``counts``: the makespan
-        (:func:`pipeline_time.makespan`) with every action at most as long as ``predict`` makes it
-        (no message or copy times; the last stage's F the cheaper of F and fused F+B, its B 0). The
-        makespan is nondecreasing in every action time, and islands that run several stages one action
-        at a time only delay actions further."""
-        sg, S = sk.stage_group(), len(counts)
-        fw, bw = [], []
+        (:func:`pipeline_time.makespan`) with every action at most as long as ``predict`` makes it (no
+        message or copy times), plus, for S >= 2 stages, the optimizer updates (the busiest island's
+        sum over its stages, as ``predict`` adds them). The makespan is nondecreasing in every action
+        time, and an island that runs several stages one action at a time only delays actions."""
+        sg, S, M = sk.stage_group(), len(counts), self.gbs // sk.microbatch_size
+        fu = self.fused(sk.schedule, S, M)
+        fw, bw, upd = [], [], {}
         for s, n in enumerate(counts):
             j = sg[s]
-            (fa, fs), (ba, bs), fused = self.stage_lines(sk.groups[j], sk.tp[j], sk.dp[j], sk.microbatch_size,
-                                                         sk.recompute, s == 0, s == S - 1)
-            f, b = fa + (n - 1) * fs, ba + (n - 1) * bs
-            if fused:
-                f, b = min(f, fused[0] + (n - 1) * fused[1]), 0.0
-            fw.append(f)
-            bw.append(b)
+            g, first, last = sk.groups[j], s == 0, s == S - 1
+            (fa, fs), (ba, bs) = self.stage_lines(g, sk.tp[j], sk.dp[j], sk.microbatch_size, sk.recompute,
+                                                  first, last, fu if last else "none")
+            fw.append(fa + (n - 1) * fs)
+            bw.append(ba + (n - 1) * bs)
+            upd[g] = upd.get(g, 0.0) + self.update_s(g, sk.tp[j], n, first, last)
         zeros = [0.0] * (S - 1)
-        return makespan(sk.schedule, self.gbs // sk.microbatch_size, fw, bw, zeros, zeros)
+        lb = makespan(sk.schedule, M, fw, bw, zeros, zeros)
+        load: Dict[int, float] = {}
+        for s in range(S):  # an island runs its stages one action at a time
+            load[sg[s]] = load.get(sg[s], 0.0) + M * (fw[s] + bw[s])
+        return max(lb, max(load.values())) + (max(upd.values()) if S > 1 else 0.0)
+
+    def update_s(self, g: str, tp: int, n: int, first: bool, last: bool) -> float:
+        """Seconds of one stage's optimizer update (``DeviceCosts.update_time_s`` of its parameters per
+        device, x the slowdown factor), as ``predict`` counts it."""
+        key = (g, tp, n, first, last)
+        if key not in self._upd:
+            from hethub_jax.planner import analytic
+            nparam = analytic.stage_params_per_device(self.cfg, 0, n - 1, first, last, tp)
+            self._upd[key] = self.factor[g] * self.costs[g].update_time_s(
+                nparam, analytic.dtype_bytes(self.cfg.param_dtype))
+        return self._upd[key]
 
     def stage_cap(self, g: str, tp: int, dp: int, mbs: int, rec: str, first: bool, last: bool,
                   in_flight: int) -> int:
@@ -388,7 +465,7 @@ class _Planner:
             args = (sk.groups[j], sk.tp[j], sk.dp[j], sk.microbatch_size, sk.recompute, first, last)
             inflight = 0 if (last and sk.schedule == "1f1b") else in_flight_bound(sk.schedule, S, s, M)
             cap = self.stage_cap(*args, inflight)
-            t = self.stage_times(*args)
+            t = self.stage_times(*args, self.fused(sk.schedule, S, M) if last else "none")
             out.append(t if cap >= self.L else t[:cap + 1] + [math.inf] * (self.L - cap))
         return out
 
@@ -440,12 +517,22 @@ class _Planner:
                 continue
             seen.add((sid, idx))
             mbs, rec, M, per = streams[sid]
-            yield lb0, mbs, rec, tuple(per[j][i][1] for j, i in enumerate(idx))
+            combo = tuple(per[j][i][1] for j, i in enumerate(idx))
+            if self.combo_capacity(mbs, rec, combo) >= self.L:
+                yield lb0, mbs, rec, combo
+            else:
+                self.skeletons += 1
             for j in range(len(idx)):
                 if idx[j] + 1 < len(per[j]):
                     nxt = idx[:j] + (idx[j] + 1,) + idx[j + 1:]
                     if (sid, nxt) not in seen:
                         heapq.heappush(heap, (self._lb0(streams[sid], nxt), sid, nxt))
+
+    def combo_capacity(self, mbs: int, rec: str, combo) -> int:
+        """An upper bound of the layers one choice per group can hold in memory: per group, its stages x
+        the layers a middle stage holds with no microbatch in flight (memory grows with both)."""
+        return sum(k * self.stage_cap(g, tp, dp, mbs, rec, False, False, 0)
+                   for g, (k, tp, dp) in zip(self.groups, combo))
 
     def _lb0(self, stream, idx) -> float:
         mbs, rec, M, per = stream
@@ -461,56 +548,68 @@ class _Planner:
                                tuple(combo[j][2] for j in perm))
 
     # ---- level 1 inside one configuration: branch and bound over the splits ------------------------
+    def group_tables(self, sk: Skeleton, times: List[List[float]]) -> List[List[float]]:
+        """Per group ``j`` of ``sk``, ``f[n]``: the island's compute per microbatch when it holds ``n``
+        layers spread evenly over its stages (:func:`balanced`); ``inf`` if a stage exceeds memory or
+        ``n`` is below the group's stage count. Nondecreasing in ``n``."""
+        out, s0 = [], 0
+        for k in sk.stages:
+            f = [math.inf] * (self.L + 1)
+            if k <= self.L:
+                cur = sum(times[s0 + i][1] for i in range(k))
+                f[k] = cur
+                for n in range(k + 1, self.L + 1):  # balanced(n, k) adds one layer to stage (n - 1) % k
+                    i, c = (n - 1) % k, (n - 1) // k
+                    cur += times[s0 + i][c + 1] - times[s0 + i][c]
+                    f[n] = cur if cur == cur else math.inf  # inf - inf is nan
+                    if f[n] == math.inf:
+                        break
+            out.append(f)
+            s0 += k
+        return out
+
     def expand(self, sk: Skeleton) -> None:
         """Evaluate every split of ``sk`` that can still enter the top k (module docstring)."""
         self.skeletons += 1
-        S, M, L = sk.num_stages, self.gbs // sk.microbatch_size, self.L
-        if L < S:
+        G, M, L = len(sk.groups), self.gbs // sk.microbatch_size, self.L
+        if L < sk.num_stages:
             return
         times = self.tables(sk)
-        beta, counts = min_bottleneck_split(times, L)
-        if not counts or self.prunes(M * beta):
+        gt = self.group_tables(sk, times)
+        beta, per_group = greedy_bottleneck_split(gt, L, sk.stages)
+        if not per_group or self.prunes(M * beta):
             return
         self.expanded += 1
-        self.evaluate(sk, counts)
-        sg = sk.stage_group()
+        self.evaluate(sk, _stage_counts(sk, per_group))
         cur: List[int] = []
+        first_stage = [sum(sk.stages[:j]) for j in range(G)]
 
-        def maxn(s: int, tau: float) -> int:  # most layers stage s can take with t <= tau (t nondecreasing)
-            t, lo, hi = times[s], 0, L
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if t[mid] <= tau:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            return lo
-
-        def dfs(s: int, left: int, prefix: float, group_load: float) -> None:
+        def dfs(j: int, left: int, prefix: float) -> None:
             ub = self.ub() * (1 + LB_SLACK)
-            tau = ub / M
-            if s == S - 1:
-                t = times[s][left]
-                load = (group_load if sg[s] == sg[s - 1] else 0.0) + t if s > 0 else t
-                if M * t + prefix <= ub and M * load <= ub:
-                    self.evaluate(sk, tuple(cur) + (left,))
-                return
-            room = sum(maxn(r, tau) for r in range(s + 1, S))
-            for n in range(min(left - (S - 1 - s), maxn(s, tau)), 0, -1):
-                if left - n > room:
-                    break
-                t = times[s][n]
-                load = (group_load if s > 0 and sg[s] == sg[s - 1] else 0.0) + t
-                if M * t + prefix > ub or M * load > ub:
+            need = sum(sk.stages[j + 1:])
+            hi = left if j == G - 1 else left - need
+            lo = left if j == G - 1 else sk.stages[j]
+            for n in range(hi, lo - 1, -1):
+                if not M * gt[j][n] <= ub:
+                    continue
+                ts = [times[first_stage[j] + i][c] for i, c in enumerate(balanced(n, sk.stages[j]))]
+                p, ok = prefix, True
+                for t in ts:  # makespan >= M t_b + sum_{s<b} t_s (pipeline_time.makespan_lower_bound)
+                    if M * t + p > ub:
+                        ok = False
+                        break
+                    p += t
+                if not ok:
                     continue
                 cur.append(n)
-                dfs(s + 1, left - n, prefix + t, load)
+                if j == G - 1:
+                    self.evaluate(sk, _stage_counts(sk, cur))
+                else:
+                    dfs(j + 1, left - n, p)
                 cur.pop()
                 ub = self.ub() * (1 + LB_SLACK)
-                tau = ub / M
 
-        if S > 1:
-            dfs(0, L, 0.0, 0.0)
+        dfs(0, L, 0.0)
 
     # ---- evaluation ------------------------------------------------------------------------------
     def pipeline_plan(self, sk: Skeleton, counts: Sequence[int]) -> Plan:
@@ -528,7 +627,7 @@ class _Planner:
             "microbatch_size": sk.microbatch_size, "schedule": sk.schedule, "recompute": sk.recompute})
 
     def evaluate(self, sk: Skeleton, counts: Sequence[int], bound: bool = True) -> None:
-        if bound and self.prunes(self.makespan_lb(sk, counts)):
+        if bound and self.prunes(self.step_lb(sk, counts)):
             return
         plan = self.pipeline_plan(sk, counts)
         pairs = list(zip(sk.groups, sk.groups[1:]))
@@ -562,21 +661,17 @@ class _Planner:
 
     # ---- heterogeneous data parallelism ----------------------------------------------------------
     def replica_of(self, g: str, mbs: int, sched: str, rec: str, M: int):
-        """The group's own pipeline for the hetero-DP family: over its choices, the minimum-bottleneck
-        split; the choice with the least per-microbatch time ``max(bottleneck, island total)`` (the
-        island runs its stages one action at a time). ``(seconds, skeleton, counts)`` or None."""
+        """The group's own pipeline for the hetero-DP family: over its choices (layers spread evenly over
+        the stages), the one with the least island compute per microbatch (the island runs its stages
+        one action at a time). ``(seconds, skeleton, counts)`` or None."""
         best = None
         for k, tp, dp in self.choices(g, mbs):
             sk = Skeleton(mbs, sched, rec, (g,), (k,), (tp,), (dp,))
             if self.L < k:
                 continue
-            times = self.tables(sk, M)
-            beta, counts = min_bottleneck_split(times, self.L)
-            if not counts:
-                continue
-            per_mb = max(beta, sum(times[s][n] for s, n in enumerate(counts)))
-            if best is None or per_mb < best[0]:
-                best = (per_mb, sk, counts)
+            per_mb = self.group_tables(sk, self.tables(sk, M))[0][self.L]
+            if per_mb < math.inf and (best is None or per_mb < best[0]):
+                best = (per_mb, sk, tuple(balanced(self.L, k)))
         return best
 
     def hetero(self) -> None:
@@ -746,10 +841,12 @@ def exhaustive_search(cfg: Any, cluster: Any, global_batch: int, seq_len: int, *
             for combo in itertools.product(*(p.choices(g, mbs) for g in names)):
                 for sk in p.skeletons_of(mbs, rec, combo):
                     p.skeletons += 1
-                    S = sk.num_stages
-                    for cuts in itertools.combinations(range(1, p.L), S - 1):
+                    G = len(sk.groups)
+                    for cuts in itertools.combinations(range(1, p.L), G - 1):
                         b = (0,) + cuts + (p.L,)
-                        p.evaluate(sk, tuple(b[i + 1] - b[i] for i in range(S)), bound=False)
+                        per_group = [b[i + 1] - b[i] for i in range(G)]
+                        if all(n >= k for n, k in zip(per_group, sk.stages)):
+                            p.evaluate(sk, _stage_counts(sk, per_group), bound=False)
     if p.opt.hetero_dp and len(names) > 1:
         p.hetero()
     if not p.top:
