@@ -60,6 +60,7 @@ class SearchOptions:
       hetero_dp: also try the heterogeneous data-parallel plan family.
       top_k: candidates kept.
       efficiency: fraction of datasheet peak assumed for catalog device types (``DeviceCosts.from_catalog``).
+      last_group: only pipelines whose last stage (final norm, LM head, loss) is on this group.
     """
 
     microbatch_sizes: Optional[Tuple[int, ...]] = None
@@ -70,6 +71,7 @@ class SearchOptions:
     hetero_dp: bool = True
     top_k: int = 3
     efficiency: float = 0.4
+    last_group: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -543,6 +545,8 @@ class _Planner:
         names = list(self.groups)
         for sched in self.opt.schedules:
             for perm in itertools.permutations(range(len(names))):
+                if self.opt.last_group is not None and names[perm[-1]] != self.opt.last_group:
+                    continue
                 yield Skeleton(mbs, sched, rec, tuple(names[j] for j in perm),
                                tuple(combo[j][0] for j in perm), tuple(combo[j][1] for j in perm),
                                tuple(combo[j][2] for j in perm))
@@ -757,6 +761,8 @@ def _setup(cfg: Any, cluster: Any, global_batch: int, seq_len: int, costs, optio
     for r in options.recompute:
         if r not in ("none", "full"):
             raise ValueError(f"recompute must be among ['none', 'full'], got {r!r}")
+    if options.last_group is not None:
+        cluster.group(options.last_group)
     if options.microbatch_sizes is not None and not any(global_batch % m == 0 for m in options.microbatch_sizes):
         raise ValueError(f"no microbatch size in {list(options.microbatch_sizes)} divides the global batch "
                          f"{global_batch}")
