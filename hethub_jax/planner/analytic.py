@@ -24,7 +24,7 @@ from typing import Any
 
 __all__ = ["BACKWARD_FLOPS_FACTOR", "layer_flops", "embed_flops", "head_flops", "stage_flops", "layer_params",
            "embed_params", "head_params", "stage_params", "layer_params_per_device", "stage_params_per_device",
-           "layer_activation_bytes", "stage_input_bytes", "logits_bytes", "dtype_bytes", "kv_sharded",
+           "layer_activation_bytes", "head_activation_bytes", "stage_input_bytes", "logits_bytes", "dtype_bytes", "kv_sharded",
            "vocab_sharded"]
 
 #: backward FLOPs / forward FLOPs (Narayanan et al. 2021, section 5.1)
@@ -177,23 +177,27 @@ def layer_activation_bytes(cfg: Any, tokens: float, seq_len: int, tp: int, recom
     """Bytes kept per in-flight microbatch, per device, for ONE decoder layer.
 
     ``tokens`` is the microbatch's tokens on one DP rank (``microbatch_size / dp * seq_len``);
-    ``dtype_bytes`` is the compute dtype's size.
+    ``dtype_bytes`` is the compute dtype's size (``a`` below; our attention keeps its scores and
+    softmax in float32, counted as ``a`` too because the tiny preset computes in float32 -- an
+    approximation for bf16 models, where those three terms are 4 bytes).
 
-    ``recompute="none"``: the residuals ``jax.vjp`` keeps for the layer's backward. Korthikanti et
-    al. 2022 (eq. 1) count s b h (34 + 5 a s / h) 16-bit bytes for a GPT layer; re-derived for our
-    SwiGLU / GQA layer, with ``a`` = compute dtype bytes and the float32 parts of our code:
-      * RMSNorm inputs and normalised outputs (2 norms): ``4 T D a``;
-      * q and k after RoPE, v: ``T (H + 2K) Dh a / tp``;
-      * softmax probabilities ``a`` bytes and the float32 scores' row statistics are not kept, but
-        the probabilities are: ``T s H a / tp`` (the b H s s matrix);
-      * attention output before o: ``T H Dh a / tp``;
-      * SwiGLU: gate and up outputs and their product: ``3 T F a / tp``;
-      * the residual stream after attention: ``T D a``.
-    The TP split follows stage.py (KV heads replicated when tp does not divide them). Calibrated
-    against ``memory_analysis()`` of the compiled stage in ``tests/test_predictor.py``.
+    ``recompute="none"``: the residuals ``jax.vjp`` of our layer keeps (``hethub_jax.models.llama``),
+    the analogue of Korthikanti et al. 2022, eq. 1 (``s b h (34 + 5 a s / h)``) for SwiGLU/GQA,
+    term by term (T tokens, s seq_len, TP splits heads and MLP as stage.py does):
+      * ``7 T D a``: layer input, two RMSNorm inputs / outputs, the residual after attention, the
+        inputs of q/k/v, gate/up and of the MLP's residual add (replicated over TP);
+      * ``6 T F a / tp``: gate and up outputs, SiLU input / output, their product and down's input;
+      * ``3 T s H a / tp + T s H / tp``: scores, exp and probabilities of the full s x s attention
+        (float32) and the boolean causal mask; ``2 T H a / tp``: the softmax max and sum;
+      * ``2 T H Dh a / tp`` (q and the attention output) + ``2 T K Dh a / kv_split`` (k, v);
+      * ``4 T Dh a + 4 T a``: RoPE cos / sin broadcasts and RMSNorm statistics;
+      * the layer's matrices in the compute dtype (``jax.vjp`` returns them as residuals: XLA writes
+        a copy per saved microbatch), ``(layer_params_per_device - 2 D) a``.
+    Checked against ``memory_analysis()`` of the compiled ``forward_saving`` in
+    ``tests/test_predictor.py`` (within 10%).
 
     ``recompute="full"``: 0 per layer; the stage keeps only its input per microbatch
-    (:func:`stage_input_bytes`), and one microbatch's residuals exist transiently during its backward.
+    (:func:`stage_input_bytes`), and one microbatch's residuals exist while its backward runs.
 
     Raises:
       ValueError: for an unknown recompute policy.
@@ -204,11 +208,22 @@ def layer_activation_bytes(cfg: Any, tokens: float, seq_len: int, tp: int, recom
         raise ValueError(f"recompute must be 'none' or 'full', got {recompute!r}")
     _check_tokens(tokens, seq_len)
     d, h, k, dh, f, _ = _dims(cfg)
-    t, a = float(tokens), dtype_bytes
+    t, a, s = float(tokens), dtype_bytes, seq_len
     kv_div = tp if kv_sharded(cfg, tp) else 1
-    qkv = t * h * dh * a / tp + 2 * t * k * dh * a / kv_div
-    out = 5 * t * d * a + qkv + t * seq_len * h * a / tp + t * h * dh * a / tp + 3 * t * f * a / tp
-    return out
+    elems = (7 * t * d + 6 * t * f / tp + 3 * t * s * h / tp + 2 * t * h / tp + 2 * t * h * dh / tp
+             + 2 * t * k * dh / kv_div + 4 * t * dh + 4 * t)
+    weights = (layer_params_per_device(cfg, tp) - 2 * d) * a
+    return elems * a + t * s * h / tp + weights
+
+
+def head_activation_bytes(cfg: Any, tokens: float, tp: int, dtype_bytes: int) -> float:
+    """Bytes the last stage's ``jax.vjp`` keeps per microbatch for the final norm, LM head and loss
+    (recompute ``none`` and no fusion, e.g. GPipe): the float32 logits ``4 T V / v_split``, the LM
+    head (or tied embedding) matrix in the compute dtype ``D V a / v_split`` and ``2 T D a`` of the
+    final norm. Checked against ``memory_analysis()`` like :func:`layer_activation_bytes`."""
+    d, *_, v = _dims(cfg)
+    vdiv = tp if vocab_sharded(cfg, tp) else 1
+    return 4.0 * tokens * v / vdiv + d * v * dtype_bytes / vdiv + 2.0 * tokens * d * dtype_bytes
 
 
 def stage_input_bytes(cfg: Any, tokens: float, is_first: bool, dtype_bytes: int) -> float:

@@ -29,10 +29,10 @@ from hethub_jax.parallel.schedule import Action, ActionKind, in_flight_bound, ma
 from hethub_jax.parallel.trace import ActionRecord
 from hethub_jax.planner import analytic
 from hethub_jax.planner.costs import DeviceCosts, LinkModel
-from hethub_jax.planner.simulator import simulate
+from hethub_jax.planner.simulator import simulate, simulate_processes
 
 __all__ = ["MemoryBreakdown", "StagePrediction", "Prediction", "stage_compute_s", "stage_memory_bytes",
-           "predict", "DEFAULT_BRIDGE"]
+           "predict", "DEFAULT_BRIDGE", "predicted_records", "compare_step", "PREDICTED_LABEL"]
 
 #: bridge between islands when none is given: 20 us + bytes / 1 GB/s (an assumption for MPI over
 #: TCP between hosts; measure it with ``python -m hethub_jax.profile`` under ``mpiexec -n 2``)
@@ -158,8 +158,9 @@ def stage_memory_bytes(cfg: Any, first_layer: int, last_layer: int, is_first: bo
     """Peak memory per device of a stage (bytes), see :class:`MemoryBreakdown`.
 
     ``in_flight``: microbatches whose forward ran and backward has not (``schedule.in_flight_bound``).
-    Activations (``analytic.layer_activation_bytes``): recompute ``none``: ``in_flight x layers x``
-    residuals; ``full``: ``in_flight`` stage inputs plus one microbatch's residuals while its backward
+    Activations (``analytic.layer_activation_bytes``, on the last stage plus
+    ``analytic.head_activation_bytes``): recompute ``none``: ``in_flight x`` the stage's residuals
+    (pass ``in_flight=0`` for a last stage whose forward is fused with its backward); ``full``: ``in_flight`` stage inputs plus one microbatch's residuals while its backward
     runs. dtype sizes default to the config's ``param_dtype`` and ``dtype``.
 
     Raises:
@@ -177,6 +178,8 @@ def stage_memory_bytes(cfg: Any, first_layer: int, last_layer: int, is_first: bo
     tokens = microbatch_size // dp * seq_len
     layers = last_layer - first_layer + 1
     resid = layers * analytic.layer_activation_bytes(cfg, tokens, seq_len, tp, "none", ab)
+    if is_last:
+        resid += analytic.head_activation_bytes(cfg, tokens, tp, ab)
     if recompute == "none":
         act = in_flight * resid
     elif recompute == "full":
@@ -250,10 +253,11 @@ def _action_times(ctx: _StageCtx, acts: Sequence[Action], msg_bytes: float, cros
 
 
 def _pipeline(cfg: Any, plan: Any, ctxs: Dict[Tuple[int, int], _StageCtx], bridge: LinkModel, seq_len: int,
-              fused_update_s: float):
+              fused_update_s: float, proc_of):
     """(events as (key, action, start, end), busy seconds per key) of the step's pipelines."""
     msg_bytes = plan.microbatch_size * seq_len * cfg.hidden_size * analytic.dtype_bytes(cfg.dtype)
-    lists = {k: plan.actions(k[0])[k[1]] for k in ctxs}
+    per_replica = {r: plan.actions(r) for r in range(plan.num_replicas)}
+    lists = {k: per_replica[k[0]][k[1]] for k in ctxs}
     times: Dict[Tuple[int, int], List[float]] = {}
     for k, ctx in ctxs.items():
         cross = {p: ctxs[(k[0], p)].spec.island != ctx.spec.island
@@ -263,14 +267,14 @@ def _pipeline(cfg: Any, plan: Any, ctxs: Dict[Tuple[int, int], _StageCtx], bridg
     def delivery(k: Tuple[int, int], a: Action) -> float:
         return bridge.time_s(msg_bytes) if ctxs[(k[0], a.peer)].spec.island != ctxs[k].spec.island else 0.0
 
-    islands = [ctx.spec.island for ctx in ctxs.values()]
-    if len(set(islands)) == len(islands):  # one stage per process: the plain schedule simulator
+    procs = [proc_of(k) for k in ctxs]
+    if len(set(procs)) == len(procs):  # one stage per process: the plain schedule simulator
         events = []
         for r in range(plan.num_replicas):
             keys = [(r, s) for s in range(plan.replicas[r].num_stages)]
             events += _simulate_replica(r, keys, lists, times, delivery)
     else:
-        events = list(simulate_processes(lists, {k: c.spec.island for k, c in ctxs.items()},
+        events = list(simulate_processes(lists, {k: proc_of(k) for k in ctxs},
                                          lambda k, i: times[k][i], delivery))
     busy = {k: 0.0 for k in ctxs}
     for k, a, t0, t1 in events:
@@ -348,7 +352,7 @@ def _update_fusable(plan: Any, cfg: Any) -> bool:
 
 
 def predict(cfg: Any, plan: Any, costs: Mapping[str, DeviceCosts], *, seq_len: int,
-            bridge: Optional[LinkModel] = None) -> Prediction:
+            bridge: Optional[LinkModel] = None, concurrency: str = "runtime") -> Prediction:
     """Predict one training step of ``plan`` for model ``cfg`` (module docstring: how).
 
     Args:
@@ -357,12 +361,19 @@ def predict(cfg: Any, plan: Any, costs: Mapping[str, DeviceCosts], *, seq_len: i
       costs: per ISLAND NAME of the plan, the :class:`DeviceCosts` of its device type.
       seq_len: tokens per sample.
       bridge: the link between islands (default :data:`DEFAULT_BRIDGE`).
+      concurrency: ``"runtime"`` (default): the stages of one island run one action at a time, as
+        today's runtime runs them (one host process drives all of an island's stages and waits for
+        each action); ``"stages"``: every stage runs concurrently on its own devices (a runtime with
+        one driver per stage; an upper bound on what pipelining over one island can give).
 
     Returns:
       a :class:`Prediction` (every figure predicted).
     Raises:
-      ValueError: if the plan is invalid for ``cfg``, ``seq_len < 1``, or an island has no costs.
+      ValueError: if the plan is invalid for ``cfg``, ``seq_len < 1``, an island has no costs, or
+        ``concurrency`` is unknown.
     """
+    if concurrency not in ("runtime", "stages"):
+        raise ValueError(f"concurrency must be 'runtime' or 'stages', got {concurrency!r}")
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     plan.validate(cfg)
@@ -373,7 +384,8 @@ def predict(cfg: Any, plan: Any, costs: Mapping[str, DeviceCosts], *, seq_len: i
     fuse = _update_fusable(plan, cfg)
     upd = {k: c.factor * c.costs.update_time_s(c.n_params, pb) for k, c in ctxs.items()}
     fused_update_s = upd[(0, 0)] * (1 + 1 / 7) if fuse else 0.0
-    events, busy = _pipeline(cfg, plan, ctxs, bridge, seq_len, fused_update_s)
+    proc_of = (lambda k: ctxs[k].spec.island) if concurrency == "runtime" else (lambda k: k)
+    events, busy = _pipeline(cfg, plan, ctxs, bridge, seq_len, fused_update_s, proc_of)
     pipeline_s = max((t1 for _, _, _, t1 in events), default=0.0)
     reduce_s = 0.0 if fuse else _reduction_s(cfg, plan, ctxs, bridge)
     per_island: Dict[str, float] = {}
@@ -383,7 +395,7 @@ def predict(cfg: Any, plan: Any, costs: Mapping[str, DeviceCosts], *, seq_len: i
     step = pipeline_s + reduce_s + update_s
     stages = tuple(_stage_prediction(cfg, plan, ctxs[k], busy[k], pipeline_s, seq_len) for k in keys)
     timeline = tuple(ActionRecord(k[1], str(a), t0, t1, ctxs[k].spec.island, k[0]) for k, a, t0, t1 in events)
-    crit = _critical_path(events, ctxs, pipeline_s, reduce_s, update_s)
+    crit = _critical_path(events, ctxs, pipeline_s, reduce_s, update_s, proc_of)
     return Prediction(step, plan.global_batch_size * seq_len / step if step > 0 else float("inf"), stages,
                       pipeline_s, reduce_s, update_s, crit, timeline, all(s.fits for s in stages))
 
@@ -403,15 +415,15 @@ def _stage_prediction(cfg, plan, ctx: _StageCtx, busy: float, pipeline_s: float,
                            mem.total <= ctx.costs.memory_bytes)
 
 
-def _critical_path(events, ctxs, pipeline_s: float, reduce_s: float, update_s: float) -> str:
+def _critical_path(events, ctxs, pipeline_s: float, reduce_s: float, update_s: float, proc_of) -> str:
     """Walks back from the last action: a RECV that waited continues at its SEND, anything else at the
-    previous action of its stage. Summarises compute seconds per stage on that path."""
+    previous action of its process. Summarises compute seconds per stage on that path."""
     if not events:
         return "empty step"
-    by_key: Dict[Tuple[int, int], List[tuple]] = {}
+    by_key: Dict[Any, List[tuple]] = {}
     send_of = {}
-    for e in events:
-        by_key.setdefault(e[0], []).append(e)
+    for e in sorted(events, key=lambda x: (x[2], x[3])):
+        by_key.setdefault(proc_of(e[0]), []).append(e)
         if e[1].is_send:
             send_of[(e[0][0], e[0][1], e[1].peer, e[1].kind, e[1].microbatch)] = e
     pos = {id(e): i for k, es in by_key.items() for i, e in enumerate(es)}
@@ -422,7 +434,7 @@ def _critical_path(events, ctxs, pipeline_s: float, reduce_s: float, update_s: f
         if a.is_compute:
             on_path[k] = on_path.get(k, 0.0) + t1 - t0
         i = pos[id(e)]
-        prev = by_key[k][i - 1] if i > 0 else None
+        prev = by_key[proc_of(k)][i - 1] if i > 0 else None
         if a.is_recv and (prev is None or prev[3] < t0 + 1e-15) and t1 > t0:
             kind = ActionKind.SEND_ACT if a.kind == ActionKind.RECV_ACT else ActionKind.SEND_GRAD
             snd = send_of.get((k[0], a.peer, k[1], kind, a.microbatch))
@@ -432,3 +444,40 @@ def _critical_path(events, ctxs, pipeline_s: float, reduce_s: float, update_s: f
     parts = ", ".join(f"r{k[0]}s{k[1]} ({ctxs[k].spec.island}) {t:.4g} s" for k, t in sorted(on_path.items()))
     return (f"pipeline {pipeline_s:.4g} s: compute on the critical path {parts}; then gradient "
             f"sums + norm {reduce_s:.4g} s, update {update_s:.4g} s")
+
+
+# ---- predicted against measured -----------------------------------------------------------------------
+
+#: ``island`` label prefix of predicted records in a Chrome trace (their own process group)
+PREDICTED_LABEL = "predicted"
+
+
+def predicted_records(cfg: Any, plan: Any, costs: Mapping[str, DeviceCosts], *, seq_len: int,
+                      bridge: Optional[LinkModel] = None, offset_s: float = 0.0,
+                      prediction: Optional[Prediction] = None) -> List[ActionRecord]:
+    """The PREDICTED ActionRecords of one step of ``plan``, for a Chrome trace beside the measured ones:
+    each record's ``island`` is ``"predicted: <island>"`` and its times start at ``offset_s`` (pass the
+    measured step's first start to line them up). ``to_chrome_trace(..., predicted=...)`` puts them in
+    their own process group labelled predicted. Uses ``prediction`` when given, else :func:`predict`."""
+    p = prediction or predict(cfg, plan, costs, seq_len=seq_len, bridge=bridge)
+    return [ActionRecord(r.stage, r.action, r.start_s + offset_s, r.end_s + offset_s,
+                         f"{PREDICTED_LABEL}: {r.island}", r.replica) for r in p.timeline]
+
+
+def compare_step(prediction: Prediction, measured_step_s: float) -> Tuple[str, Dict[str, float]]:
+    """A "predicted vs measured step time" line and the metrics dict to log with the step.
+
+    Returns:
+      ``(line, metrics)``: ``metrics`` has ``predicted_step_time_s``, ``measured_step_time_s``,
+      ``predicted_over_measured`` and ``predicted_tokens_per_s``; the line says which is which.
+    Raises:
+      ValueError: if ``measured_step_s`` is not positive.
+    """
+    if not measured_step_s > 0:
+        raise ValueError(f"measured step time must be > 0 s, got {measured_step_s}")
+    ratio = prediction.step_time_s / measured_step_s
+    sources = sorted({s.source for s in prediction.stages})
+    line = (f"step time: predicted {prediction.step_time_s:.4g} s ({'/'.join(sources)}) vs measured "
+            f"{measured_step_s:.4g} s (predicted/measured {ratio:.3f})")
+    return line, {"predicted_step_time_s": prediction.step_time_s, "measured_step_time_s": float(measured_step_s),
+                  "predicted_over_measured": ratio, "predicted_tokens_per_s": prediction.tokens_per_s}

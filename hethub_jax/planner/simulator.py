@@ -165,9 +165,20 @@ def simulate_processes(lists: Mapping[Key, Sequence[Action]], process_of: Mappin
             if not progressed:
                 yield None
 
-    gens = {p: run(p) for p in procs}
-    heap = [(0.0, n, p) for n, p in enumerate(procs)]
+    _drive(procs, {p: run(p) for p in procs}, clock, lambda p: [
+        delivered[mkey(k, lists[k][ptr[k]])] for k in procs[p]
+        if ptr[k] < len(lists[k]) and mkey(k, lists[k][ptr[k]]) in delivered],
+        lambda p: [f"{k} at {lists[k][ptr[k]]}" for k in procs[p] if ptr[k] < len(lists[k])])
+    return tuple(events)
+
+
+def _drive(procs: Mapping[Any, Any], gens: Mapping[Any, Any], clock: Dict[Any, float],
+           known_waits: Callable[[Any], List[float]], stuck: Callable[[Any], List[str]]) -> None:
+    """Runs the process generators of :func:`simulate_processes` in time order: always the process with
+    the smallest clock next (ties: first listed); a process with nothing ready jumps to its earliest
+    known delivery, or sleeps until some SEND runs. Raises ScheduleDeadlock if all sleep."""
     order = {p: n for n, p in enumerate(procs)}
+    heap = [(0.0, n, p) for p, n in order.items()]
     heapq.heapify(heap)
     blocked: set = set()
     while heap:
@@ -181,15 +192,12 @@ def simulate_processes(lists: Mapping[Key, Sequence[Action]], process_of: Mappin
                 heapq.heappush(heap, (clock[q], order[q], q))
             blocked.clear()
         if sent is None:  # nothing ready: wait for the earliest known delivery after now
-            waits = [delivered[mkey(k, lists[k][ptr[k]])] for k in procs[p] if ptr[k] < len(lists[k])
-                     and mkey(k, lists[k][ptr[k]]) in delivered]
-            if waits:
-                clock[p] = max(clock[p], min(waits))
-            else:
+            waits = known_waits(p)
+            if not waits:
                 blocked.add(p)
                 continue
+            clock[p] = max(clock[p], min(waits))
         heapq.heappush(heap, (clock[p], order[p], p))
     if blocked:
-        stuck = [f"{k} at {lists[k][ptr[k]]}" for p in blocked for k in procs[p] if ptr[k] < len(lists[k])]
-        raise ScheduleDeadlock("schedule deadlock: no process can progress; waiting: " + "; ".join(stuck))
-    return tuple(events)
+        raise ScheduleDeadlock("schedule deadlock: no process can progress; waiting: "
+                               + "; ".join(x for p in blocked for x in stuck(p)))
