@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -322,6 +323,8 @@ class _Planner:
         self._lines: Dict[tuple, tuple] = {}
         self._fused: Dict[tuple, str] = {}
         self._upd: Dict[tuple, float] = {}
+        self._seen: set = set()
+        self.dedupe = True
         self._caps: Dict[tuple, int] = {}
         self._preds: Dict[str, Any] = {}
         self.top: List[Tuple[float, str, Candidate]] = []
@@ -540,13 +543,27 @@ class _Planner:
         mbs, rec, M, per = stream
         return M * self.L / sum(per[j][i][0] for j, i in enumerate(idx))
 
+    def twin_class(self, g: str) -> Any:
+        """Groups of one class are interchangeable: same fields but the name, and no explicit link names
+        them (so every link to them is the default one). Swapping two of them changes no prediction."""
+        linked = {n for link in self.cluster.links for n in link.between}
+        if g in linked or self.opt.last_group == g:
+            return g
+        return json.dumps(self.groups[g].model_dump(exclude={"name"}), sort_keys=True)
+
     def skeletons_of(self, mbs: int, rec: str, combo) -> Iterator[Skeleton]:
-        """Every pipeline order and schedule for one choice per group (``combo`` in cluster order)."""
+        """Every pipeline order and schedule for one choice per group (``combo`` in cluster order), except
+        those equal to one already given up to swapping interchangeable groups (:meth:`twin_class`)."""
         names = list(self.groups)
+        cls = [self.twin_class(g) for g in names]
         for sched in self.opt.schedules:
             for perm in itertools.permutations(range(len(names))):
                 if self.opt.last_group is not None and names[perm[-1]] != self.opt.last_group:
                     continue
+                sig = (mbs, rec, sched, tuple((cls[j], combo[j]) for j in perm))
+                if self.dedupe and sig in self._seen:
+                    continue
+                self._seen.add(sig)
                 yield Skeleton(mbs, sched, rec, tuple(names[j] for j in perm),
                                tuple(combo[j][0] for j in perm), tuple(combo[j][1] for j in perm),
                                tuple(combo[j][2] for j in perm))
@@ -732,6 +749,11 @@ class _Planner:
                          f"layer(s) per stage at TP={tp}, microbatch {mbs}, recompute {rec}")
             total += cap * min(self.opt.max_stages_per_group, grp.num_devices // tp)
         detail = "; ".join(lines)
+        if self.L < len(self.groups) and (not self.opt.hetero_dp or self.gbs // min(self.microbatch_sizes() or [1])
+                                          < len(self.groups)):
+            return (f"infeasible: the model has {self.L} layers, fewer than the {len(self.groups)} node groups a "
+                    f"pipeline must use (every stage holds >= 1 layer), and the global batch of {self.gbs} is too "
+                    f"small for one data-parallel replica per group")
         if total == 0:
             return ("infeasible: one decoder layer's memory exceeds every device type even at the highest TP "
                     f"degree: {detail}")
@@ -841,6 +863,7 @@ def exhaustive_search(cfg: Any, cluster: Any, global_batch: int, seq_len: int, *
     """
     t0 = time.perf_counter()
     p = _setup(cfg, cluster, global_batch, seq_len, costs, options, None)
+    p.dedupe = False
     names = list(p.groups)
     for mbs in p.microbatch_sizes():
         for rec in p.opt.recompute:
