@@ -131,7 +131,7 @@ def problems(draw):
     return cfg, cluster, draw(st.sampled_from([2, 4, 6])), draw(st.sampled_from([8, 16]))
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_search_equals_exhaustive_enumeration(problem):
     cfg, cluster, gbs, seq = problem
@@ -143,7 +143,10 @@ def test_search_equals_exhaustive_enumeration(problem):
             search(cfg, cluster, gbs, seq, options=opt)
         return
     best = search(cfg, cluster, gbs, seq, options=opt)
-    assert [c.step_time_s for c in best.candidates] == [c.step_time_s for c in ref.candidates]
+    # equal up to float rounding: interchangeable groups (searched once) can sum the same terms in
+    # another order
+    assert [c.step_time_s for c in best.candidates] == pytest.approx([c.step_time_s for c in ref.candidates],
+                                                                     rel=1e-12)
     assert best.evaluated <= ref.evaluated
 
 
