@@ -5,7 +5,10 @@ stage of every island itself; under MPI each process runs the stages of its isla
 activations and gradients with other islands through the communicator's non-blocking send/recv
 (`hethub_jax.comm`). Between two stages in the same process, arrays move device to device
 (re-placement onto the next stage's sharding); between islands in the same process they take the
-host path, as they would over the bridge.
+host path, as they would over the bridge. An island of several processes (one `jax.distributed`
+runtime, issue 15) runs its stage on all of them: the stage's mesh spans the processes, each feeds
+its own DP rows and exchanges only its rows of each activation and gradient with the processes of
+the neighbouring stage that hold them (`hethub_jax.parallel.exchange`, docs/multiprocess_islands.md).
 
 Execution: every local stage advances through its list until it reaches a receive whose message has
 not arrived; the process then switches to another local stage, and polls when none can advance
@@ -89,14 +92,17 @@ class PipelineRuntime:
       comm: None for a single process running every stage; else a communicator of the whole job
         (`hethub_jax.comm` contract) whose rank layout is the plan's (`Plan.island_ranks`).
       rank: this process's rank in `comm` (ignored without a communicator).
-      devices: the island's JAX devices in island-local order (default `jax.devices()`).
+      devices: the island's JAX devices in island-global order (default `jax.devices()`, sorted by
+        process then id when the island has several processes: process p holds devices
+        p * devices_per_process ..).
       debug_nan: fill gradient accumulators and not-yet-written message buffers with NaN, to prove in
         tests that no unwritten buffer reaches the results.
       timeout_s: deadline for waiting on a message from another process, seconds.
 
     Raises:
       ValueError: if the plan is invalid for the model (the message names the constraint), or asks for
-        an island layout this runtime cannot run (multi-process islands: not yet supported).
+        an island layout this runtime cannot run (an island of several processes with more than one
+        stage, or a stage whose TP rows span processes: see `_stage_layout`).
     """
 
     def __init__(self, plan: Plan, model_config: LlamaConfig, optim: OptimConfig, *, seed: int = 0,
