@@ -119,8 +119,8 @@ class PipelineRuntime:
             self.owners[k], self.rows[k] = self._stage_layout(k)
         self.owner = {k: o[0] for k, o in self.owners.items()}
         self.local_keys = [k for k in all_keys if self.rank in self.owners[k]]
-        if devices is None and jax.process_count() > 1:  # island-global indices: by process, then id
-            devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        if devices is None and jax.process_count() > 1:
+            devices = self._island_devices()
         devices = list(jax.devices()) if devices is None else list(devices)
         tx = make_optimizer(optim)
         self.stages: dict[StageKey, PipelineStage] = {}
@@ -182,6 +182,24 @@ class PipelineRuntime:
         procs = exchange.row_processes(plan.stage_devices(*k), spec.dp, spec.tp, isl.devices_per_process)
         rows = exchange.process_rows(mbs, procs)
         return tuple(start + p for p in sorted(rows)), {start + p: r for p, r in rows.items()}
+
+    def _island_devices(self) -> list:
+        """The devices of this rank's island runtime in the plan's island-global order: process p's
+        first `devices_per_process` devices (by id) are indices p * devices_per_process ...
+
+        Raises:
+          ValueError: if a process of the island has fewer devices than the plan gives it.
+        """
+        isl = self.plan.rank_island(self.rank)
+        by_proc: dict[int, list] = {}
+        for d in sorted(jax.devices(), key=lambda d: d.id):
+            by_proc.setdefault(d.process_index, []).append(d)
+        short = {p: len(ds) for p, ds in by_proc.items() if len(ds) < isl.devices_per_process}
+        if short or len(by_proc) != isl.num_processes:
+            raise ValueError(f"island {isl.name!r}: the plan gives it {isl.num_processes} processes x "
+                             f"{isl.devices_per_process} devices; its JAX runtime has processes "
+                             f"{ {p: len(ds) for p, ds in sorted(by_proc.items())} } (process: devices)")
+        return [d for p in sorted(by_proc) for d in by_proc[p][:isl.devices_per_process]]
 
     def _counts(self, k: StageKey) -> bool:
         """True on the one rank of stage `k` that contributes its replicated scalars (loss sums,
