@@ -92,9 +92,9 @@ class PipelineRuntime:
       comm: None for a single process running every stage; else a communicator of the whole job
         (`hethub_jax.comm` contract) whose rank layout is the plan's (`Plan.island_ranks`).
       rank: this process's rank in `comm` (ignored without a communicator).
-      devices: the island's JAX devices in island-global order (default `jax.devices()`, sorted by
-        process then id when the island has several processes: process p holds devices
-        p * devices_per_process ..).
+      devices: the island's JAX devices in island-global order (default `jax.devices()`; in an
+        island of several processes, each process's first `devices_per_process` devices by id, process
+        by process: see `_island_devices`).
       debug_nan: fill gradient accumulators and not-yet-written message buffers with NaN, to prove in
         tests that no unwritten buffer reaches the results.
       timeout_s: deadline for waiting on a message from another process, seconds.
