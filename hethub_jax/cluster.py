@@ -123,13 +123,27 @@ def set_jax_platform(platform: str, environ: Any = None) -> None:
                 raise RuntimeError(f"jax was imported with JAX_PLATFORMS={current!r} before the "
                                    f"island's platform {platform!r} could be set; set it first")
         else:
-            from jax._src import xla_bridge
-
-            if getattr(xla_bridge, "_backends", None):
+            if _jax_backends_initialised():
                 raise RuntimeError("jax already initialised its backends without JAX_PLATFORMS; "
                                    f"cannot switch to platform {platform!r}")
             jax.config.update("jax_platforms", platform)
     environ["JAX_PLATFORMS"] = platform
+
+
+def _jax_backends_initialised() -> bool:
+    """Whether the imported jax has already created its backends (so its platform is fixed).
+
+    Adapter over a private JAX name: JAX (0.10) has no public API that answers this without creating
+    the backends (``jax.extend.backend.backends()`` creates them). This is the one place that reads
+    ``jax._src.xla_bridge``; if the private name goes away, it answers False and the platform update
+    below is left to JAX's own check.
+    """
+    try:
+        from jax._src import xla_bridge
+    except ImportError:  # pragma: no cover - layout of a future JAX
+        return False
+    probe = getattr(xla_bridge, "backends_are_initialized", None)
+    return bool(probe()) if callable(probe) else bool(getattr(xla_bridge, "_backends", None))
 
 
 def config_hash(*objs: Any) -> str:
