@@ -14,8 +14,10 @@ What is measured, with the runtime's own code paths (``hethub_jax.parallel.stage
     ``head``, fitted jointly by least squares (numpy, :func:`fit_compute`) as ``c0 + c1 x`` with x the
     layer's / head's forward FLOPs (``hethub_jax.planner.analytic``) or the tokens (embedding);
   * the optimizer update (``PipelineStage.update``, AdamW) of the four stages: ``c0 + c1 x params``;
-  * the device <-> host copy of activation-sized arrays (``jax.device_get`` / ``jax.device_put``) and
-    the in-island all-reduce (``psum`` over the island's devices): ``c0 + c1 x bytes``;
+  * the device <-> host copy of activation-sized arrays (``jax.device_get`` / ``jax.device_put``),
+    the in-island all-reduce (``psum`` over the island's devices) and the runtime's sum of gradients
+    held by several stages (tied embeddings, DP replicas; :func:`measure_shared_sum`):
+    ``c0 + c1 x bytes``;
   * the bridge (``MPIHostBridge`` send/recv round trips, under mpiexec): ``c0 + c1 x bytes``.
 Each figure is the median of ``--repeats`` timed calls after one untimed call (compilation).
 An emulated slowdown (``--slowdown f``, DESIGN.md section 9) multiplies every compute and update
@@ -48,9 +50,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sample")
     p.add_argument("--microbatch-sizes", default="1,2,4", help="comma-separated samples per microbatch")
     p.add_argument("--tp", default="1", help="comma-separated TP degrees (fake CPU devices are added as needed)")
-    p.add_argument("--repeats", type=int, default=3, help="timed calls per figure (median)")
+    p.add_argument("--repeats", type=int, default=7, help="timed calls per figure (median)")
     p.add_argument("--device-type", default=None, help="name of the device type (default: the JAX platform)")
     p.add_argument("--slowdown", type=float, default=1.0, help="emulated slowdown factor >= 1 (cpu only)")
+    p.add_argument("--statistic", choices=("median", "min"), default="median",
+                   help="statistic over the timed calls of each figure (min: for a machine shared with other jobs)")
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -66,6 +70,19 @@ def fit_line(x: Sequence[float], y: Sequence[float]) -> Dict[str, float]:
     coef, *_ = np.linalg.lstsq(a, y, rcond=None)
     rmse = float(np.sqrt(np.mean((a @ coef - y) ** 2)))
     return {"c0": float(coef[0]), "c1": float(coef[1]), "rmse": rmse}
+
+
+def fit_shared_sum(samples: List[dict]) -> Optional[Dict[str, float]]:
+    """``seconds = c_bytes x bytes + c_tensor x tensors`` by least squares through the origin (numpy);
+    None without samples."""
+    if not samples:
+        return None
+    a = np.array([[s["bytes"], s["tensors"]] for s in samples], float)
+    y = np.array([s["seconds"] for s in samples])
+    scale = a.max(axis=0)
+    coef = np.linalg.lstsq(a / scale, y, rcond=None)[0] / scale
+    return {"c_bytes": float(max(coef[0], 0.0)), "c_tensor": float(max(coef[1], 0.0)),
+            "rmse": float(np.sqrt(np.mean((a @ coef - y) ** 2)))}
 
 
 def fit_compute(cfg: Any, samples: List[dict], seq_len: int) -> Dict[str, Dict[str, Dict[str, dict]]]:
@@ -97,9 +114,15 @@ def fit_compute(cfg: Any, samples: List[dict], seq_len: int) -> Dict[str, Dict[s
     return out
 
 
+#: statistic over the timed calls of one figure: "median" (default) or "min" (``--statistic``; the
+#: minimum is closer to an unloaded machine's time when other jobs share the cores)
+STATISTIC = {"name": "median"}
+
+
 def _median_time(fn: Callable[[], Any], repeats: int, before: Optional[Callable[[], Any]] = None) -> float:
-    """Median seconds of ``fn()`` (which must block until its result is ready) after one untimed call;
-    ``before()`` runs untimed ahead of each call (fresh donated buffers)."""
+    """Seconds of ``fn()`` (which must block until its result is ready) after one untimed call: the
+    median (or the minimum, see :data:`STATISTIC`) of ``repeats`` calls; ``before()`` runs untimed
+    ahead of each call (fresh donated buffers)."""
     times = []
     for i in range(repeats + 1):
         arg = before() if before else None
@@ -107,7 +130,7 @@ def _median_time(fn: Callable[[], Any], repeats: int, before: Optional[Callable[
         fn() if before is None else fn(arg)
         if i:
             times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return float(np.min(times) if STATISTIC["name"] == "min" else np.median(times))
 
 
 # ---- measurements (JAX from here on) ---------------------------------------------------------------
@@ -210,6 +233,38 @@ def measure_allreduce(devices: Sequence[Any], sizes: Sequence[int], repeats: int
     return out
 
 
+def measure_shared_sum(cfg: Any, devices: Sequence[Any], repeats: int) -> List[dict]:
+    """Seconds of the runtime's sum of gradients held by several stages (``PipelineRuntime.
+    _reduce_shared``: host copies, float32 sums, placement back) in one process, on two plans of this
+    island: two pipeline stages sharing the tied embedding (tied models only) and two data-parallel
+    replicas of the whole model (every parameter shared). Recorded with the float32 bytes and the
+    number of tensors summed over the holders (the cost has a per-tensor part: one copy each way and
+    one placement per tensor)."""
+    import jax
+
+    from hethub_jax.optim import OptimConfig
+    from hethub_jax.parallel.plan import Plan
+    from hethub_jax.parallel.runtime import PipelineRuntime
+    n, half = cfg.num_hidden_layers, cfg.num_hidden_layers // 2
+    isl = [{"name": "p", "platform": devices[0].platform, "devices_per_process": 2}]
+    plans = [{"islands": isl, "global_batch_size": 2, "microbatch_size": 1,
+              "replicas": [{"stages": [{"island": "p", "first_layer": 0, "last_layer": n - 1}]}] * 2}]
+    if cfg.tie_word_embeddings:
+        plans.append({"islands": isl, "global_batch_size": 1, "microbatch_size": 1, "stages": [
+            {"island": "p", "first_layer": 0, "last_layer": half - 1},
+            {"island": "p", "first_layer": half, "last_layer": n - 1}]})
+    out = []
+    for d in plans:
+        rt = PipelineRuntime(Plan.from_dict(d), cfg, OptimConfig(), devices=list(devices[:2]))
+        acc = {k: rt.stages[k].new_grad_buffer() for k in rt.local_keys}
+        flats = {k: rt.stages[k].flat(acc[k]) for k in rt.local_keys}
+        nbytes = sum(4 * flats[k][name].size for name, hs in rt.shared.items() for k in hs)
+        tensors = sum(len(hs) for hs in rt.shared.values())
+        sec = _median_time(lambda: jax.block_until_ready(rt._reduce_shared(acc)), repeats)
+        out.append({"kind": "shared_sum", "bytes": int(nbytes), "tensors": tensors, "seconds": sec})
+    return out
+
+
 def measure_bridge(sizes: Sequence[int], repeats: int) -> Optional[List[dict]]:
     """Round trips over ``MPIHostBridge`` between ranks 0 and 1 (under ``mpiexec -n 2``), halved; None
     (with a message) when not under MPI with 2 ranks."""
@@ -292,10 +347,12 @@ def build_profile(cfg: Any, args: Any, samples: List[dict], updates: List[dict],
         "emulation_note": ("compute and update times multiplied by the emulated slowdown (the runtime waits "
                            "(f - 1) x each measured action, DESIGN.md section 9)" if f != 1 else "none"),
         "memory_bytes": _device_memory_bytes(platform_name),
-        "model": cfg.to_dict(), "seq_len": args.seq_len, "repeats": args.repeats,
+        "model": cfg.to_dict(), "seq_len": args.seq_len, "repeats": args.repeats, "statistic": args.statistic,
         "samples": samples + updates + copies + ar + (bridge or []),
         "fits": {"compute": fit_compute(cfg, samples, args.seq_len), "update": line(updates, "params"),
-                 "host_copy": line(copies, "bytes"), "allreduce": line(ar, "ring_bytes"),
+                 "host_copy": line([c for c in copies if c["kind"] == "host_copy"], "bytes"),
+                 "shared_sum": fit_shared_sum([c for c in copies if c["kind"] == "shared_sum"]),
+                 "allreduce": line(ar, "ring_bytes"),
                  "bridge": line(bridge or [], "bytes")},
         "bridge_note": "measured over MPIHostBridge" if bridge else "not measured (run under mpiexec -n 2)",
     }
@@ -313,6 +370,7 @@ def _device_memory_bytes(platform_name: str) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     args = _parser().parse_args(argv)
+    STATISTIC["name"] = args.statistic
     mbs_list = [int(x) for x in args.microbatch_sizes.split(",")]
     tps = [int(x) for x in args.tp.split(",")]
     if args.slowdown < 1 or args.repeats < 1 or min(mbs_list + tps) < 1 or args.seq_len < 1:
@@ -338,6 +396,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     sizes = sorted({act * m for m in mbs_list} | {1 << 20, 8 << 20})
     copies = measure_host_copy(devices[0], sizes, args.repeats)
     allreduce = measure_allreduce(devices[:max(tps)], sizes, args.repeats)
+    copies += measure_shared_sum(cfg, devices, args.repeats)
     prof = build_profile(cfg, args, samples, updates, copies, allreduce, bridge, platform_name)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:

@@ -301,3 +301,34 @@ def test_concurrency_stages_pipelines_an_islands_stages():
     assert pred.pipeline_s == pytest.approx((m + 1) * (t_f + t_b))
     with pytest.raises(ValueError, match="concurrency"):
         predict(Cfg, plan, {"a": costs}, seq_len=8, concurrency="threads")
+
+
+def test_costs_for_plan_prefers_profiles_then_the_catalog():
+    from hethub_jax.planner.predictor import costs_for_plan
+    plan = chain_plan(2, 2)
+    c = costs_for_plan(plan, profiles={"i0": fixed_profile(0.01, 0.02)})
+    assert c["i0"].source == "profile" and c["i1"].source == "catalog" and c["i1"].name == "cpu"
+    gpu = Plan.from_dict(dict(plan.to_dict(), islands=[{"name": "i0", "platform": "cuda"}, {"name": "i1", "platform": "cpu"}]))
+    with pytest.raises(ValueError, match="device type"):
+        costs_for_plan(gpu)
+    assert costs_for_plan(gpu, device_types={"i0": "H100-SXM"})["i0"].spec.name == "H100-SXM"
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_in_flight_microbatches_follow_the_schedule(schedule):
+    """Stage memory holds in_flight_bound(schedule) microbatches of residuals (GPipe m, 1F1B p - s); a
+    1F1B last stage none (its forwards are fused with their backwards)."""
+    from hethub_jax.parallel.schedule import in_flight_bound
+    from hethub_jax.planner.predictor import stage_memory_bytes
+    p, m = 4, 6
+    costs = DeviceCosts.from_profile(fixed_profile(0.01, 0.02))
+    plan = chain_plan(p, m, schedule)
+    pred = predict(Cfg, plan, {i.name: costs for i in plan.islands}, seq_len=8)
+    for st in pred.stages:
+        spec = plan.replicas[0].stages[st.stage]
+        n = in_flight_bound(schedule, p, st.stage, m)
+        if spec.is_last and schedule == "1f1b":
+            n = 0
+        want = stage_memory_bytes(Cfg, spec.first_layer, spec.last_layer, spec.is_first, spec.is_last,
+                                  microbatch_size=1, seq_len=8, dp=1, tp=1, in_flight=n, recompute="none")
+        assert st.memory.activations == pytest.approx(want.activations)

@@ -89,8 +89,9 @@ class DeviceCosts:
       efficiency: fraction of the datasheet peaks assumed reachable (catalog costs), else None.
       fits: per TP degree (int) and phase, the fitted ``{"layer", "embed", "head", "base"}`` lines
         (profile costs; x is FLOPs for layer and head, tokens for embed, 1 for base).
-      update_fit, allreduce_fit, host_link: fitted lines of the update (x = parameters per device), the
-        in-island all-reduce (x = bytes) and the device <-> host copy (profile costs).
+      update_fit, allreduce_fit, shared_sum_fit, host_link: fitted lines of the update (x = parameters
+        per device), the in-island all-reduce (x = bytes), the runtime's host-side sum of shared
+        gradients (x = bytes over holders) and the device <-> host copy (profile costs).
       profile: the raw profile dict (profile costs).
     """
 
@@ -103,6 +104,7 @@ class DeviceCosts:
     fits: Dict[int, Dict[str, Dict[str, _Linear]]] = field(default_factory=dict)
     update_fit: Optional[_Linear] = None
     allreduce_fit: Optional[_Linear] = None
+    shared_sum_fit: Optional[Tuple[float, float]] = None
     host_link: Optional[LinkModel] = None
     profile: Optional[Dict[str, Any]] = None
 
@@ -153,6 +155,7 @@ class DeviceCosts:
                    memory_bytes=int(profile.get("memory_bytes", get_device("cpu").memory_bytes)),
                    emulated_slowdown=float(profile.get("emulated_slowdown", 1.0)),
                    fits=fits, update_fit=lin(fits_in.get("update")), allreduce_fit=lin(fits_in.get("allreduce")),
+                   shared_sum_fit=_shared_fit(fits_in.get("shared_sum")),
                    host_link=None if host is None else LinkModel(max(0.0, float(host["c0"])), 1.0 / max(float(host["c1"]), 1e-15)),
                    profile=dict(profile))
 
@@ -260,6 +263,18 @@ class DeviceCosts:
             raise ValueError(f"profile {self.name!r} has no all-reduce fit")
         return self.allreduce_fit(ring * nbytes)
 
+    def shared_sum_s(self, nbytes: float, tensors: int = 1) -> float:
+        """Seconds of the runtime's sum of gradients held by several stages of one process
+        (``PipelineRuntime._reduce_shared``: each holder's float32 copy to the host, the sum, the copy
+        back); ``nbytes`` and ``tensors``: float32 bytes and tensors summed over the holders. Profile:
+        ``c_bytes x nbytes + c_tensor x tensors``; otherwise a copy each way, ``2 x host_copy_s``.
+        0 for ``nbytes <= 0``."""
+        if nbytes <= 0:
+            return 0.0
+        if self.shared_sum_fit is not None:
+            return self.shared_sum_fit[0] * nbytes + self.shared_sum_fit[1] * tensors
+        return 2.0 * self.host_copy_s(nbytes)
+
     def host_copy_s(self, nbytes: float) -> float:
         """Seconds to copy ``nbytes`` between a device and host memory (one direction)."""
         if self.host_link is None:
@@ -273,3 +288,7 @@ class DeviceCosts:
         p = self.profile or {}
         return (f"{self.name}: profile of {p.get('date', '?')} on {p.get('machine', {}).get('node', '?')} "
                 f"(JAX {p.get('jax_version', '?')}, emulated slowdown {self.emulated_slowdown:g})")
+
+
+def _shared_fit(d: Optional[Mapping[str, Any]]) -> Optional[Tuple[float, float]]:
+    return None if d is None else (float(d["c_bytes"]), float(d["c_tensor"]))

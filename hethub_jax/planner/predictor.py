@@ -25,14 +25,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from hethub_jax.parallel.schedule import Action, ActionKind, in_flight_bound, max_in_flight
+from hethub_jax.parallel.schedule import Action, ActionKind, max_in_flight
 from hethub_jax.parallel.trace import ActionRecord
 from hethub_jax.planner import analytic
 from hethub_jax.planner.costs import DeviceCosts, LinkModel
 from hethub_jax.planner.simulator import simulate, simulate_processes
 
 __all__ = ["MemoryBreakdown", "StagePrediction", "Prediction", "stage_compute_s", "stage_memory_bytes",
-           "predict", "DEFAULT_BRIDGE", "predicted_records", "compare_step", "PREDICTED_LABEL"]
+           "predict", "DEFAULT_BRIDGE", "predicted_records", "compare_step", "PREDICTED_LABEL", "costs_for_plan"]
 
 #: bridge between islands when none is given: 20 us + bytes / 1 GB/s (an assumption for MPI over
 #: TCP between hosts; measure it with ``python -m hethub_jax.profile`` under ``mpiexec -n 2``)
@@ -300,9 +300,9 @@ def _simulate_replica(r, keys, lists, times, delivery):
     return [((r, s), a, t0, t1) for s, a, t0, t1 in tl.events]
 
 
-def _shared_groups(cfg: Any, plan: Any) -> List[Tuple[float, List[Tuple[int, int]]]]:
-    """(parameters, holders) of every set of parameters held by several stages: the tied embedding
-    (first and last stage of a replica) and every layer / embedding / head across replicas."""
+def _shared_groups(cfg: Any, plan: Any) -> List[Tuple[float, int, List[Tuple[int, int]]]]:
+    """(parameters, tensors, holders) of every set of parameters held by several stages: the tied
+    embedding (first and last stage of a replica) and every layer / embedding / head across replicas."""
     holders: Dict[str, List[Tuple[int, int]]] = {}
     size = {"embed": analytic.embed_params(cfg), "head": analytic.head_params(cfg)}
     for r, rep in enumerate(plan.replicas):
@@ -315,24 +315,29 @@ def _shared_groups(cfg: Any, plan: Any) -> List[Tuple[float, List[Tuple[int, int
             for n in names:
                 holders.setdefault(n, []).append((r, s))
     lp = analytic.layer_params(cfg)
-    return [(size.get(n, lp), h) for n, h in holders.items() if len(h) > 1]
+    tensors = {"embed": 1, "head": 1 if cfg.tie_word_embeddings else 2}  # a layer: 7 matrices, 2 norms
+    return [(size.get(n, lp), tensors.get(n, 9), h) for n, h in holders.items() if len(h) > 1]
 
 
 def _reduction_s(cfg: Any, plan: Any, ctxs, bridge: LinkModel) -> float:
-    """Seconds of the sums of shared gradients (runtime ``_reduce_shared``: each holder's copy to the
-    host and back, float32; an all-reduce over the bridge when the holders are on several islands)
-    and of the global norm (each stage reads its gradients once, one small all-reduce)."""
-    per_island: Dict[str, float] = {}
+    """Seconds of the sums of shared gradients (runtime ``_reduce_shared``: per island
+    ``DeviceCosts.shared_sum_s`` of the float32 bytes its holders hold; a ring all-reduce over the
+    bridge when the holders are on several islands) and of the global norm (each stage reads its
+    gradients once, one small all-reduce)."""
+    held: Dict[str, List[float]] = {}  # float32 bytes and tensors summed over the holders on each island
     cross = 0.0
-    for n, holders in _shared_groups(cfg, plan):
+    for n, tensors, holders in _shared_groups(cfg, plan):
         nbytes = 4.0 * n
         isl = sorted({ctxs[k].spec.island for k in holders})
         for k in holders:
-            c = ctxs[k].costs
-            per_island[ctxs[k].spec.island] = per_island.get(ctxs[k].spec.island, 0.0) + 2 * c.host_copy_s(nbytes)
+            h = held.setdefault(ctxs[k].spec.island, [0.0, 0])
+            h[0] += nbytes
+            h[1] += tensors
         if len(isl) > 1:
             p = len(isl)
             cross += 2 * (p - 1) * bridge.alpha_s + 2.0 * (p - 1) / p * nbytes / bridge.bandwidth
+    first = {c.spec.island: c for c in ctxs.values()}
+    per_island = {i: first[i].costs.shared_sum_s(b, t) for i, (b, t) in held.items()}
     norm = {}
     for k, ctx in ctxs.items():
         pb = analytic.dtype_bytes(cfg.param_dtype)
@@ -393,20 +398,24 @@ def predict(cfg: Any, plan: Any, costs: Mapping[str, DeviceCosts], *, seq_len: i
         per_island[ctxs[k].spec.island] = per_island.get(ctxs[k].spec.island, 0.0) + t
     update_s = 0.0 if fuse else max(per_island.values())
     step = pipeline_s + reduce_s + update_s
-    stages = tuple(_stage_prediction(cfg, plan, ctxs[k], busy[k], pipeline_s, seq_len) for k in keys)
+    acts = {r: plan.actions(r) for r in range(plan.num_replicas)}
+    stages = tuple(_stage_prediction(cfg, plan, ctxs[k], acts[k[0]][k[1]], busy[k], pipeline_s, seq_len)
+                   for k in keys)
     timeline = tuple(ActionRecord(k[1], str(a), t0, t1, ctxs[k].spec.island, k[0]) for k, a, t0, t1 in events)
     crit = _critical_path(events, ctxs, pipeline_s, reduce_s, update_s, proc_of)
     return Prediction(step, plan.global_batch_size * seq_len / step if step > 0 else float("inf"), stages,
                       pipeline_s, reduce_s, update_s, crit, timeline, all(s.fits for s in stages))
 
 
-def _stage_prediction(cfg, plan, ctx: _StageCtx, busy: float, pipeline_s: float, seq_len: int) -> StagePrediction:
+def _stage_prediction(cfg, plan, ctx: _StageCtx, acts: Sequence[Action], busy: float, pipeline_s: float,
+                      seq_len: int) -> StagePrediction:
     r, s = ctx.key
     spec = ctx.spec
-    m = plan.num_microbatches(r)
-    in_flight = in_flight_bound(plan.schedule, spec.num_stages, s, m)
-    if spec.is_last and plan.schedule == "1f1b":
-        in_flight = 0  # every forward is fused with its backward: no residuals outlive the action
+    # microbatches in flight on the runtime's list (schedule.max_in_flight; in_flight_bound promises
+    # the same for GPipe and 1F1B); none when every forward is fused with its backward (last stage)
+    in_flight = max_in_flight(acts)
+    if all(_fused(ctx, acts, i) for i, a in enumerate(acts) if a.kind == ActionKind.F):
+        in_flight = 0
     mem = stage_memory_bytes(cfg, spec.first_layer, spec.last_layer, spec.is_first, spec.is_last,
                              microbatch_size=plan.microbatch_size, seq_len=seq_len, dp=spec.dp, tp=spec.tp,
                              in_flight=in_flight, recompute=plan.recompute)
@@ -481,3 +490,26 @@ def compare_step(prediction: Prediction, measured_step_s: float) -> Tuple[str, D
             f"{measured_step_s:.4g} s (predicted/measured {ratio:.3f})")
     return line, {"predicted_step_time_s": prediction.step_time_s, "measured_step_time_s": float(measured_step_s),
                   "predicted_over_measured": ratio, "predicted_tokens_per_s": prediction.tokens_per_s}
+
+
+def costs_for_plan(plan: Any, profiles: Optional[Mapping[str, Any]] = None,
+                   device_types: Optional[Mapping[str, str]] = None, efficiency: float = 0.4) -> Dict[str, DeviceCosts]:
+    """Per island name, its :class:`DeviceCosts`: ``DeviceCosts.from_profile(profiles[name])`` when a
+    profile (path or dict) is given for the island, else the catalog entry ``device_types[name]``
+    (default: ``"cpu"`` for platform ``cpu``) at ``efficiency``.
+
+    Raises:
+      ValueError: for a non-cpu island with neither a profile nor a device type, or an unknown type.
+    """
+    profiles, device_types = profiles or {}, device_types or {}
+    out: Dict[str, DeviceCosts] = {}
+    for isl in plan.islands:
+        if isl.name in profiles:
+            out[isl.name] = DeviceCosts.from_profile(profiles[isl.name])
+            continue
+        kind = device_types.get(isl.name) or ("cpu" if isl.platform == "cpu" else None)
+        if kind is None:
+            raise ValueError(f"island {isl.name!r} (platform {isl.platform!r}) needs a profile or a device type "
+                             f"(one of hethub_jax.planner.catalog.CATALOG)")
+        out[isl.name] = DeviceCosts.from_catalog(kind, efficiency)
+    return out
