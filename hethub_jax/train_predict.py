@@ -159,7 +159,9 @@ def profile_device(model: str, seq_len: int, out: str, timeout_s: float = 600.0)
     except subprocess.TimeoutExpired:
         return False, f"profiling timed out after {timeout_s:.0f} s"
     if p.returncode != 0 or not os.path.exists(out):
-        last = (p.stderr.strip().splitlines() or ["no output"])[-1]
+        lines = p.stderr.strip().splitlines() or ["no output"]
+        errors = [x for x in lines if x.split(":")[0].endswith(("Error", "Exception", "Exit"))]
+        last = (errors or lines)[-1]
         return False, f"profiling failed (exit {p.returncode}: {last[:200]})"
     return True, f"profiled in {time.perf_counter() - t0:.0f} s"
 
@@ -169,14 +171,20 @@ def _profiles(cluster: Any, model: str, seq_len: int, profiles_dir: str, log) ->
     c = cluster.resolved()
     out: Dict[str, Any] = {}
     notes: List[str] = []
+    tried: Dict[str, str] = {}  # one profile per device type, however many groups share it
     for g in c.groups:
         path = g.profile or os.path.join(profiles_dir, f"{g.device or g.name}.json")
-        if not os.path.exists(path) and g.platform == "cpu" and g.device == "cpu":
-            log(f"profiling device type cpu (for group {g.name}) into {path} "
-                f"(python -m hethub_jax.profile {' '.join(PROFILE_SETTINGS)})...")
+        if path in tried:
+            notes.append(f"group {g.name}: {tried[path]}")
+        elif not os.path.exists(path) and g.platform == "cpu" and g.device == "cpu":
+            log(f"profiling device type cpu (for group {g.name}; emulated slowdowns are applied by the "
+                f"predictor) into {path} (python -m hethub_jax.profile {' '.join(PROFILE_SETTINGS)})...")
             ok, msg = profile_device(model, seq_len, path)
-            notes.append(f"group {g.name}: {msg}" + ("" if ok else "; using the catalog 'cpu' entry"))
+            tried[path] = (f"measured profile {path} ({msg})" if ok else f"{msg}; using the catalog 'cpu' entry "
+                           f"(assumption, not measured)")
+            notes.append(f"group {g.name}: {tried[path]}")
         elif os.path.exists(path):
+            tried[path] = f"reusing saved profile {path}"
             notes.append(f"group {g.name}: reusing saved profile {path}")
         if os.path.exists(path):
             with open(path) as f:
