@@ -176,3 +176,23 @@ def test_cluster_planless_training_under_mpiexec(tmp_path):
     steps = [r for r in recs if r["kind"] == "step"]
     assert len(steps) == 2 and all(math.isfinite(r["loss"]) for r in steps)
     assert all(r["predicted_step_time_s"] == pytest.approx(best.step_time_s, rel=1e-9) for r in steps)
+
+
+# ---- scripts/gpu_check.sh without a GPU --------------------------------------------------------------
+
+def test_gpu_check_says_when_no_gpu_or_no_cuda_jax(tmp_path):
+    import shutil
+    import subprocess
+    if shutil.which("nvidia-smi", path="/usr/bin:/bin"):
+        pytest.skip("this machine has nvidia-smi in /usr/bin: the no-GPU path cannot be shown here")
+    script = str(ROOT / "scripts" / "gpu_check.sh")
+    env = dict(os.environ, PATH=f"{tmp_path}/empty:/usr/bin:/bin", PYTHON=sys.executable)
+    p = subprocess.run(["bash", script, str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "NO NVIDIA GPU" in p.stderr and not (tmp_path / "out").exists()
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\n[ \"$1\" = -L ] && echo 'GPU 0: Fake GPU (UUID: x)' || echo 'Fake GPU'\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    env["PATH"] = f"{fake}:/usr/bin:/bin"
+    p = subprocess.run(["bash", script, str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "NO CUDA JAX" in p.stderr and "Fake GPU" in p.stderr
