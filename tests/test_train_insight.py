@@ -27,9 +27,9 @@ PLAN = {"islands": [{"name": "fast", "platform": "cpu"}, {"name": "slow", "platf
 
 
 def fixed_profile(t_f=0.004, t_b=0.008, update=0.001):
-    """A profile whose every stage call costs a fixed time (no per-layer or per-token term)."""
+    """A profile whose stage calls cost ``t / 2`` plus ``t / 2`` per layer (no per-token term)."""
     zero = {"c0": 0.0, "c1": 0.0}
-    parts = lambda t: {"layer": zero, "embed": zero, "head": zero, "base": {"c0": t, "c1": 0.0}}
+    parts = lambda t: {"layer": {"c0": t / 2, "c1": 0.0}, "embed": zero, "head": zero, "base": {"c0": t / 2, "c1": 0.0}}
     return {"format": PROFILE_FORMAT, "device_type": "cpu", "memory_bytes": 10**12, "emulated_slowdown": 1.0,
             "fits": {"compute": {"1": {"F": parts(t_f), "F_nosave": parts(t_f), "B": parts(t_b),
                                        "B_recompute": parts(t_f + t_b)}},
