@@ -76,6 +76,9 @@ class PredictionHook(_NoOp):
         first = state.step == state.start_step + 1
         if not first:
             self.measured.append(state.step_time_s)
+            if self.console.bar is not None:  # the progress bar shows it as it goes
+                self.console.bar.set_description_str(f"train (PREDICTED/measured step {m['predicted_over_measured']:.2f})",
+                                                     refresh=False)
         if self.log_every and state.step % self.log_every == 0:
             self.console.say(f"step {state.step}: {line}" + (" [includes compilation]" if first else ""))
 
