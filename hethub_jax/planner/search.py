@@ -493,10 +493,12 @@ class _Planner:
         return out
 
     def combo_streams(self) -> Iterator[Tuple[float, int, str, Tuple[Tuple[int, int, int], ...]]]:
-        """``(LB0, mbs, recompute, per-group choices in cluster order)`` in ascending LB0, where
-        ``LB0 = M * L / sum_g 1/w_g`` (``w_g``: the group's per-layer lower bound) bounds the step time
-        of every pipeline of those choices, whatever the order and split: the busiest island
-        computes at least ``M * n_g * w_g`` with ``sum_g n_g = L``."""
+        """``(LB0, mbs, recompute, per-group choices in cluster order)`` in ascending LB0, with
+        ``LB0 >= M * L / sum_g 1/w_g`` (``w_g``: the group's per-layer lower bound), a bound of the step
+        time of every pipeline of those choices, whatever the order and split: the busiest island
+        computes at least ``M * n_g * w_g`` with ``sum_g n_g = L``; with a second bound (:meth:`_lb0`). Both
+        grow along the heap's successors (each group's choices are sorted by ``1/w`` descending), so the
+        keys come out nondecreasing and the caller may stop at the first key above the k-th best."""
         names = list(self.groups)
         heap: list = []
         streams = []
@@ -540,8 +542,11 @@ class _Planner:
                    for g, (k, tp, dp) in zip(self.groups, combo))
 
     def _lb0(self, stream, idx) -> float:
+        """``max(M L / sum_g 1/w_g, L min_g w_g)``: the busiest island bound, and microbatch 0 passing
+        every stage forward and backward (``sum_s t_s >= sum_g n_g w_g >= L min_g w_g``)."""
         mbs, rec, M, per = stream
-        return M * self.L / sum(per[j][i][0] for j, i in enumerate(idx))
+        inv = [per[j][i][0] for j, i in enumerate(idx)]
+        return max(M * self.L / sum(inv), self.L / max(inv))
 
     def twin_class(self, g: str) -> Any:
         """Groups of one class are interchangeable: same fields but the name, and no explicit link names
@@ -611,7 +616,7 @@ class _Planner:
             hi = left if j == G - 1 else left - need
             lo = left if j == G - 1 else sk.stages[j]
             for n in range(hi, lo - 1, -1):
-                if not M * gt[j][n] <= ub:
+                if gt[j][n] == math.inf or not M * gt[j][n] <= ub:  # inf: a stage exceeds memory
                     continue
                 ts = [times[first_stage[j] + i][c] for i, c in enumerate(balanced(n, sk.stages[j]))]
                 p, ok = prefix, True
