@@ -92,6 +92,8 @@ class DeviceCosts:
       update_fit, allreduce_fit, shared_sum_fit, host_link: fitted lines of the update (x = parameters
         per device), the in-island all-reduce (x = bytes), the runtime's host-side sum of shared
         gradients (x = bytes over holders) and the device <-> host copy (profile costs).
+      bridge_link: the MPI bridge measured by the profiler under ``mpiexec -n 2`` (None when not
+        measured); pass it to ``predict(..., bridge=...)``.
       profile: the raw profile dict (profile costs).
     """
 
@@ -106,6 +108,7 @@ class DeviceCosts:
     allreduce_fit: Optional[_Linear] = None
     shared_sum_fit: Optional[Tuple[float, float]] = None
     host_link: Optional[LinkModel] = None
+    bridge_link: Optional[LinkModel] = None
     profile: Optional[Dict[str, Any]] = None
 
     # ---- constructors ------------------------------------------------------------------------------
@@ -150,13 +153,14 @@ class DeviceCosts:
             fits[int(tp)] = {ph: {part: _Linear(float(v["c0"]), float(v["c1"])) for part, v in parts.items()}
                              for ph, parts in phases.items()}
         lin = lambda d: None if d is None else _Linear(float(d["c0"]), float(d["c1"]))
-        host = fits_in.get("host_copy")
+        host, br = fits_in.get("host_copy"), fits_in.get("bridge")
+        link = lambda d: None if d is None else LinkModel(max(0.0, float(d["c0"])), 1.0 / max(float(d["c1"]), 1e-15))
         return cls(name=str(profile.get("device_type", "cpu")), source="profile",
                    memory_bytes=int(profile.get("memory_bytes", get_device("cpu").memory_bytes)),
                    emulated_slowdown=float(profile.get("emulated_slowdown", 1.0)),
                    fits=fits, update_fit=lin(fits_in.get("update")), allreduce_fit=lin(fits_in.get("allreduce")),
                    shared_sum_fit=_shared_fit(fits_in.get("shared_sum")),
-                   host_link=None if host is None else LinkModel(max(0.0, float(host["c0"])), 1.0 / max(float(host["c1"]), 1e-15)),
+                   host_link=link(host), bridge_link=link(br),
                    profile=dict(profile))
 
     # ---- compute -----------------------------------------------------------------------------------
