@@ -185,7 +185,8 @@ def _report(args, cfg, contenders, gathered, costs, source) -> None:
                          "predicted_step_s": {n: s for n, (_, s) in contenders.items()}},
               "figures": figures,
               "rows": [{"config": n, "tokens_per_s": r[0], "median_step_s": r[1],
-                        "times_s_per_rank": [x["times"][n] for x in g]} for n, r in rows.items()]
+                        "times_s_per_rank": [x["times"].get(n, x["times"]["planned"]) for x in g]}
+                       for n, r in rows.items()]
               + [{"config": f"alone_{i}", "tokens_per_s": a[0], "median_step_s": a[1]}
                  for i, a in zip(("fast", "slow"), alone)]}
     write_json(args.json, result)
