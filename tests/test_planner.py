@@ -143,10 +143,11 @@ def test_search_equals_exhaustive_enumeration(problem):
             search(cfg, cluster, gbs, seq, options=opt)
         return
     best = search(cfg, cluster, gbs, seq, options=opt)
-    # equal up to float rounding: interchangeable groups (searched once) can sum the same terms in
-    # another order
-    assert [c.step_time_s for c in best.candidates] == pytest.approx([c.step_time_s for c in ref.candidates],
-                                                                     rel=1e-12)
+    # the optimum is equal up to float rounding (interchangeable groups, searched in one order only, can
+    # sum the same terms in another order); the exhaustive top k may hold mirror images of one plan
+    # (interchangeable groups swapped), which the planner lists once, so its k-th is not better
+    assert best.best.step_time_s == pytest.approx(ref.best.step_time_s, rel=1e-12)
+    assert best.candidates[-1].step_time_s >= ref.candidates[-1].step_time_s * (1 - 1e-12)
     assert best.evaluated <= ref.evaluated
 
 

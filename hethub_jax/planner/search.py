@@ -324,6 +324,7 @@ class _Planner:
         self._fused: Dict[tuple, str] = {}
         self._upd: Dict[tuple, float] = {}
         self._seen: set = set()
+        self._bridges: Dict[tuple, Any] = {}
         self.dedupe = True
         self._caps: Dict[tuple, int] = {}
         self._preds: Dict[str, Any] = {}
@@ -422,12 +423,38 @@ class _Planner:
             fw.append(fa + (n - 1) * fs)
             bw.append(ba + (n - 1) * bs)
             upd[g] = upd.get(g, 0.0) + self.update_s(g, sk.tp[j], n, first, last)
-        zeros = [0.0] * (S - 1)
-        lb = makespan(sk.schedule, M, fw, bw, zeros, zeros)
+        act, grad = self.message_times(sk, counts, fw, bw)
+        lb = makespan(sk.schedule, M, fw, bw, act, grad)
         load: Dict[int, float] = {}
         for s in range(S):  # an island runs its stages one action at a time
             load[sg[s]] = load.get(sg[s], 0.0) + M * (fw[s] + bw[s])
         return max(lb, max(load.values())) + (max(upd.values()) if S > 1 else 0.0)
+
+    def message_times(self, sk: Skeleton, counts: Sequence[int], fw: List[float], bw: List[float]):
+        """Adds to ``fw``/``bw`` (in place) the host copies ``predict`` charges around each compute action
+        (a RECV's copy onto the devices; a SEND's copy to the host when the peer is on another island) and
+        returns the per-boundary delivery seconds (the bridge between islands, 0 inside one): the
+        message of a microbatch is ``microbatch x seq_len x hidden`` activations in the compute dtype
+        (``docs/predictor.md``). Returns ``(act, grad)`` lists for :func:`pipeline_time.makespan`."""
+        from hethub_jax.planner import analytic
+        sg, S = sk.stage_group(), len(counts)
+        nbytes = sk.microbatch_size * self.seq * self.cfg.hidden_size * analytic.dtype_bytes(self.cfg.dtype)
+        isl = [sk.groups[sg[s]] for s in range(S)]
+        copy = [self.costs[g].host_copy_s(nbytes) for g in isl]
+        delivery = []
+        for s in range(S - 1):
+            cross = isl[s] != isl[s + 1]
+            delivery.append(self.bridge(tuple(zip(sk.groups, sk.groups[1:]))).time_s(nbytes) if cross else 0.0)
+            fw[s] += copy[s] if cross else 0.0      # SEND_ACT after F
+            fw[s + 1] += copy[s + 1]                # RECV_ACT before F
+            bw[s] += copy[s]                        # RECV_GRAD before B
+            bw[s + 1] += copy[s + 1] if cross else 0.0  # SEND_GRAD after B
+        return delivery, list(delivery)
+
+    def bridge(self, pairs: Tuple[Tuple[str, str], ...]):
+        if pairs not in self._bridges:
+            self._bridges[pairs] = bridge_for(self.cluster, pairs)
+        return self._bridges[pairs]
 
     def update_s(self, g: str, tp: int, n: int, first: bool, last: bool) -> float:
         """Seconds of one stage's optimizer update (``DeviceCosts.update_time_s`` of its parameters per
@@ -460,7 +487,8 @@ class _Planner:
             self._caps[key] = cap
         return self._caps[key]
 
-    def tables(self, sk: Skeleton, num_microbatches: Optional[int] = None) -> List[List[float]]:
+    def tables(self, sk: Skeleton, num_microbatches: Optional[int] = None,
+               last_fused: Optional[str] = None) -> List[List[float]]:
         """Per pipeline stage of ``sk``, ``t[n]`` with ``inf`` where ``n`` layers do not fit memory."""
         S, sg = sk.num_stages, sk.stage_group()
         M = num_microbatches or self.gbs // sk.microbatch_size
@@ -470,7 +498,7 @@ class _Planner:
             args = (sk.groups[j], sk.tp[j], sk.dp[j], sk.microbatch_size, sk.recompute, first, last)
             inflight = 0 if (last and sk.schedule == "1f1b") else in_flight_bound(sk.schedule, S, s, M)
             cap = self.stage_cap(*args, inflight)
-            t = self.stage_times(*args, self.fused(sk.schedule, S, M) if last else "none")
+            t = self.stage_times(*args, (last_fused or self.fused(sk.schedule, S, M)) if last else "none")
             out.append(t if cap >= self.L else t[:cap + 1] + [math.inf] * (self.L - cap))
         return out
 
@@ -714,7 +742,10 @@ class _Planner:
                     if any(r is None for r in reps):
                         continue
                     units = proportional_shares(M, [mbs / r[0] for r in reps])
-                    if self.prunes(max(u * r[0] for u, r in zip(units, reps))):
+                    # bound: replica r computes u_r microbatches on its island; the last stage counted
+                    # at the cheaper of fused and unfused (u_r, not M, decides GPipe's fusion)
+                    lbs = [self.group_tables(r[1], self.tables(r[1], M, "some"))[0][self.L] for r in reps]
+                    if self.prunes(max(u * lb for u, lb in zip(units, lbs))):
                         continue
                     self.expanded += 1
                     self.consider(self.hetero_plan(reps, units, mbs, sched, rec), "hetero-dp",
