@@ -607,6 +607,9 @@ def _build_hooks(run: _Run, metrics: MetricsWriter, console: Console) -> list[Ho
     if t.checkpoint_dir is not None:
         hooks.append(CheckpointHook(lambda step: _save_checkpoint(run, step), t.checkpoint_every))
     predicted = (lambda t0: run.prediction.records(run.cfg.model, run.plan, t0)) if run.prediction else None
+    if run.comm is not None and (t.trace_file is not None or run.args.timeline_png):
+        from hethub_jax.train_insight import GatherRecordsHook
+        hooks.append(GatherRecordsHook(run.comm, run.log))  # every stage's records on the logging rank
     if t.trace_file is not None and run.log:
         hooks.append(TraceHook(t.trace_file, predicted=predicted))
     hooks += _insight_hooks(run, metrics, console, predicted)

@@ -21,7 +21,8 @@ from typing import Any, Callable, List, Mapping, Optional
 
 from hethub_jax.train_hooks import Console, MetricsWriter, TrainState, _NoOp
 
-__all__ = ["PredictionHook", "TimelineHook", "TensorBoardHook", "TENSORBOARD_MISSING", "mfu_inputs"]
+__all__ = ["PredictionHook", "TimelineHook", "TensorBoardHook", "GatherRecordsHook", "TENSORBOARD_MISSING",
+           "mfu_inputs"]
 
 TENSORBOARD_MISSING = ("--tensorboard needs tensorboardX (not installed): pip install 'hethub-jax[tensorboard]' "
                        "(or pip install tensorboardX)")
@@ -99,6 +100,33 @@ class PredictionHook(_NoOp):
         self.console.say(f"step time: PREDICTED {s['predicted_step_time_s']:.4g} s vs MEASURED median "
                          f"{s['median_measured_step_time_s']:.4g} s over {s['steps']} step(s) after the first "
                          f"(error {100 * s['prediction_error']:.1f}%; prediction from {self.pred.source})")
+
+
+class GatherRecordsHook(_NoOp):
+    """Under MPI, at the end: every rank's action records of the last step go to the logging rank (which
+    then holds all stages' records in ``state.records`` for the trace and the timeline). Collective: every
+    rank of ``comm`` must have this hook. Records are sent as JSON bytes through ``comm.allgather``
+    (lengths first, then padded). Times are each rank's ``time.perf_counter()``: comparable between
+    processes of one machine (one monotonic clock), shifted between machines."""
+
+    def __init__(self, comm: Any, log: bool):
+        self.comm, self.log = comm, log
+
+    def on_end(self, state: TrainState) -> None:
+        import dataclasses
+        import json
+
+        import numpy as np
+
+        from hethub_jax.parallel.trace import ActionRecord
+        mine = json.dumps([dataclasses.asdict(r) for r in state.records]).encode()
+        sizes = np.asarray(self.comm.allgather(np.array([len(mine)], np.int64))).reshape(-1)
+        buf = np.zeros(int(sizes.max()), np.uint8)
+        buf[:len(mine)] = np.frombuffer(mine, np.uint8)
+        parts = np.asarray(self.comm.allgather(buf))
+        if self.log:
+            state.records = [ActionRecord(**d) for p, n in zip(parts, sizes)
+                             for d in json.loads(bytes(p[:int(n)]).decode())]
 
 
 class TimelineHook(_NoOp):

@@ -163,7 +163,7 @@ def test_cluster_planless_training_under_mpiexec(tmp_path):
     m = tmp_path / "run" / "m.jsonl"
     proc = run_mpi(["-m", "hethub_jax.train", "--config", str(tmp_path / "c.yaml"), "--cluster", str(cluster),
                     "--profiles", str(tmp_path / "prof"), "--no-checkpoint", "--no-progress",
-                    "--metrics-file", str(m)], n=2, timeout=400)
+                    "--metrics-file", str(m), "--trace-file", str(tmp_path / "run" / "t.json")], n=2, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     costs = DeviceCosts.from_profile(fixed_profile())
     best = search(load_model(MODEL), load_cluster(str(cluster)), 4, 16, costs={"fast": costs, "slow": costs},
@@ -176,6 +176,11 @@ def test_cluster_planless_training_under_mpiexec(tmp_path):
     steps = [r for r in recs if r["kind"] == "step"]
     assert len(steps) == 2 and all(math.isfinite(r["loss"]) for r in steps)
     assert all(r["predicted_step_time_s"] == pytest.approx(best.step_time_s, rel=1e-9) for r in steps)
+    # the logging rank gathered every rank's records: both islands measured, and both predicted
+    t = json.loads((tmp_path / "run" / "t.json").read_text())["traceEvents"]
+    islands = {(e["args"]["island"], e["args"]["predicted"]) for e in t if e["ph"] == "X"}
+    assert islands == {("fast", False), ("slow", False), ("predicted: fast", True), ("predicted: slow", True)}
+    assert (tmp_path / "run" / "t.png").stat().st_size > 5000
 
 
 # ---- scripts/gpu_check.sh without a GPU --------------------------------------------------------------
