@@ -73,7 +73,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="this process's island (MPI runs; else $HETHUB_ISLAND); single-process runs "
                         "run every island of the plan in-process")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (text lines only)")
+    _add_insight_flags(p)
     return p
+
+
+def _add_insight_flags(p: argparse.ArgumentParser) -> None:
+    """Plan-less training and the PREDICTED-vs-measured outputs (issue 17; ``hethub_jax.train_predict``)."""
+    p.add_argument("--cluster", metavar="CLUSTER.yaml", default=None,
+                   help="plan-less training: profile (or reuse --profiles), ask the planner for the best plan "
+                        "on this cluster (docs/cluster_spec.md), write it as plan.json beside the metrics, train "
+                        "it; not with --plan")
+    p.add_argument("--profiles", metavar="DIR", default=None,
+                   help="saved device profiles (<DIR>/<device or island>.json, python -m hethub_jax.profile) "
+                        "for the prediction; with --cluster, missing cpu profiles are measured into DIR")
+    p.add_argument("--timeline-png", metavar="PATH", default=None,
+                   help="Gantt chart of the last step, measured and PREDICTED (default: beside --trace-file)")
+    p.add_argument("--tensorboard", metavar="DIR", default=None,
+                   help="TensorBoard scalars into DIR (needs the tensorboard extra: tensorboardX)")
 
 
 def _flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -291,6 +307,8 @@ class _Run:
     emulation: list[str] = dataclasses.field(default_factory=list)
     share_source: str = "plan"
     start_step: int = 0
+    prediction: Any = None  # train_predict.RunPrediction of the plan (PREDICTED), or None
+    prediction_note: str = ""  # why there is none
 
 
 def _load_config(args: argparse.Namespace):
@@ -372,6 +390,10 @@ def _set_up(args: argparse.Namespace) -> _Run:
       _ConfigError: any configuration error, before anything is compiled.
     """
     cfg = _load_config(args)
+    _check_insight_deps(args)
+    planned = _plan_from_cluster(args, cfg) if args.cluster else None
+    if planned is not None:
+        cfg = _load_config(args)  # with train.plan = the written plan.json
     comm, rank, world_size, island = _start_processes(cfg, args)
     plan, notes, train_ds, val_ds = _load_plan_and_data(cfg)
     run = _Run(args=args, cfg=cfg, plan=plan, plan_notes=notes, comm=comm, rank=rank,
@@ -384,7 +406,66 @@ def _set_up(args: argparse.Namespace) -> _Run:
         raise _ConfigError(str(e)) from None
     run.log = run.rt.is_logging_rank
     run.emulation = run.rt.emulation_lines()
+    _attach_prediction(run, planned)
     return run
+
+
+def _plan_from_cluster(args: argparse.Namespace, cfg):
+    """``--cluster``: rank 0 profiles (or reuses ``--profiles``) and plans, every rank gets the same plan
+    (``train_predict.plan_from_cluster``); sets ``args.plan`` to the written plan.json. Returns the
+    ``RunPrediction``. Raises _ConfigError for ``--plan`` with ``--cluster`` or a planning error."""
+    from hethub_jax.config import DEFAULT_BATCH_SIZE
+    from hethub_jax.train_predict import plan_from_cluster
+
+    if cfg.train.plan is not None:
+        raise _ConfigError("--cluster plans the run itself: give --cluster or --plan (train.plan), not both")
+    size = _mpi_world_size()
+    rank = 0
+    if size > 1:
+        from mpi4py import MPI
+        rank = MPI.COMM_WORLD.Get_rank()
+    t = cfg.train
+    out_dir = os.path.dirname(os.path.abspath(t.metrics_file)) if t.metrics_file else os.path.abspath("runs/planned")
+    spec = cfg.model_spec
+    preset = spec if isinstance(spec, str) else spec.get("preset", "tiny") if isinstance(spec, dict) else "tiny"
+    say = (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None)
+    try:
+        path, pred, lines = plan_from_cluster(
+            cfg.model, preset, args.cluster, global_batch=t.global_batch_size or DEFAULT_BATCH_SIZE,
+            seq_len=cfg.data.seq_len, microbatch_size=t.microbatch_size, profiles_dir=args.profiles,
+            out_dir=out_dir, rank=rank, world_size=size, log=say)
+    except (ValueError, OSError) as e:
+        raise _ConfigError(str(e)) from None
+    for line in lines:
+        say(line)
+    args.plan = path
+    return pred
+
+
+def _check_insight_deps(args: argparse.Namespace) -> None:
+    """``--tensorboard`` needs tensorboardX, ``--timeline-png`` matplotlib: a configuration error up front."""
+    import importlib.util
+
+    from hethub_jax.train_insight import TENSORBOARD_MISSING
+    if args.tensorboard and importlib.util.find_spec("tensorboardX") is None:
+        raise _ConfigError(TENSORBOARD_MISSING)
+    if args.timeline_png and importlib.util.find_spec("matplotlib") is None:
+        raise _ConfigError("--timeline-png needs matplotlib (a dependency of hethub-jax): pip install matplotlib")
+    if args.cluster and args.plan:
+        raise _ConfigError("--cluster plans the run itself: give --cluster or --plan, not both")
+
+
+def _attach_prediction(run: _Run, planned) -> None:
+    """The run's PREDICTED step (``train_predict.predict_run``): the planner's when plan-less, else from
+    ``--profiles`` or the catalog's ``cpu`` entry. A plan the predictor cannot cost gets a note instead."""
+    if planned is not None:
+        run.prediction = planned
+        return
+    from hethub_jax.train_predict import predict_run
+    try:
+        run.prediction = predict_run(run.cfg.model, run.plan, run.cfg.data.seq_len, profiles_dir=run.args.profiles)
+    except (ValueError, OSError) as e:
+        run.prediction_note = f"no prediction: {e}"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -474,6 +555,7 @@ def _banner(run: _Run) -> list[str]:
     if o.warmup_steps >= o.decay_steps:
         lines.append(f"  note: optim.warmup_steps ({o.warmup_steps}) >= decay steps "
                      f"({o.decay_steps}): the peak learning rate is never reached")
+    lines += run.prediction.banner() if run.prediction is not None else [run.prediction_note]
     lines += run.emulation
     if run.emulation:
         lines.append("EMULATED: step times and tokens/s include the emulated slowdown waits; they are "
@@ -497,6 +579,7 @@ def _run_record(run: _Run) -> dict[str, Any]:
         "versions": _versions(), "host": {"platform": _platform.platform(), "backend": jax.default_backend(),
                                           "local_devices": len(jax.devices()), "world_size": run.world_size},
         "tokens_per_s_counts": "non-pad (loss_mask 1) tokens of the global batch / step_time_s",
+        "prediction": run.prediction.summary() if run.prediction is not None else run.prediction_note,
     }
 
 
@@ -523,13 +606,38 @@ def _build_hooks(run: _Run, metrics: MetricsWriter, console: Console) -> list[Ho
     hooks: list[Hook] = [EvalHook(run.rt.eval_loss, val_batches, t.eval_every, t.eval_at_start)]
     if t.checkpoint_dir is not None:
         hooks.append(CheckpointHook(lambda step: _save_checkpoint(run, step), t.checkpoint_every))
+    predicted = (lambda t0: run.prediction.records(run.cfg.model, run.plan, t0)) if run.prediction else None
+    if run.comm is not None and (t.trace_file is not None or run.args.timeline_png):
+        from hethub_jax.train_insight import GatherRecordsHook
+        hooks.append(GatherRecordsHook(run.comm, run.log))  # every stage's records on the logging rank
     if t.trace_file is not None and run.log:
-        hooks.append(TraceHook(t.trace_file))
+        hooks.append(TraceHook(t.trace_file, predicted=predicted))
+    hooks += _insight_hooks(run, metrics, console, predicted)
     hooks.append(MetricsHook(metrics, emulated=bool(run.emulation), trace_file=t.trace_file))
     if console.bar is not None:
         hooks.append(ProgressHook(console))
     if run.log:
         hooks.append(ConsoleHook(console, t.log_every, emulated=bool(run.emulation)))
+    return hooks
+
+
+def _insight_hooks(run: _Run, metrics: MetricsWriter, console: Console, predicted) -> list[Hook]:
+    """PREDICTED vs measured step time, the timeline PNG and TensorBoard (``hethub_jax.train_insight``)."""
+    import importlib.util
+
+    from hethub_jax.train_insight import PredictionHook, TensorBoardHook, TimelineHook, mfu_inputs
+
+    t, args, hooks = run.cfg.train, run.args, []
+    if run.prediction is not None:
+        hooks.append(PredictionHook(run.prediction, metrics, console, t.log_every))
+    png = args.timeline_png
+    if png is None and t.trace_file and importlib.util.find_spec("matplotlib") is not None:
+        png = os.path.splitext(t.trace_file)[0] + ".png"
+    if png and run.log:
+        hooks.append(TimelineHook(png, {i.name: i.slowdown for i in run.plan.islands}, predicted, console))
+    if args.tensorboard and run.log:
+        hooks.append(TensorBoardHook(args.tensorboard, *mfu_inputs(run.cfg.model, run.plan, run.prediction,
+                                                                      run.cfg.data.seq_len)))
     return hooks
 
 

@@ -248,16 +248,20 @@ class CheckpointHook(_NoOp):
 
 
 class TraceHook(_NoOp):
-    """At the end: the last step's action records as a Chrome trace (``train.trace_file``)."""
+    """At the end: the last step's action records as a Chrome trace (``train.trace_file``), with the
+    PREDICTED step of the same plan in its own process groups (labelled PREDICTED) when ``predicted``
+    (``offset_s -> ActionRecords``, ``train_predict.RunPrediction.records``) is given."""
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, predicted: Callable[[float], list] | None = None):
+        self.path, self.predicted = path, predicted
 
     def on_end(self, state: TrainState) -> None:
         if state.records:
             from hethub_jax.parallel.trace import to_chrome_trace
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-            to_chrome_trace(state.records, self.path)
+            t0 = min(r.start_s for r in state.records)
+            to_chrome_trace(state.records, self.path,
+                            predicted=self.predicted(t0) if self.predicted is not None else None)
 
 
 class MetricsHook(_NoOp):

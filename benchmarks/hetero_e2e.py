@@ -1,0 +1,218 @@
+"""End to end: the planner's plan on two CPU islands (one EMULATED 3x slower) against the upper bound (issue 17).
+
+    PYTHONPATH=. python benchmarks/hetero_e2e.py --json hetero_e2e.json [--profiles DIR] [--timeline-png P]
+    # re-launches itself: mpiexec -n 2 (rank 0 = island "fast", rank 1 = island "slow")
+
+Two MPI ranks, each pinned to its own core (``os.sched_setaffinity``, what ``taskset`` does, before JAX
+starts) with one XLA compute thread. Island "slow" carries ``"slowdown": 3.0``: an EMULATED speed
+difference (DESIGN.md section 9), not two real accelerator types. The model (default) is Llama-shaped with
+d_model 256, 8 layers, 4 heads / 4 KV heads, SwiGLU 768, vocabulary 32000 (tied): 15.0 M parameters, of
+which 6.8 M in the layers; at 128-token sequences a microbatch's activation message between the islands
+is 128 KiB per sample, small against its compute (compute dominates).
+
+Measured in one run, interleaved step by step (rotating order, a barrier before every step; warm-up
+steps excluded; medians):
+  (a) ``alone``: each island trains alone (no communicator, both at once on their own cores) at its best
+      homogeneous plan (the planner on that island alone); the sum of their tokens/s is the upper bound;
+  (b) ``planned``: the planner's best plan for the two islands (``hethub_jax.planner.search``);
+  (c) ``uniform``: a pipeline with the layers split evenly (fast island first, the planner's microbatch,
+      schedule and recompute for pipelines);
+  (d) ``hetero_dp``: the planner's best heterogeneous data-parallel plan (one replica per island).
+Costs for the planner and the prediction: ``--profiles DIR`` (``<DIR>/cpu.json``) when given, else the
+device catalog's ``cpu`` entry (an assumption; said in the output and the JSON).
+Figures: ``fraction_of_upper_bound`` = (b) / (a_fast + a_slow), ``planned_over_uniform`` = (b) / (c),
+``prediction_error`` = |predicted - measured| / measured median step time of (b).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, ROOT)
+from benchmarks.common import CHILD_ENV, mpi_rank_from_env, relaunch_under_mpiexec, training_parser  # noqa: E402
+from benchmarks.hetero_dp import pin_and_limit_threads  # noqa: E402
+
+MODEL = {"vocab_size": 32000, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 8,
+         "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 512,
+         "tie_word_embeddings": True}
+
+
+def cluster(slowdown: float, only: str | None = None) -> dict:
+    groups = [{"name": "fast", "device": "cpu", "nodes": 1, "devices_per_node": 1},
+              {"name": "slow", "device": "cpu", "nodes": 1, "devices_per_node": 1, "slowdown": slowdown}]
+    groups = [g for g in groups if only in (None, g["name"])]
+    links = [] if only else [{"between": ["fast", "slow"], "bandwidth": 1.0e9, "latency_s": 50.0e-6}]
+    return {"name": f"hetero-e2e{'-' + only if only else ''}", "groups": groups, "links": links}
+
+
+def plans(cfg, args, costs) -> dict:
+    """Per contender, ``(plan, predicted step s or None)``; the alone plans per island."""
+    from hethub_jax.parallel.plan import Plan
+    from hethub_jax.planner import SearchOptions, cluster_from_dict, search
+    both = cluster_from_dict(cluster(args.slowdown))
+    res = search(cfg, both, args.batch, args.seq, costs=costs, options=SearchOptions(top_k=200))
+    best = res.best
+    pipe = next(c for c in res.candidates if c.kind == "pipeline")
+    hdp = next(c for c in res.candidates if c.kind == "hetero-dp")
+    L = cfg.num_hidden_layers
+    p = pipe.plan.to_dict()
+    p["stages"] = [{"island": "fast", "first_layer": 0, "last_layer": L // 2 - 1},
+                   {"island": "slow", "first_layer": L // 2, "last_layer": L - 1}]
+    p["description"] = "uniform layer split"
+    p.pop("replicas", None)
+    out = {"planned": (best.plan, best.step_time_s), "uniform": (Plan.from_dict(p), None),
+           "hetero_dp": (hdp.plan, hdp.step_time_s)}
+    for isl in ("fast", "slow"):
+        alone = search(cfg, cluster_from_dict(cluster(args.slowdown, isl)), args.batch, args.seq,
+                       costs={isl: costs[isl]}, options=SearchOptions(top_k=1)).best
+        out[f"alone_{isl}"] = (alone.plan, alone.step_time_s)
+    return out
+
+
+def main() -> None:
+    ap = training_parser(__doc__, batch=16, warmup=1, json_help="output path (written by rank 0)")
+    ap.add_argument("--slowdown", type=float, default=3.0, help="EMULATED slowdown of the slow island")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per contender")
+    ap.add_argument("--profiles", default=None, help="directory with cpu.json (python -m hethub_jax.profile)")
+    ap.add_argument("--timeline-png", default=None, help="Gantt chart of the planned plan's last step")
+    args = ap.parse_args()
+    rank = mpi_rank_from_env()
+    if os.environ.get(CHILD_ENV) is None and rank is None:
+        relaunch_under_mpiexec(__file__, sys.argv[1:])
+    rank = rank or 0
+    core = pin_and_limit_threads(rank)
+    import jax  # noqa: F401  (JAX starts here, after the pinning)
+    from mpi4py import MPI
+
+    from hethub_jax.comm.mpi import MPIHostBridge
+    from hethub_jax.models.config import LlamaConfig
+    from hethub_jax.parallel.runtime import PipelineRuntime
+    from hethub_jax.planner.search import group_costs
+    from hethub_jax.train_predict import cluster_costs
+    from hethub_jax.optim import OptimConfig
+
+    world = MPI.COMM_WORLD
+    if world.Get_size() != 2:
+        sys.exit("run with exactly 2 ranks (one per island)")
+    comm = MPIHostBridge(world, timeout=900)
+    cfg = LlamaConfig(**MODEL)
+    spec = cluster(args.slowdown)
+    prof = os.path.join(args.profiles, "cpu.json") if args.profiles else None
+    from hethub_jax.planner import cluster_from_dict
+    costs = (cluster_costs(cluster_from_dict(spec), {"fast": _load(prof), "slow": _load(prof)}) if prof
+             else group_costs(cluster_from_dict(spec)))
+    source = f"profile {prof}" if prof else "catalog 'cpu' entry (assumption, not measured)"
+    contenders = plans(cfg, args, costs)
+    optim = OptimConfig(learning_rate=1e-3, warmup_steps=2, decay_steps=1000)
+    isl = ("fast", "slow")[rank]
+    same = contenders["planned"][0].to_dict() == contenders["hetero_dp"][0].to_dict()
+    runtimes = {n: PipelineRuntime(p, cfg, optim, seed=0, comm=comm, rank=rank)
+                for n, (p, _) in contenders.items() if not n.startswith("alone") and not (same and n == "hetero_dp")}
+    runtimes["alone"] = PipelineRuntime(contenders[f"alone_{isl}"][0], cfg, optim, seed=0)
+    if rank == 0:
+        print(f"hetero_e2e: 2 CPU islands pinned to one core each; model {cfg.num_params() / 1e6:.1f} M params "
+              f"(d {cfg.hidden_size}, {cfg.num_hidden_layers} layers), seq {args.seq}, global batch {args.batch}; "
+              f"EMULATED slowdown {args.slowdown:g}x on island slow; planner costs: {source}", flush=True)
+    result = _measure(args, world, rank, core, runtimes, contenders)
+    if rank == 0:
+        _report(args, cfg, contenders, result, costs, source)
+
+
+def _load(path):
+    import json
+    with open(path) as f:
+        return json.load(f)
+
+
+def _measure(args, world, rank, core, runtimes, contenders):
+    """Interleaved timed steps of every contender; gathered on rank 0."""
+    import time
+
+    from benchmarks.common import loadavg, machine
+    from hethub_jax.data import DataConfig, build_datasets
+    train, _, _ = build_datasets(DataConfig(seq_len=args.seq))
+    n_steps = args.warmup + args.steps + 1
+    it = train.batches(args.batch)
+    batches = [next(it) for _ in range(n_steps)]
+    names, load0 = list(runtimes), loadavg()
+    times = {n: [] for n in names}
+    tokens, records = {n: [] for n in names}, None
+    for i in range(n_steps):
+        order = names[i % len(names):] + names[:i % len(names)]
+        for n in order:
+            world.Barrier()
+            t0 = time.perf_counter()
+            res = runtimes[n].train_step(batches[i])
+            dt = time.perf_counter() - t0
+            if i > args.warmup:
+                times[n].append(dt)
+                tokens[n].append(res.num_tokens)
+            if n == "planned":
+                records = res.records
+    return world.gather({"rank": rank, "core": core, "times": times, "tokens": tokens, "records": records,
+                         "machine": machine(), "load": (load0, loadavg())}, root=0)
+
+
+def _report(args, cfg, contenders, gathered, costs, source) -> None:
+    from benchmarks.common import command_line, median, write_json
+    g = sorted(gathered, key=lambda x: x["rank"])
+
+    def tps(n, ranks=(0, 1)):
+        ts = [max(xs) for xs in zip(*(g[r]["times"][n] for r in ranks))]
+        return median([t / s for t, s in zip(g[ranks[0]]["tokens"][n], ts)]), median(ts)
+    rows = {}
+    for n in ("planned", "uniform", "hetero_dp"):
+        rows[n] = tps(n if n in g[0]["times"] else "planned")  # the planner's plan may be the hetero-DP one
+    alone = [tps("alone", (r,)) for r in (0, 1)]
+    upper = alone[0][0] + alone[1][0]
+    pred = contenders["planned"][1]
+    figures = {"emulated": True, "slowdown": args.slowdown,
+               "fraction_of_upper_bound": round(rows["planned"][0] / upper, 4),
+               "planned_over_uniform": round(rows["planned"][0] / rows["uniform"][0], 4),
+               "prediction_error": round(abs(pred - rows["planned"][1]) / rows["planned"][1], 4),
+               "predicted_step_s_planned": pred, "measured_step_s_planned": rows["planned"][1],
+               "tokens_per_s": {n: r[0] for n, r in rows.items()},
+               "tokens_per_s_alone": {"fast": alone[0][0], "slow": alone[1][0]}, "upper_bound_tokens_per_s": upper,
+               "planned_is_hetero_dp": "hetero_dp" not in g[0]["times"]}
+    result = {"benchmark": "hetero_e2e", "command": command_line(),
+              "machine": dict(g[0]["machine"], cores_per_rank=[x["core"] for x in g],
+                              loadavg_per_rank=[x["load"] for x in g]),
+              "config": {"model": cfg.to_dict(), "num_params": cfg.num_params(), "seq_len": args.seq,
+                         "global_batch": args.batch, "steps": args.steps, "warmup": args.warmup,
+                         "costs": source, "emulated": True,
+                         "plans": {n: p.to_dict() for n, (p, _) in contenders.items()},
+                         "predicted_step_s": {n: s for n, (_, s) in contenders.items()}},
+              "figures": figures,
+              "rows": [{"config": n, "tokens_per_s": r[0], "median_step_s": r[1],
+                        "times_s_per_rank": [x["times"].get(n, x["times"]["planned"]) for x in g]}
+                       for n, r in rows.items()]
+              + [{"config": f"alone_{i}", "tokens_per_s": a[0], "median_step_s": a[1]}
+                 for i, a in zip(("fast", "slow"), alone)]}
+    write_json(args.json, result)
+    for r in result["rows"]:
+        print(f"  {r['config']:<10} {r['tokens_per_s']:>9.1f} tokens/s  step {r['median_step_s']:.3f} s")
+    print(f"upper bound {upper:.1f} tokens/s; fraction_of_upper_bound {figures['fraction_of_upper_bound']:.3f}, "
+          f"planned_over_uniform {figures['planned_over_uniform']:.3f}, prediction_error "
+          f"{figures['prediction_error']:.3f} (predicted {pred:.3f} s from {source}) [EMULATED]")
+    if args.timeline_png:
+        _timeline(args, cfg, contenders, g, costs)
+
+
+def _timeline(args, cfg, contenders, g, costs) -> None:
+    from hethub_jax.planner.predictor import predicted_records
+    from hethub_jax.timeline import write_timeline_png
+    plan = contenders["planned"][0]
+    recs = [r for x in g for r in (x["records"] or [])]
+    from hethub_jax.planner import cluster_from_dict
+    from hethub_jax.planner.search import bridge_for
+    bridge = bridge_for(cluster_from_dict(cluster(args.slowdown)), [("fast", "slow")])
+    pred = predicted_records(cfg, plan, {i.name: costs[i.name] for i in plan.islands}, seq_len=args.seq,
+                             bridge=bridge)
+    write_timeline_png(args.timeline_png, recs, pred, slowdown={i.name: i.slowdown for i in plan.islands},
+                       title="hetero_e2e planned plan, last step")
+    print(f"timeline: {args.timeline_png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,314 @@
+"""Predictions for a training run, and plan-less training (issue 13 part 5, issue 17 part 1).
+
+Two entry points used by ``hethub_jax.train`` during set-up (before any JAX import in this process):
+
+* :func:`predict_run`: the PREDICTED step of the plan the run trains (``planner.predictor.predict``), from
+  measured profiles when given (``--profiles DIR``), else the device catalog's ``cpu`` entry (a stated
+  assumption, not a measurement); :class:`RunPrediction` says which.
+* :func:`plan_from_cluster`: ``--cluster CLUSTER.yaml`` without ``--plan``: profile the CPU device type of
+  the cluster briefly (``python -m hethub_jax.profile`` in a child process with small settings) or reuse
+  saved profiles, ask the planner (``hethub_jax.planner.search``), write the chosen plan as ``plan.json``
+  beside the metrics. Under ``mpiexec`` rank 0 profiles and plans and sends the plan and the profiles to
+  every other rank (so every rank trains the SAME plan; ``cluster.handshake`` then checks the plan digest).
+
+Every figure here is PREDICTED and labelled so. This module imports no JAX (the profiler runs in a child
+process, so the training process can still choose its JAX platform and device count afterwards).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+__all__ = ["RunPrediction", "predict_run", "plan_from_cluster", "profile_device", "measured_bubble",
+           "PROFILE_SETTINGS"]
+
+#: the brief profile of plan-less training (``python -m hethub_jax.profile`` flags): one TP degree, two
+#: microbatch sizes, the fastest of 2 timed calls (the machine may be shared)
+PROFILE_SETTINGS = ("--microbatch-sizes", "1,2", "--tp", "1", "--repeats", "2", "--statistic", "min",
+                    "--no-progress")
+
+#: environment variables of MPI launchers; removed for the profiler child so that it starts as a
+#: single-process (singleton) MPI program instead of joining the job
+_LAUNCHER_ENV = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPIR_", "OMPI_", "MPI_LOCAL", "I_MPI_")
+
+
+@dataclasses.dataclass
+class RunPrediction:
+    """The PREDICTED step of the plan a run trains.
+
+    Attributes:
+      prediction: ``planner.predictor.Prediction`` (step time s, tokens/s, stages, timeline).
+      costs: per island name, the ``planner.costs.DeviceCosts`` used.
+      bridge: the ``costs.LinkModel`` between islands (None: the predictor's default).
+      seq_len: tokens per sample.
+      source: one line saying where the costs came from (profile files or the catalog).
+    """
+
+    prediction: Any
+    costs: Dict[str, Any]
+    bridge: Any
+    seq_len: int
+    source: str
+
+    def records(self, cfg: Any, plan: Any, offset_s: float) -> list:
+        """PREDICTED ``ActionRecord``s of one step starting at ``offset_s`` (seconds, the measured clock),
+        islands named ``"predicted: <island>"`` (``predictor.predicted_records``)."""
+        from hethub_jax.planner.predictor import predicted_records
+        return predicted_records(cfg, plan, self.costs, seq_len=self.seq_len, bridge=self.bridge,
+                                 offset_s=offset_s, prediction=self.prediction)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Mean over stages of the PREDICTED bubble fraction."""
+        st = self.prediction.stages
+        return sum(s.bubble_fraction for s in st) / len(st) if st else 0.0
+
+    def summary(self) -> Dict[str, Any]:
+        """JSON summary for the metrics file's ``run`` record (every figure PREDICTED)."""
+        p = self.prediction
+        return {"predicted": True, "source": self.source, "step_time_s": p.step_time_s,
+                "tokens_per_s": p.tokens_per_s, "bubble_fraction": self.bubble_fraction,
+                "fits": p.fits, "critical_path": p.critical_path,
+                "stages": [{"replica": s.replica, "stage": s.stage, "island": s.island, "source": s.source,
+                            "memory_bytes": s.memory.total, "bubble_fraction": s.bubble_fraction}
+                           for s in p.stages]}
+
+    def banner(self) -> List[str]:
+        """Lines for the start-up banner."""
+        p = self.prediction
+        lines = [f"PREDICTED step time {p.step_time_s:.4g} s ({p.tokens_per_s:,.0f} tokens/s, mean bubble "
+                 f"{100 * self.bubble_fraction:.1f}%) from {self.source}"]
+        for s in p.stages:
+            lines.append(f"  PREDICTED replica {s.replica} stage {s.stage} on {s.island}: "
+                         f"{s.memory.total / 2**20:,.0f} MiB per device, bubble {100 * s.bubble_fraction:.1f}%")
+        return lines
+
+
+def _profile_for_island(profiles_dir: Optional[str], isl: Any) -> Optional[str]:
+    if not profiles_dir:
+        return None
+    for name in (isl.name, isl.platform):
+        p = os.path.join(profiles_dir, f"{name}.json")
+        if os.path.exists(p):
+            return p
+    return None
+
+
+def predict_run(cfg: Any, plan: Any, seq_len: int, *, profiles_dir: Optional[str] = None,
+                costs: Optional[Mapping[str, Any]] = None, bridge: Any = None,
+                source: Optional[str] = None) -> RunPrediction:
+    """The PREDICTED step of ``plan`` (``cfg`` a ``LlamaConfig``, ``seq_len`` tokens per sample).
+
+    Costs: ``costs`` when given; else per island ``<profiles_dir>/<island>.json`` or
+    ``<profiles_dir>/<platform>.json`` when present (measured), else the catalog's ``cpu`` entry for a
+    cpu island (``DeviceCosts.from_catalog``, efficiency 0.4: an assumption, not a measurement).
+
+    Raises:
+      ValueError: a non-cpu island with neither a profile nor costs (``predictor.costs_for_plan``).
+    """
+    from hethub_jax.planner.predictor import costs_for_plan, predict
+    if costs is None:
+        found = {i.name: _profile_for_island(profiles_dir, i) for i in plan.islands}
+        costs = costs_for_plan(plan, {k: v for k, v in found.items() if v})
+        if source is None:
+            parts = [f"profile {v}" if v else "catalog 'cpu' entry (assumption, not measured)"
+                     for v in found.values()]
+            source = "; ".join(f"{k}: {p}" for k, p in zip(found, parts))
+    pred = predict(cfg, plan, dict(costs), seq_len=seq_len, bridge=bridge)
+    return RunPrediction(pred, dict(costs), bridge, seq_len, source or "given costs")
+
+
+def measured_bubble(records: list) -> Optional[float]:
+    """Mean over this rank's stages of ``1 - (F and B seconds) / (the step's span)``: the MEASURED bubble
+    fraction of one step's ``ActionRecord``s (emulated waits count as compute, as in the prediction).
+    None without records."""
+    if not records:
+        return None
+    t0, t1 = min(r.start_s for r in records), max(r.end_s for r in records)
+    if t1 <= t0:
+        return None
+    busy: Dict[Tuple[int, int], float] = {}
+    for r in records:
+        key = (r.replica, r.stage)
+        busy.setdefault(key, 0.0)
+        if r.action[:1] in ("F", "B"):
+            busy[key] += r.end_s - r.start_s
+    return sum(1.0 - b / (t1 - t0) for b in busy.values()) / len(busy)
+
+
+# ---------------------------------------------------------------------------------------------------
+# plan-less training
+
+def profile_device(model: str, seq_len: int, out: str, timeout_s: float = 600.0) -> Tuple[bool, str]:
+    """Profile this machine's CPU as device type ``cpu`` into ``out`` (``python -m hethub_jax.profile``
+    with :data:`PROFILE_SETTINGS`, preset ``model``) in a child process with the MPI launcher's variables
+    removed. Returns ``(ok, message)``; never raises for a failed profile (the caller falls back to the
+    catalog and says so)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_ENV)}
+    env["JAX_PLATFORMS"] = "cpu"
+    cmd = [sys.executable, "-m", "hethub_jax.profile", "--model", model, "--seq-len", str(seq_len),
+           "--device-type", "cpu", "--out", out, *PROFILE_SETTINGS]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return False, f"profiling timed out after {timeout_s:.0f} s"
+    if p.returncode != 0 or not os.path.exists(out):
+        lines = p.stderr.strip().splitlines() or ["no output"]
+        errors = [x for x in lines if x.split(":")[0].endswith(("Error", "Exception", "Exit"))]
+        last = (errors or lines)[-1]
+        return False, f"profiling failed (exit {p.returncode}: {last[:200]})"
+    return True, f"profiled in {time.perf_counter() - t0:.0f} s"
+
+
+def _profiles(cluster: Any, model: str, seq_len: int, profiles_dir: str, log) -> Tuple[Dict[str, Any], List[str]]:
+    """Per group name, a profile dict (or None: the catalog), and lines saying which was used."""
+    c = cluster.resolved()
+    out: Dict[str, Any] = {}
+    notes: List[str] = []
+    tried: Dict[str, str] = {}  # one profile per device type, however many groups share it
+    for g in c.groups:
+        path = g.profile or os.path.join(profiles_dir, f"{g.device or g.name}.json")
+        if path in tried:
+            notes.append(f"group {g.name}: {tried[path]}")
+        elif not os.path.exists(path) and g.platform == "cpu" and g.device == "cpu":
+            log(f"profiling device type cpu (for group {g.name}; emulated slowdowns are applied by the "
+                f"predictor) into {path} (python -m hethub_jax.profile {' '.join(PROFILE_SETTINGS)})...")
+            ok, msg = profile_device(model, seq_len, path)
+            tried[path] = (f"measured profile {path} ({msg})" if ok else f"{msg}; using the catalog 'cpu' entry "
+                           f"(assumption, not measured)")
+            notes.append(f"group {g.name}: {tried[path]}")
+        elif os.path.exists(path):
+            tried[path] = f"reusing saved profile {path}"
+            notes.append(f"group {g.name}: reusing saved profile {path}")
+        if os.path.exists(path):
+            with open(path) as f:
+                out[g.name] = json.load(f)
+        else:
+            out[g.name] = None
+            if not notes or not notes[-1].startswith(f"group {g.name}:"):
+                notes.append(f"group {g.name}: no profile; the catalog entry {g.device!r} (assumption, not measured)")
+    return out, notes
+
+
+def cluster_costs(cluster: Any, profiles: Mapping[str, Any]) -> Dict[str, Any]:
+    """Per group name, the ``DeviceCosts``: from the profile dict when given, else the planner's default
+    (``search.group_costs``: the catalog entry with the group's links)."""
+    from hethub_jax.planner.costs import DeviceCosts
+    from hethub_jax.planner.search import group_costs
+    costs = group_costs(cluster)
+    for name, prof in profiles.items():
+        if prof is not None:
+            costs[name] = DeviceCosts.from_profile(prof)
+    return costs
+
+
+def _search(cfg: Any, cluster: Any, gbs: int, seq_len: int, mbs: Optional[int], profiles: Mapping[str, Any]):
+    from hethub_jax.planner.search import SearchOptions, search
+    opts = SearchOptions(top_k=1, microbatch_sizes=(mbs,) if mbs else None)
+    return search(cfg, cluster, gbs, seq_len, costs=cluster_costs(cluster, profiles), options=opts)
+
+
+def _plan_lines(res: Any, cluster: Any, costs: Mapping[str, Any]) -> List[str]:
+    from hethub_jax.plan import format_candidate
+
+    class _Info:
+        def __init__(self, g):
+            self.device, self.memory_gb = g.device, costs[g.name].memory_bytes / 1e9
+    groups = {g.name: _Info(g) for g in cluster.resolved().groups}
+    return format_candidate(0, res.best, groups, res.upper_bound_tokens_per_s).splitlines()
+
+
+def _plan_rank0(cfg: Any, model: str, cluster_path: str, gbs: int, seq_len: int, mbs: Optional[int],
+                profiles_dir: str, log) -> Dict[str, Any]:
+    """Rank 0's work: profiles, search, lines. Returns the message sent to every rank."""
+    from hethub_jax.planner.cluster import load_cluster
+    cluster = load_cluster(cluster_path)
+    profiles, notes = _profiles(cluster, model, seq_len, profiles_dir, log)
+    t0 = time.perf_counter()
+    res = _search(cfg, cluster, gbs, seq_len, mbs, profiles)
+    lines = [f"planner ({time.perf_counter() - t0:.1f} s, {res.evaluated} plans predicted): chosen plan for "
+             f"cluster {cluster.name}, every figure PREDICTED", *_plan_lines(res, cluster, cluster_costs(cluster, profiles))]
+    return {"plan": res.best.plan.to_dict(), "profiles": profiles, "notes": notes, "lines": lines,
+            "kind": res.best.kind}
+
+
+def _share(make, rank: int, size: int):
+    """Rank 0 computes ``make()`` and sends it to every rank (others poll with a sleep so they do not
+    spin a core away from rank 0's profiler); a single process just computes it."""
+    if size <= 1:
+        return make()
+    from mpi4py import MPI
+    comm, tag = MPI.COMM_WORLD, 717
+    if rank == 0:
+        try:
+            msg = make()
+        except Exception as e:  # every rank must learn of it, else they wait forever
+            msg = {"error": f"{type(e).__name__}: {e}"}
+        for r in range(1, size):
+            comm.send(msg, dest=r, tag=tag)
+        return msg
+    while not comm.Iprobe(source=0, tag=tag):
+        time.sleep(0.05)
+    return comm.recv(source=0, tag=tag)
+
+
+def _read(path: str) -> Optional[str]:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def plan_from_cluster(cfg: Any, model: str, cluster_path: str, *, global_batch: int, seq_len: int,
+                      microbatch_size: Optional[int], profiles_dir: Optional[str], out_dir: str,
+                      rank: int = 0, world_size: int = 1, log=print) -> Tuple[str, RunPrediction, List[str]]:
+    """Plan-less training's set-up: the planner's best plan for ``cfg`` on the cluster, written to
+    ``<out_dir>/plan.json``, with its prediction and the lines to print.
+
+    Args:
+      cfg: the model (``LlamaConfig``); model: the preset the profiler builds (``cfg`` when a preset).
+      cluster_path: cluster spec YAML (docs/cluster_spec.md).
+      global_batch, seq_len, microbatch_size: from the training config (``None``: the planner chooses).
+      profiles_dir: saved profiles to reuse (``<dir>/<device>.json``); missing cpu profiles are measured
+        into it. ``None``: ``<out_dir>/profiles``.
+      rank, world_size: this process's MPI rank and the job size (rank 0 plans, the others receive).
+
+    Returns:
+      ``(plan_path, prediction, lines)``.
+    Raises:
+      ValueError: a bad cluster spec or an infeasible request (``PlanningError``), naming it.
+    """
+    from hethub_jax.parallel.plan import Plan
+    from hethub_jax.planner.cluster import load_cluster
+    from hethub_jax.planner.search import bridge_for
+    profiles_dir = profiles_dir or os.path.join(out_dir, "profiles")
+    msg = _share(lambda: _plan_rank0(cfg, model, cluster_path, global_batch, seq_len, microbatch_size,
+                                     profiles_dir, log), rank, world_size)
+    if "error" in msg:
+        raise ValueError(f"--cluster {cluster_path}: {msg['error']}")
+    plan = Plan.from_dict(msg["plan"])
+    path = os.path.join(out_dir, "plan.json")
+    text = plan.to_json()
+    if rank == 0 or _read(path) != text:  # ranks without a shared file system write their own copy
+        os.makedirs(out_dir, exist_ok=True)
+        with open(path + f".tmp{rank}", "w") as f:
+            f.write(text)
+        os.replace(path + f".tmp{rank}", path)
+    cluster = load_cluster(cluster_path)
+    if msg["kind"] == "pipeline":  # the planner's bridge: the links between consecutive groups
+        seq = [st.island for st in plan.replicas[0].stages]
+        pairs = [(a, b) for a, b in zip(seq, seq[1:]) if a != b]
+    else:
+        names = [i.name for i in plan.islands]
+        pairs = [(a, b) for i, a in enumerate(names) for b in names[i + 1:]]
+    src = "; ".join(msg["notes"]) or "catalog"
+    pred = predict_run(cfg, plan, seq_len, costs=cluster_costs(cluster, msg["profiles"]),
+                       bridge=bridge_for(cluster, pairs), source=src)
+    return path, pred, [*msg["notes"], *msg["lines"], f"plan written to {path}"]

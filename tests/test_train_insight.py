@@ -1,0 +1,203 @@
+"""PREDICTED vs measured in training, the timeline PNG, TensorBoard scalars and plan-less training
+(issue 13 part 5, issue 17; hethub_jax/train_predict.py, train_insight.py, timeline.py)."""
+import json
+import math
+import os
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+from hethub_jax.parallel.plan import Plan
+from hethub_jax.parallel.trace import ActionRecord
+from hethub_jax.planner.costs import PROFILE_FORMAT, DeviceCosts
+from hethub_jax.planner.predictor import predict
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MODEL = {"preset": "tiny", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 2, "num_key_value_heads": 1}
+CONFIG = (f"model: {json.dumps(MODEL)}\ndata: {{seq_len: 16}}\noptim: {{warmup_steps: 0}}\n"
+          "train: {steps: 3, eval_every: 100, eval_at_start: false, eval_batches: 1, log_every: 1}\n")
+PLAN = {"islands": [{"name": "fast", "platform": "cpu"}, {"name": "slow", "platform": "cpu", "slowdown": 2.0}],
+        "stages": [{"island": "slow", "first_layer": 0, "last_layer": 0},
+                   {"island": "fast", "first_layer": 1, "last_layer": 1}],
+        "global_batch_size": 4, "microbatch_size": 2, "schedule": "1f1b"}
+
+
+def fixed_profile(t_f=0.004, t_b=0.008, update=0.001):
+    """A profile whose stage calls cost ``t / 2`` plus ``t / 2`` per layer (no per-token term)."""
+    zero = {"c0": 0.0, "c1": 0.0}
+    parts = lambda t: {"layer": {"c0": t / 2, "c1": 0.0}, "embed": zero, "head": zero, "base": {"c0": t / 2, "c1": 0.0}}
+    return {"format": PROFILE_FORMAT, "device_type": "cpu", "memory_bytes": 10**12, "emulated_slowdown": 1.0,
+            "fits": {"compute": {"1": {"F": parts(t_f), "F_nosave": parts(t_f), "B": parts(t_b),
+                                       "B_recompute": parts(t_f + t_b)}},
+                     "update": {"c0": update, "c1": 0.0}, "allreduce": zero}}
+
+
+def _records(path):
+    return [json.loads(x) for x in Path(path).read_text().splitlines()]
+
+
+def _tb_events(logdir):
+    """Scalars (tag -> list of (step, value)) of the TFRecord event files in ``logdir``, read with the
+    record framing (length, crc, data, crc) and tensorboardX's Event proto."""
+    from tensorboardX.proto import event_pb2
+    out = {}
+    for name in os.listdir(logdir):
+        data = Path(logdir, name).read_bytes()
+        i = 0
+        while i < len(data):
+            (n,) = struct.unpack("<Q", data[i:i + 8])
+            ev = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+            i += 12 + n + 4
+            for v in ev.summary.value:
+                out.setdefault(v.tag, []).append((ev.step, v.simple_value))
+    return out
+
+
+# ---- timeline PNG ----------------------------------------------------------------------------------
+
+def test_timeline_png_bars_split_emulated_waits(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+    from hethub_jax.timeline import write_timeline_png
+    recs = [ActionRecord(0, "F0", 0.0, 0.3, "slow"), ActionRecord(0, "SEND_ACT0->1", 0.3, 0.31, "slow"),
+            ActionRecord(1, "RECV_ACT0<-0", 0.0, 0.31, "fast"), ActionRecord(1, "F0", 0.31, 0.41, "fast"),
+            ActionRecord(0, "B0", 0.5, 0.8, "slow")]
+    pred = [ActionRecord(r.stage, r.action, r.start_s + 5, r.end_s + 5, f"predicted: {r.island}") for r in recs[:3]]
+    calls = []
+    orig = matplotlib.axes.Axes.broken_barh
+    monkeypatch.setattr(matplotlib.axes.Axes, "broken_barh",
+                        lambda self, xr, yr, **kw: (calls.append((xr, kw["facecolors"])), orig(self, xr, yr, **kw))[1])
+    out = write_timeline_png(str(tmp_path / "t.png"), recs, pred, slowdown={"slow": 3.0})
+    # F0 and B0 of the slowed island become compute + wait: 5 + 2 measured bars, 3 + 1 predicted
+    assert len(out["measured"]) == 7 and len(out["predicted"]) == 4 and len(calls) == 11
+    waits = [b for b in out["measured"] if b.category == "emulated wait"]
+    assert [round(b.duration_s, 9) for b in waits] == [0.2, 0.2]          # (f - 1) / f of 0.3 s
+    assert {b.category for b in out["measured"]} == {"forward", "backward", "send", "receive", "emulated wait"}
+    assert min(b.start_s for b in out["predicted"]) == 0.0                 # each chart from its own start
+    assert (tmp_path / "t.png").stat().st_size > 5000
+
+
+# ---- the hooks in a real run -----------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_train_reports_prediction_trace_png_and_tensorboard(tmp_path, capsys):
+    """A 2-island plan in one process, 3 steps, with a saved profile: every step record carries the
+    prediction computed independently here; the trace has the PREDICTED process groups; the PNG and the
+    TensorBoard event file are written."""
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("tensorboardX")
+    from hethub_jax.planner.api import load_model
+    from hethub_jax.train import main
+    (tmp_path / "prof").mkdir()
+    (tmp_path / "prof" / "cpu.json").write_text(json.dumps(fixed_profile()))
+    (tmp_path / "plan.json").write_text(json.dumps(PLAN))
+    (tmp_path / "c.yaml").write_text(CONFIG)
+    m, trace, tb = tmp_path / "m.jsonl", tmp_path / "trace.json", tmp_path / "tb"
+    rc = main(["--config", str(tmp_path / "c.yaml"), "--plan", str(tmp_path / "plan.json"), "--no-checkpoint",
+               "--no-progress", "--metrics-file", str(m), "--trace-file", str(trace), "--profiles",
+               str(tmp_path / "prof"), "--tensorboard", str(tb)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    plan = Plan.from_dict(PLAN)
+    costs = DeviceCosts.from_profile(fixed_profile())
+    want = predict(load_model(MODEL), plan, {"fast": costs, "slow": costs}, seq_len=16)
+    recs = _records(m)
+    steps = [r for r in recs if r["kind"] == "step"]
+    assert len(steps) == 3
+    for r in steps:
+        assert r["predicted_step_time_s"] == pytest.approx(want.step_time_s, rel=1e-12)
+        assert r["measured_step_time_s"] == r["step_time_s"]
+        assert r["predicted_over_measured"] == pytest.approx(want.step_time_s / r["step_time_s"])
+        assert 0.0 <= r["measured_bubble"] < 1.0
+    summary = [r for r in recs if r["kind"] == "prediction"][0]
+    med = sorted(r["step_time_s"] for r in steps[1:])
+    assert summary["median_measured_step_time_s"] == pytest.approx(sum(med) / 2)  # median of 2
+    assert "profile" in recs[0]["prediction"]["source"]
+    assert "PREDICTED step time" in out and "vs MEASURED median" in out
+    t = json.loads(trace.read_text())["traceEvents"]
+    labels = {e["args"]["name"] for e in t if e["ph"] == "M" and e["name"] == "process_name"}
+    assert {lab for lab in labels if lab.startswith("PREDICTED")} == {
+        "PREDICTED replica 0 / island predicted: fast", "PREDICTED replica 0 / island predicted: slow"}
+    assert sum(e.get("cat") == "predicted" for e in t) == len(want.timeline)
+    assert trace.with_suffix(".png").stat().st_size > 5000
+    ev = _tb_events(tb)
+    assert [s for s, _ in ev["train/loss"]] == [1, 2, 3]
+    assert [v for _, v in ev["train/loss"]] == pytest.approx([r["loss"] for r in steps], rel=1e-6)
+    assert ev["perf/predicted_step_time_s"][0][1] == pytest.approx(want.step_time_s, rel=1e-6)
+    assert {"train/tokens_per_s", "perf/step_time_s", "perf/bubble", "perf/predicted_bubble"} <= set(ev)
+    assert "perf/mfu" not in ev                                            # cpu islands: no MFU
+
+
+def test_bad_flag_combinations_are_config_errors(tmp_path, capsys, monkeypatch):
+    from hethub_jax.train import main
+    (tmp_path / "plan.json").write_text(json.dumps(PLAN))
+    rc = main(["--cluster", str(ROOT / "configs/clusters/tiny_2island_cpu.yaml"), "--plan",
+               str(tmp_path / "plan.json")])
+    assert rc == 2 and "--cluster or --plan" in capsys.readouterr().err
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "tensorboardX" else real(n, *a))
+    rc = main(["--tensorboard", str(tmp_path / "tb")])
+    assert rc == 2 and "tensorboardX" in capsys.readouterr().err
+
+
+# ---- plan-less training under mpiexec ----------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_cluster_planless_training_under_mpiexec(tmp_path):
+    """``--cluster`` without ``--plan`` under mpiexec -n 2: rank 0 plans from the saved profile, both ranks
+    train the same plan (the start-up handshake compares plan digests), plan.json is the planner's best."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_comm_contract import run_mpi
+
+    from hethub_jax.planner import SearchOptions, load_cluster, load_model, search
+    cluster = ROOT / "configs/clusters/tiny_2island_cpu.yaml"
+    (tmp_path / "prof").mkdir()
+    (tmp_path / "prof" / "cpu.json").write_text(json.dumps(fixed_profile()))
+    (tmp_path / "c.yaml").write_text(CONFIG.replace("steps: 3", "steps: 2, global_batch_size: 4"))
+    m = tmp_path / "run" / "m.jsonl"
+    proc = run_mpi(["-m", "hethub_jax.train", "--config", str(tmp_path / "c.yaml"), "--cluster", str(cluster),
+                    "--profiles", str(tmp_path / "prof"), "--no-checkpoint", "--no-progress",
+                    "--metrics-file", str(m), "--trace-file", str(tmp_path / "run" / "t.json")], n=2, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    costs = DeviceCosts.from_profile(fixed_profile())
+    best = search(load_model(MODEL), load_cluster(str(cluster)), 4, 16, costs={"fast": costs, "slow": costs},
+                  options=SearchOptions(top_k=1)).best
+    written = Plan.from_json(str(tmp_path / "run" / "plan.json"))
+    assert written.to_dict() == best.plan.to_dict()
+    assert "reusing saved profile" in proc.stdout and "plan written to" in proc.stdout
+    recs = _records(m)
+    assert recs[0]["plan"] == best.plan.to_dict()
+    steps = [r for r in recs if r["kind"] == "step"]
+    assert len(steps) == 2 and all(math.isfinite(r["loss"]) for r in steps)
+    assert all(r["predicted_step_time_s"] == pytest.approx(best.step_time_s, rel=1e-9) for r in steps)
+    # the logging rank gathered every rank's records: both islands measured, and both predicted
+    t = json.loads((tmp_path / "run" / "t.json").read_text())["traceEvents"]
+    islands = {(e["args"]["island"], e["args"]["predicted"]) for e in t if e["ph"] == "X"}
+    assert islands == {("fast", False), ("slow", False), ("predicted: fast", True), ("predicted: slow", True)}
+    assert (tmp_path / "run" / "t.png").stat().st_size > 5000
+
+
+# ---- scripts/gpu_check.sh without a GPU --------------------------------------------------------------
+
+def test_gpu_check_says_when_no_gpu_or_no_cuda_jax(tmp_path):
+    import shutil
+    import subprocess
+    if shutil.which("nvidia-smi", path="/usr/bin:/bin"):
+        pytest.skip("this machine has nvidia-smi in /usr/bin: the no-GPU path cannot be shown here")
+    script = str(ROOT / "scripts" / "gpu_check.sh")
+    env = dict(os.environ, PATH=f"{tmp_path}/empty:/usr/bin:/bin", PYTHON=sys.executable)
+    p = subprocess.run(["bash", script, str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "NO NVIDIA GPU" in p.stderr and not (tmp_path / "out").exists()
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\n[ \"$1\" = -L ] && echo 'GPU 0: Fake GPU (UUID: x)' || echo 'Fake GPU'\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    env["PATH"] = f"{fake}:/usr/bin:/bin"
+    p = subprocess.run(["bash", script, str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "NO CUDA JAX" in p.stderr and "Fake GPU" in p.stderr
