@@ -492,9 +492,19 @@ class _StepExecutor:
             raise RuntimeError(f"pipeline deadlock: every stage waits on a message: {self._stuck()}")
         deadline = deadline or time.monotonic() + rt.timeout_s
         if time.monotonic() > deadline:
-            raise TimeoutError(f"rank {rt.rank}: no message for {rt.timeout_s:.0f} s; waiting on {self._stuck()}")
+            raise TimeoutError(f"rank {rt.rank}: no message for {rt.timeout_s:g} s (train.message_timeout_s) "
+                               f"from {self._peers()}; waiting on {self._stuck()}")
         time.sleep(0.0002)
         return deadline
+
+    def _peers(self) -> str:
+        """The ranks and islands that the stuck receives wait on, e.g. ``rank 1 (island slow)``."""
+        peers = set()
+        for k in self.rt.local_keys:
+            if self.ptr[k] < len(self.lists[k]) and self.lists[k][self.ptr[k]].is_recv:
+                src = (k[0], self.lists[k][self.ptr[k]].peer)
+                peers.add((self.rt.owner[src], self.rt.plan.stage(*src).island))
+        return ", ".join(f"rank {r} (island {i})" for r, i in sorted(peers)) or "no peer"
 
     def _stuck(self) -> dict:
         return {k: str(self.lists[k][self.ptr[k]]) for k in self.rt.local_keys if self.ptr[k] < len(self.lists[k])}
