@@ -399,7 +399,7 @@ def restore_latest(rt: Any, root: str | os.PathLike, config: Mapping[str, Any], 
 
     Raises:
       CheckpointMismatch: the newest step was written for another model / data set-up.
-      CheckpointCorrupt: every complete step is corrupt (the message names the newest one's fault).
+      CheckpointCorrupt: every complete step is corrupt (the message names each fault).
     """
     steps = complete_steps(root, rt.config.num_hidden_layers)
     if not steps:
@@ -423,7 +423,7 @@ def restore_latest(rt: Any, root: str | os.PathLike, config: Mapping[str, Any], 
         if step != steps[-1]:
             warn(f"warning: checkpoint step {step} is corrupt ({errors[-1]}); falling back to the previous "
                  f"complete step")
-    raise CheckpointCorrupt(f"every complete checkpoint in {root} is corrupt; newest: {errors[0]}")
+    raise CheckpointCorrupt(f"every complete checkpoint in {root} is corrupt: " + " | ".join(errors))
 
 
 # ---------------------------------------------------------------------------------------------------

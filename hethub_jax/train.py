@@ -398,8 +398,30 @@ def _check_launch(run: _Run) -> None:
 
         from hethub_jax import cluster
         digest = cluster.config_hash(run.cfg.to_dict(), plan.to_dict())
-        cluster.handshake(run.comm, cluster.handshake_record(digest, run.island.name, run.island.platform,
-                                                             jax.local_device_count()))
+        try:
+            cluster.handshake(run.comm, cluster.handshake_record(
+                digest, run.island.name, run.island.platform, jax.local_device_count(),
+                config={"config": run.cfg.to_dict(), "plan": plan.to_dict()}), timeout=run.cfg.train.message_timeout_s)
+        except cluster.HandshakeError as e:
+            raise _ConfigError(str(e)) from None
+    _check_devices(run)
+
+
+def _check_devices(run: _Run) -> None:
+    """The islands this process runs (all of them without MPI) have their platform here and no more
+    devices per process than this process has."""
+    import jax
+
+    islands = [run.plan.island(run.island.name)] if run.island is not None else list(run.plan.islands)
+    for isl in islands:
+        try:
+            devs = jax.devices(isl.platform) if run.island is None else jax.local_devices()
+        except RuntimeError:
+            raise _ConfigError(f"island {isl.name!r} has platform {isl.platform!r}, which this machine does not "
+                               f"have (JAX backend: {jax.default_backend()})") from None
+        if isl.devices_per_process > len(devs):
+            raise _ConfigError(f"island {isl.name!r} needs devices_per_process={isl.devices_per_process} "
+                               f"{isl.platform} devices, this process has {len(devs)}")
 
 
 def _check_outputs(run: _Run) -> None:
@@ -420,10 +442,16 @@ def _check_outputs(run: _Run) -> None:
             ckpt.probe_writable(t.checkpoint_dir)
     except (OSError, ckpt.CheckpointError) as e:
         raise _ConfigError(f"train.checkpoint_dir / train.metrics_file: {e}") from None
-    if t.resume and not t.resume_or_start and not ckpt.complete_steps(t.checkpoint_dir,
-                                                                      run.cfg.model.num_hidden_layers):
+    steps = ckpt.complete_steps(t.checkpoint_dir, run.cfg.model.num_hidden_layers) if t.resume else []
+    if t.resume and not t.resume_or_start and not steps:
         raise _ConfigError(f"train.resume: no complete checkpoint in {t.checkpoint_dir} to resume from "
                            f"(use --resume-or-start / train.resume_or_start to start from step 0 then)")
+    try:
+        if steps:
+            ckpt.check_compatible(ckpt.read_meta(t.checkpoint_dir, steps[0]), run.cfg.to_dict(),
+                                  run.plan.global_batch_size, where=f"checkpoint {ckpt.step_dir(t.checkpoint_dir, steps[0])}")
+    except (ckpt.CheckpointMismatch, ckpt.CheckpointError) as e:
+        raise _ConfigError(f"train.resume: {e}") from None
 
 
 def _set_up(args: argparse.Namespace) -> _Run:
