@@ -187,7 +187,7 @@ def _mpi_world_size() -> int:
     return 1
 
 
-def _start_mpi(plan_path: str | None, island: str | None, size: int):
+def _start_mpi(plan_path: str | None, island: str | None, size: int, timeout: float = 300.0):
     """Multi-process start-up (DESIGN.md section 3) before any JAX backend starts: find this rank's
     island (``--island``, ``$HETHUB_ISLAND``, else the plan's island of this MPI rank), set its
     platform, split the world by island (``hethub_jax.cluster.start``). Returns the Island.
@@ -220,7 +220,13 @@ def _start_mpi(plan_path: str | None, island: str | None, size: int):
                          f"{plan.rank_island(rank).name!r} (islands take consecutive ranks in plan order; "
                          f"list the mpiexec parts in that order)")
     cluster.install_abort_on_exception(rank=rank, island=name)
-    return cluster.start(island=name, platform=plan.island(name).platform)
+    island_ = cluster.start(island=name, platform=plan.island(name).platform, timeout=timeout)
+    # one line per rank, so that a launcher's report of a dead pid ("BAD TERMINATION ... PID 4852")
+    # names the rank and island
+    import socket
+    print(f"rank {rank} (island {name}): pid {os.getpid()} on host {socket.gethostname()}",
+          file=sys.stderr, flush=True)
+    return island_
 
 
 #: seconds a rank waits for every rank to start MPI (``$HETHUB_MPI_INIT_TIMEOUT_S``)
@@ -350,7 +356,7 @@ def _start_processes(cfg, args: argparse.Namespace):
     if size <= 1:
         return None, 0, 1, None
     try:
-        island = _start_mpi(cfg.train.plan, args.island, size)
+        island = _start_mpi(cfg.train.plan, args.island, size, timeout=cfg.train.message_timeout_s)
     except ValueError as e:
         raise _ConfigError(str(e)) from None
     return island.world, island.world.rank, island.world.size, island

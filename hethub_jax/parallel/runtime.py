@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -253,7 +254,22 @@ class PipelineRuntime:
                 self._group_comms[g] = sub
 
     def _allreduce_world(self, x: np.ndarray) -> np.ndarray:
-        return x if self.comm is None else np.asarray(self.comm.allreduce(x, op="sum"))
+        if self.comm is None:
+            return x
+        with self._naming_peers(range(self.comm.size)):
+            return np.asarray(self.comm.allreduce(x, op="sum"))
+
+    @contextmanager
+    def _naming_peers(self, ranks):
+        """A collective over ``ranks`` that times out raises TimeoutError naming the other ranks and
+        their islands (one of them stopped responding) and ``train.message_timeout_s``."""
+        from hethub_jax.comm.base import CommTimeoutError
+        try:
+            yield
+        except CommTimeoutError as e:
+            peers = ", ".join(f"rank {r} (island {self.plan.rank_island(r).name})" for r in ranks if r != self.rank)
+            raise TimeoutError(f"rank {self.rank}: {e}; waiting on {peers} (train.message_timeout_s "
+                               f"{self.timeout_s:g} s)") from None
 
     def _reduce_shared(self, acc: dict[StageKey, Any]) -> dict[StageKey, Any]:
         """Sums the gradients of parameters held by several stages and gives every holder the sum."""
@@ -277,7 +293,8 @@ class PipelineRuntime:
             if len(group) > 1:
                 sub = self._group_comms[group]
                 host = {n: np.asarray(jax.device_get(v), np.float32) for n, v in local_sum.items()}
-                local_sum = sub.allreduce_tree(host, op="sum")  # one all-reduce for all of them
+                with self._naming_peers(group):
+                    local_sum = sub.allreduce_tree(host, op="sum")  # one all-reduce for all of them
             for name, total in local_sum.items():
                 for k in self.shared[name]:
                     if k in new:
