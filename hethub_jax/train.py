@@ -407,7 +407,8 @@ def _check_launch(run: _Run) -> None:
         try:
             cluster.handshake(run.comm, cluster.handshake_record(
                 digest, run.island.name, run.island.platform, jax.local_device_count(),
-                config={"config": run.cfg.to_dict(), "plan": plan.to_dict()}), timeout=run.cfg.train.message_timeout_s)
+                config={"config": run.cfg.to_dict(), "plan": plan.to_dict()}),
+                timeout=run.cfg.train.message_timeout_s)
         except cluster.HandshakeError as e:
             raise _ConfigError(str(e)) from None
     _check_devices(run)
@@ -454,8 +455,9 @@ def _check_outputs(run: _Run) -> None:
                            f"(use --resume-or-start / train.resume_or_start to start from step 0 then)")
     try:
         if steps:
+            where = f"checkpoint {ckpt.step_dir(t.checkpoint_dir, steps[0])}"
             ckpt.check_compatible(ckpt.read_meta(t.checkpoint_dir, steps[0]), run.cfg.to_dict(),
-                                  run.plan.global_batch_size, where=f"checkpoint {ckpt.step_dir(t.checkpoint_dir, steps[0])}")
+                                  run.plan.global_batch_size, where=where)
     except (ckpt.CheckpointMismatch, ckpt.CheckpointError) as e:
         raise _ConfigError(f"train.resume: {e}") from None
 
@@ -514,8 +516,8 @@ def _warm_up_batch_shares(run: _Run) -> None:
 def _plan_brief(plan: dict) -> str:
     """One line for a plan dict (``Plan.to_dict()``): islands and each replica's layer split."""
     try:
-        isl = ", ".join(f"{i['name']} ({i.get('platform')} x{i.get('num_processes', 1) * i.get('devices_per_process', 1)})"
-                        for i in plan["islands"])
+        isl = ", ".join(f"{i['name']} ({i.get('platform')} "
+                        f"x{i.get('num_processes', 1) * i.get('devices_per_process', 1)})" for i in plan["islands"])
         reps = "; ".join(", ".join(f"layers {s['first_layer']}-{s['last_layer']} on {s['island']} "
                                    f"(dp {s.get('dp', 1)} tp {s.get('tp', 1)})" for s in r["stages"])
                          for r in plan["replicas"])

@@ -99,7 +99,8 @@ def test_resume_same_plan_is_bitwise_equal(straight, tmp_path):
         assert got[s] == straight["losses"][s], (s, got[s], straight["losses"][s])
 
 
-@pytest.mark.parametrize("layout", ["single_device", "three_islands_dp2", "other_split_tp"])
+@pytest.mark.parametrize("layout", ["single_device", pytest.param("three_islands_dp2", marks=pytest.mark.slow),
+                                    pytest.param("other_split_tp", marks=pytest.mark.slow)])
 def test_resume_under_another_plan_matches(straight, tmp_path, layout):
     if layout == "single_device":
         args = []                                              # built-in plan: one stage, one device
@@ -127,7 +128,6 @@ def test_corrupt_newest_checkpoint_falls_back_and_all_corrupt_is_named(straight,
 
     root = tmp_path / "ckpt"
     shutil.copytree(straight["dir"] / "ckpt", root)
-    (straight["dir"] / "c.yaml")
     cfg = load_config(straight["dir"] / "c.yaml")
     plan = Plan.from_json(straight["plan"])
     rt = PipelineRuntime(plan, cfg.model, cfg.optim, seed=1)
