@@ -99,8 +99,7 @@ def test_resume_same_plan_is_bitwise_equal(straight, tmp_path):
         assert got[s] == straight["losses"][s], (s, got[s], straight["losses"][s])
 
 
-@pytest.mark.parametrize("layout", ["single_device", pytest.param("three_islands_dp2", marks=pytest.mark.slow),
-                                    pytest.param("other_split_tp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layout", ["single_device", "three_islands_dp2", "other_split_tp"])
 def test_resume_under_another_plan_matches(straight, tmp_path, layout):
     if layout == "single_device":
         args = []                                              # built-in plan: one stage, one device
