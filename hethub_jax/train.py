@@ -235,17 +235,30 @@ MPI_INIT_TIMEOUT_S = 120.0
 
 class _mpi_init_watchdog:
     """While MPI starts: if it has not started within ``$HETHUB_MPI_INIT_TIMEOUT_S`` seconds (another
-    rank failed before starting MPI, e.g. a config error on that rank only), dump this rank's stack and
-    exit with status 1 (``faulthandler``'s watchdog thread runs even while ``MPI_Init`` holds the GIL)."""
+    rank failed before starting MPI, e.g. a config error on that rank only), print one line and exit
+    with status 1. A timer thread prints the line; should ``MPI_Init`` hold the interpreter lock,
+    ``faulthandler``'s watchdog (a C thread) dumps the stack and exits 5 s later instead."""
 
     def __enter__(self):
         import faulthandler
+        import threading
         t = float(os.environ.get("HETHUB_MPI_INIT_TIMEOUT_S", MPI_INIT_TIMEOUT_S))
-        faulthandler.dump_traceback_later(t, exit=True, file=sys.stderr)
+
+        def expire():
+            print(f"{_PROG}: error: MPI did not start within {t:g} s ($HETHUB_MPI_INIT_TIMEOUT_S): "
+                  f"another rank of the job probably failed before starting MPI (see its error)",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
+
+        self.timer = threading.Timer(t, expire)
+        self.timer.daemon = True
+        self.timer.start()
+        faulthandler.dump_traceback_later(t + 5.0, exit=True, file=sys.stderr)
         return self
 
     def __exit__(self, *exc):
         import faulthandler
+        self.timer.cancel()
         faulthandler.cancel_dump_traceback_later()
         return False
 
