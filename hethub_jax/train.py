@@ -452,16 +452,18 @@ def _check_outputs(run: _Run) -> None:
     from hethub_jax import checkpoint as ckpt
 
     t = run.cfg.train
-    try:
-        if run.rank == 0:
-            if t.checkpoint_dir is not None:
-                run.locks.append(ckpt.DirLock(os.path.join(t.checkpoint_dir, ".lock")))
-            if t.metrics_file is not None:
-                run.locks.append(ckpt.DirLock(os.path.abspath(t.metrics_file) + ".lock"))
-        if t.checkpoint_dir is not None:
-            ckpt.probe_writable(t.checkpoint_dir)
-    except (OSError, ckpt.CheckpointError) as e:
-        raise _ConfigError(f"train.checkpoint_dir / train.metrics_file: {e}") from None
+    outputs = [("train.checkpoint_dir", t.checkpoint_dir, os.path.join(t.checkpoint_dir or "", ".lock")),
+               ("train.metrics_file", t.metrics_file and os.path.dirname(os.path.abspath(t.metrics_file)),
+                os.path.abspath(t.metrics_file or "") + ".lock")]
+    for field, directory, lock in outputs:
+        if directory is None:
+            continue
+        try:
+            ckpt.probe_writable(directory, nbytes=(1 << 20) if field == "train.checkpoint_dir" else 4096)
+            if run.rank == 0:
+                run.locks.append(ckpt.DirLock(lock))
+        except (OSError, ckpt.CheckpointError) as e:
+            raise _ConfigError(f"{field}: {e}") from None
     steps = ckpt.complete_steps(t.checkpoint_dir, run.cfg.model.num_hidden_layers) if t.resume else []
     if t.resume and not t.resume_or_start and not steps:
         raise _ConfigError(f"train.resume: no complete checkpoint in {t.checkpoint_dir} to resume from "
