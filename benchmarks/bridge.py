@@ -14,6 +14,17 @@ Separately (rank 0, after the MPI part) the cost of host->device (``jax.device_p
 JSON: {"figures": {"ratio_vs_raw_mpi_min_ge_1MiB": ..., ...}, "rows": [...], "copies": [...],
 "machine": {...}, "command": ...}. The ratio is bridge bandwidth / raw bandwidth at the worst size
 >= 1 MiB (goal >= 0.95).
+
+    python benchmarks/bridge.py --boundary --json boundary.json   # re-launches itself: mpiexec -n 4
+
+``--boundary`` (issue 15): the exchange of one stage boundary between two islands of 2 processes
+(ranks 0-1 island a, 2-3 island b), each stage with DP 2 over its processes: every process of a
+sends its half of the activation to the matching process of b (routes from
+``hethub_jax.parallel.exchange``, as the runtime does), against the same total bytes sent by one
+process per island (rank 0 -> rank 2, ranks 1 and 3 idle), interleaved in the same run. Time =
+barrier to barrier (all four ranks) of one exchange; aggregate bandwidth = total bytes / time.
+Figures: ``boundary_2proc_over_1proc_min_ge_1MiB`` (aggregate bandwidth ratio at the worst size),
+and both aggregate bandwidths at the largest size.
 """
 
 from __future__ import annotations
@@ -57,9 +68,13 @@ def main() -> None:
     ap.add_argument("--min-time", type=float, default=0.01, help="seconds per repetition (about)")
     ap.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")], default=SIZES,
                     help="comma-separated message sizes in bytes (default 4 KiB .. 64 MiB)")
+    ap.add_argument("--boundary", action="store_true",
+                    help="measure one stage boundary with 2 processes per island against 1 (4 ranks)")
     args = ap.parse_args()
     if os.environ.get(CHILD_ENV) is None and mpi_rank_from_env() is None:
-        relaunch_under_mpiexec(__file__, sys.argv[1:])
+        relaunch_under_mpiexec(__file__, sys.argv[1:], n=4 if args.boundary else 2)
+    if args.boundary:
+        return boundary(args)
 
     import numpy as np
     from mpi4py import MPI
@@ -163,6 +178,75 @@ def main() -> None:
             print(f"{r['bytes']:>10} {r['raw_Bps'] / 1e9:>9.3f} {r['bridge_Bps'] / 1e9:>11.3f} "
                   f"{r['ratio']:>6.3f} {r['bridge_fresh_Bps'] / 1e9:>10.3f} "
                   f"{r['ratio_fresh']:>6.3f} {c['h2d_Bps'] / 1e9:>9.3f} {c['d2h_Bps'] / 1e9:>9.3f}")
+        print(json.dumps(figures, indent=2))
+    comm.Barrier()
+
+
+def _exchange(bridge, rank: int, parts: list, bufs: dict, rbufs: dict) -> float:
+    """One boundary exchange (``parts``: (src rank, dst rank, start, stop) in bytes); seconds from a
+    barrier before to a barrier after (the slowest rank's time)."""
+    bridge.barrier()
+    t0 = time.perf_counter()
+    sends = [bridge.isend(bufs[(p, q)], q, 21) for p, q, _, _ in parts if p == rank]
+    for p, q, _, _ in parts:
+        if q == rank:
+            bridge.recv(p, 21, out=rbufs[(p, q)])
+    for h in sends:
+        h.wait()
+    bridge.barrier()
+    return time.perf_counter() - t0
+
+
+def boundary(args) -> None:
+    """``--boundary``: see the module docstring."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from hethub_jax.comm.mpi import MPIHostBridge
+    from hethub_jax.parallel import exchange
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    if comm.Get_size() != 4:
+        sys.exit("--boundary runs with exactly 4 ranks")
+    bridge = MPIHostBridge(comm.Dup(), timeout=120)
+    rows = []
+    for size in [s for s in args.sizes if s % 2 == 0]:
+        layouts = {}
+        for name, src, dst in [("one", {0: (0, size)}, {2: (0, size)}),
+                               ("two", {0: (0, size // 2), 1: (size // 2, size)},
+                                {2: (0, size // 2), 3: (size // 2, size)})]:
+            parts = exchange.routes(src, dst)
+            data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+            bufs = {(p, q): data[a:b] for p, q, a, b in parts}
+            rbufs = {(p, q): np.empty(b - a, np.uint8) for p, q, a, b in parts}
+            layouts[name] = (parts, bufs, rbufs)
+            _exchange(bridge, rank, parts, bufs, rbufs)  # warm-up
+        times = {"one": [], "two": []}
+        for rep in range(args.reps):
+            for name in (["one", "two"] if rep % 2 == 0 else ["two", "one"]):
+                times[name].append(_exchange(bridge, rank, *layouts[name]))
+        for name, (parts, _, rbufs) in layouts.items():  # the bytes arrived intact (same data on every rank)
+            for p, q, a, b in parts:
+                assert q != rank or np.array_equal(rbufs[(p, q)], data[a:b]), (name, p, q)
+        t1, t2 = statistics.median(times["one"]), statistics.median(times["two"])
+        rows.append({"bytes": size, "reps": args.reps, "one_proc_s": t1, "two_proc_s": t2,
+                     "one_proc_Bps": size / t1, "two_proc_Bps": size / t2,
+                     "ratio": statistics.median(a / b for a, b in zip(times["one"], times["two"]))})
+    if rank == 0:
+        ge = [r for r in rows if r["bytes"] >= 1 << 20] or rows
+        figures = {"boundary_2proc_over_1proc_min_ge_1MiB": round(min(r["ratio"] for r in ge), 4),
+                   "boundary_2proc_over_1proc_largest": round(rows[-1]["ratio"], 4),
+                   "boundary_2proc_Bps_largest": rows[-1]["two_proc_Bps"],
+                   "boundary_1proc_Bps_largest": rows[-1]["one_proc_Bps"],
+                   "largest_bytes": rows[-1]["bytes"]}
+        with open(args.json, "w") as f:
+            json.dump({"figures": figures, "rows": rows, "cpus": os.cpu_count(),
+                       "command": "python benchmarks/bridge.py " + " ".join(sys.argv[1:])}, f, indent=2)
+        print(f"{'bytes':>10} {'1 proc GB/s':>11} {'2 proc GB/s':>11} {'ratio':>6}")
+        for r in rows:
+            print(f"{r['bytes']:>10} {r['one_proc_Bps'] / 1e9:>11.3f} {r['two_proc_Bps'] / 1e9:>11.3f} "
+                  f"{r['ratio']:>6.3f}")
         print(json.dumps(figures, indent=2))
     comm.Barrier()
 

@@ -219,6 +219,21 @@ PRESETS: dict[str, LlamaConfig] = {
                               num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
                               rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE,
                               max_position_embeddings=131072, rms_norm_eps=1e-5, dtype="bfloat16"),
+    # HF config.json of meta-llama/Llama-2-70b-hf.
+    "llama2-70b": LlamaConfig(vocab_size=32000, hidden_size=8192, intermediate_size=28672,
+                              num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                              max_position_embeddings=4096, rms_norm_eps=1e-5, dtype="bfloat16"),
+    # HF config.json of meta-llama/Llama-3.1-405B.
+    "llama3-405b": LlamaConfig(vocab_size=128256, hidden_size=16384, intermediate_size=53248,
+                               num_hidden_layers=126, num_attention_heads=128, num_key_value_heads=8,
+                               rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE,
+                               max_position_embeddings=131072, rms_norm_eps=1e-5, dtype="bfloat16"),
+    # ~139 B-parameter Llama-shaped model standing in for HETHUB's "Llama-140B" (arXiv 2405.16256),
+    # whose exact dimensions are not given there. OUR ASSUMPTION: d_model 12288, SwiGLU width 32768,
+    # 90 layers, 96 query / 8 KV heads (head_dim 128), Llama-2 vocabulary (32000), untied head.
+    "llama-140b": LlamaConfig(vocab_size=32000, hidden_size=12288, intermediate_size=32768,
+                              num_hidden_layers=90, num_attention_heads=96, num_key_value_heads=8,
+                              max_position_embeddings=4096, rms_norm_eps=1e-5, dtype="bfloat16"),
 }
 
 

@@ -5,7 +5,10 @@ stage of every island itself; under MPI each process runs the stages of its isla
 activations and gradients with other islands through the communicator's non-blocking send/recv
 (`hethub_jax.comm`). Between two stages in the same process, arrays move device to device
 (re-placement onto the next stage's sharding); between islands in the same process they take the
-host path, as they would over the bridge.
+host path, as they would over the bridge. An island of several processes (one `jax.distributed`
+runtime, issue 15) runs its stage on all of them: the stage's mesh spans the processes, each feeds
+its own DP rows and exchanges only its rows of each activation and gradient with the processes of
+the neighbouring stage that hold them (`hethub_jax.parallel.exchange`, docs/multiprocess_islands.md).
 
 Execution: every local stage advances through its list until it reaches a receive whose message has
 not arrived; the process then switches to another local stage, and polls when none can advance
@@ -38,6 +41,8 @@ from flax import nnx
 from hethub_jax.models.config import LlamaConfig
 from hethub_jax.models.llama import Llama
 from hethub_jax.optim import OptimConfig, make_optimizer
+from hethub_jax.parallel import exchange
+from hethub_jax.parallel import multiprocess as mp
 from hethub_jax.parallel.plan import Plan
 from hethub_jax.parallel.rules import check_shares
 from hethub_jax.parallel.schedule import Action, ActionKind
@@ -88,14 +93,17 @@ class PipelineRuntime:
       comm: None for a single process running every stage; else a communicator of the whole job
         (`hethub_jax.comm` contract) whose rank layout is the plan's (`Plan.island_ranks`).
       rank: this process's rank in `comm` (ignored without a communicator).
-      devices: the island's JAX devices in island-local order (default `jax.devices()`).
+      devices: the island's JAX devices in island-global order (default `jax.devices()`; in an
+        island of several processes, each process's first `devices_per_process` devices by id, process
+        by process: see `_island_devices`).
       debug_nan: fill gradient accumulators and not-yet-written message buffers with NaN, to prove in
         tests that no unwritten buffer reaches the results.
       timeout_s: deadline for waiting on a message from another process, seconds.
 
     Raises:
       ValueError: if the plan is invalid for the model (the message names the constraint), or asks for
-        an island layout this runtime cannot run (multi-process islands: not yet supported).
+        an island layout this runtime cannot run (an island of several processes with more than one
+        stage, or a stage whose TP rows span processes: see `_stage_layout`).
     """
 
     def __init__(self, plan: Plan, model_config: LlamaConfig, optim: OptimConfig, *, seed: int = 0,
@@ -104,15 +112,16 @@ class PipelineRuntime:
         plan.validate(model_config)
         self.plan, self.config, self.optim = plan, model_config, optim
         self.comm, self.rank, self.debug_nan, self.timeout_s = comm, (rank if comm is not None else 0), debug_nan, timeout_s
-        for isl in plan.islands:
-            if comm is not None and isl.num_processes > 1:
-                raise ValueError(f"island {isl.name!r} has num_processes={isl.num_processes}: the pipeline "
-                                 f"runtime runs one process per island for now")
         all_keys = [(r, s) for r in range(plan.num_replicas) for s in range(plan.num_stages(r))]
-        # Rank that runs each stage: the first process of its island (every stage is local without comm).
-        self.owner = {k: (plan.island_ranks(plan.stage(*k).island).start if comm is not None else 0)
-                      for k in all_keys}
-        self.local_keys = [k for k in all_keys if self.owner[k] == self.rank]
+        # Ranks that run each stage (`owners`; its first one: `owner`) and the samples of a microbatch
+        # each of them holds (`rows`, world rank -> [start, stop)): see `_stage_layout`.
+        self.owners, self.rows = {}, {}
+        for k in all_keys:
+            self.owners[k], self.rows[k] = self._stage_layout(k)
+        self.owner = {k: o[0] for k, o in self.owners.items()}
+        self.local_keys = [k for k in all_keys if self.rank in self.owners[k]]
+        if devices is None and jax.process_count() > 1:
+            devices = self._island_devices()
         devices = list(jax.devices()) if devices is None else list(devices)
         tx = make_optimizer(optim)
         self.stages: dict[StageKey, PipelineStage] = {}
@@ -148,6 +157,60 @@ class PipelineRuntime:
         # microbatch's forward+backward, the global norm, clipping and the update run as one jitted
         # program (`PipelineStage.forward_backward_update`), as a plain single-device step does.
         self.fuse_update = True
+
+    def _stage_layout(self, k: StageKey) -> tuple[tuple[int, ...], dict[int, tuple[int, int]]]:
+        """(world ranks running stage `k`, world rank -> samples [start, stop) of a microbatch it
+        holds). One process per island (or no communicator): that process, the whole microbatch.
+        An island of several processes (issue 15): the processes holding the stage's devices
+        (`exchange.row_processes`), each with its DP rows' samples.
+
+        Raises:
+          ValueError: an island of several processes runs more than one stage of the plan (its
+            processes would interleave the stages' collectives in different orders), or a stage's
+            TP rows span processes (see `exchange.row_processes`).
+        """
+        plan, spec = self.plan, self.plan.stage(*k)
+        isl, mbs = plan.island(spec.island), plan.microbatch_size
+        if self.comm is None:
+            return (0,), {0: (0, mbs)}
+        start = plan.island_ranks(isl.name).start
+        if isl.num_processes == 1:
+            return (start,), {start: (0, mbs)}
+        if len(plan.island_stages(isl.name)) > 1:
+            raise ValueError(f"island {isl.name!r} has {isl.num_processes} processes and runs stages "
+                             f"{plan.island_stages(isl.name)}: an island of several processes runs one "
+                             f"stage of the plan (give each multi-process island one stage)")
+        procs = exchange.row_processes(plan.stage_devices(*k), spec.dp, spec.tp, isl.devices_per_process)
+        rows = exchange.process_rows(mbs, procs)
+        return tuple(start + p for p in sorted(rows)), {start + p: r for p, r in rows.items()}
+
+    def _island_devices(self) -> list:
+        """The devices of this rank's island runtime in the plan's island-global order: process p's
+        first `devices_per_process` devices (by id) are indices p * devices_per_process ...
+
+        Raises:
+          ValueError: if a process of the island has fewer devices than the plan gives it.
+        """
+        isl = self.plan.rank_island(self.rank)
+        by_proc: dict[int, list] = {}
+        for d in sorted(jax.devices(), key=lambda d: d.id):
+            by_proc.setdefault(d.process_index, []).append(d)
+        short = {p: len(ds) for p, ds in by_proc.items() if len(ds) < isl.devices_per_process}
+        if short or len(by_proc) != isl.num_processes:
+            raise ValueError(f"island {isl.name!r}: the plan gives it {isl.num_processes} processes x "
+                             f"{isl.devices_per_process} devices; its JAX runtime has processes "
+                             f"{ {p: len(ds) for p, ds in sorted(by_proc.items())} } (process: devices)")
+        return [d for p in sorted(by_proc) for d in by_proc[p][:isl.devices_per_process]]
+
+    def _counts(self, k: StageKey) -> bool:
+        """True on the one rank of stage `k` that contributes its replicated scalars (loss sums,
+        squared norms, busy times) to world sums: every process of a multi-process stage holds them."""
+        return self.rank == self.owner[k]
+
+    def _split_boundary(self, src: StageKey, dst: StageKey) -> bool:
+        """True when messages between `src` and `dst` travel as row parts between matching processes
+        (either stage runs on several processes)."""
+        return self.comm is not None and (len(self.owners[src]) > 1 or len(self.owners[dst]) > 1)
 
     def _update_fusable(self) -> bool:
         """True when `fuse_update` applies: one replica of one stage, nothing shared, no other process,
@@ -214,6 +277,13 @@ class PipelineRuntime:
 
     def _send(self, m: tuple, x: Any, mailbox: dict, pending: list) -> None:
         kind, src, dst, mb = m
+        if self._split_boundary(src, dst):  # each process sends its rows to the processes holding them
+            lo, hi = self.rows[src][self.rank]
+            mine = mp.local_rows(x, lo, hi)
+            for p, q, a, b in exchange.routes(self.rows[src], self.rows[dst]):
+                if p == self.rank:
+                    pending.append(self.comm.isend(mine[a - lo:b - lo], q, self._tag(m)))
+            return
         if self.comm is not None and self.owner[dst] != self.rank:
             pending.append(self.comm.isend(np.asarray(jax.device_get(x)), self.owner[dst], self._tag(m)))
             return
@@ -236,22 +306,48 @@ class PipelineRuntime:
         dtype = jnp.dtype(self.config.dtype)
         for k, acts in lists.items():
             for a in acts:
-                if a.is_recv and self.owner[(k[0], a.peer)] != self.rank:
+                if a.is_recv and self._split_boundary((k[0], a.peer), k):
+                    recvs[_incoming(k, a)] = self._post_parts(_incoming(k, a), shape, dtype)
+                elif a.is_recv and self.owner[(k[0], a.peer)] != self.rank:
                     m = _incoming(k, a)
                     buf = np.full(shape, np.nan, dtype) if self.debug_nan else np.empty(shape, dtype)
                     recvs[m] = self.comm.irecv(self.owner[(k[0], a.peer)], self._tag(m), out=buf)
         return recvs
 
+    def _post_parts(self, m: tuple, shape: tuple, dtype: Any) -> mp.PartsReceive:
+        """Posts the receives of message `m`'s row parts from the processes of the sending stage that
+        hold this process's rows, each into its slice of one buffer of this process's rows."""
+        kind, src, dst, mb = m
+        lo, hi = self.rows[dst][self.rank]
+        full = (hi - lo,) + tuple(shape[1:])
+        buf = np.full(full, np.nan, dtype) if self.debug_nan else np.empty(full, dtype)
+        handles = [self.comm.irecv(p, self._tag(m), out=buf[a - lo:b - lo])
+                   for p, q, a, b in exchange.routes(self.rows[src], self.rows[dst]) if q == self.rank]
+        return mp.PartsReceive(buf, handles)
+
+    def _place_received(self, k: StageKey, x: Any) -> Any:
+        """A received activation or gradient on stage `k`'s activation sharding (a multi-process
+        stage: `x` holds this process's rows only)."""
+        st = self.stages[k]
+        if not st.multiprocess:
+            return jax.device_put(x, st.act_sharding)
+        lo, _ = self.rows[k][self.rank]
+        return mp.place_rows(x, lo, (self.plan.microbatch_size,) + tuple(x.shape[1:]), st.act_sharding)
+
     # ---- cross-stage reductions ----------------------------------------------------------------
     def _make_group_comms(self) -> None:
         """One sub-communicator per set of ranks that share parameters (created on every rank)."""
-        groups = sorted({tuple(sorted({self.owner[k] for k in h})) for h in self.shared.values()})
+        groups = sorted({self._holder_ranks(h) for h in self.shared.values()})
         for g in groups:
             if len(g) < 2:
                 continue
             sub = self.comm.split(0 if self.rank in g else None, self.rank)
             if self.rank in g:
                 self._group_comms[g] = sub
+
+    def _holder_ranks(self, holders: list[StageKey]) -> tuple[int, ...]:
+        """The world ranks running any of `holders` (every process of a multi-process stage)."""
+        return tuple(sorted({r for k in holders for r in self.owners[k]}))
 
     def _allreduce_world(self, x: np.ndarray) -> np.ndarray:
         if self.comm is None:
@@ -278,7 +374,7 @@ class PipelineRuntime:
         flats = {k: self.stages[k].flat(acc[k]) for k in self.local_keys}
         by_group: dict[tuple[int, ...], list[str]] = {}
         for name, hs in self.shared.items():
-            by_group.setdefault(tuple(sorted({self.owner[k] for k in hs})), []).append(name)
+            by_group.setdefault(self._holder_ranks(hs), []).append(name)
         new = {k: dict(f) for k, f in flats.items()}
         for group, names in by_group.items():
             if self.rank not in group:
@@ -289,10 +385,13 @@ class PipelineRuntime:
                 if len(parts) == 1:
                     local_sum[name] = parts[0]
                 else:  # summed on the host in float32, in holder order (the same on every rank)
-                    local_sum[name] = sum(np.asarray(jax.device_get(p), np.float32) for p in parts)
+                    local_sum[name] = sum(mp.host_copy(p).astype(np.float32) for p in parts)
             if len(group) > 1:
                 sub = self._group_comms[group]
-                host = {n: np.asarray(jax.device_get(v), np.float32) for n, v in local_sum.items()}
+                # every process of a multi-process stage holds the whole sum; only its first counts
+                counts = all(self._counts(k) for k in self.local_keys)
+                host = {n: mp.host_copy(v).astype(np.float32) for n, v in local_sum.items()}
+                host = host if counts else {n: np.zeros_like(v) for n, v in host.items()}
                 with self._naming_peers(group):
                     local_sum = sub.allreduce_tree(host, op="sum")  # one all-reduce for all of them
             for name, total in local_sum.items():
@@ -303,6 +402,10 @@ class PipelineRuntime:
         for k in self.local_keys:
             st = self.stages[k]
             tree = st.unflat(new[k], like=acc[k])
+            if st.multiprocess:  # the same host sum on every process: each device takes its slice
+                out[k] = jax.tree.map(lambda v, like, s: mp.place_global(np.asarray(v, like.dtype), s),
+                                      tree, acc[k], st.param_shardings)
+                continue
             out[k] = jax.tree.map(lambda v, like, s: jax.device_put(jnp.asarray(v, like.dtype), s),
                                   tree, acc[k], st.param_shardings)
         return out
@@ -317,10 +420,15 @@ class PipelineRuntime:
             st = self.stages[k]
             counted = {n: v for n, v in st.flat(acc[k]).items() if self.norm_owner[n] == k}
             if counted:
-                sq += float(st.sq_norm(counted, inv))
-        loss_sum = sum(float(x) for xs in loss_sums.values() for x in xs)
+                v = st.sq_norm(counted, inv)  # run by every process of the stage (SPMD)
+                sq += mp.scalar(v) if self._counts(k) else 0.0
+        loss_sum = self._loss_sum(loss_sums)
         loss_sum, sq = self._allreduce_world(np.array([loss_sum, sq], np.float64))
         return acc, float(loss_sum) / num_tokens, num_tokens, math.sqrt(sq), records
+
+    def _loss_sum(self, loss_sums: dict[StageKey, list]) -> float:
+        """This rank's share of the summed token losses (one rank per multi-process stage)."""
+        return sum(mp.scalar(x) for k, xs in loss_sums.items() if self._counts(k) for x in xs)
 
     # ---- public API -----------------------------------------------------------------------------
     def train_step(self, batch: dict[str, np.ndarray]) -> StepResult:
@@ -361,7 +469,7 @@ class PipelineRuntime:
         out = {}
         for k in self.local_keys:
             for n, v in self.stages[k].flat(acc[k]).items():
-                out[n] = np.asarray(jax.device_get(v), np.float32) / np.float32(num_tokens)
+                out[n] = mp.host_copy(v).astype(np.float32) / np.float32(num_tokens)
         return loss, out
 
     def measure_throughputs(self, batch: dict[str, np.ndarray], steps: int = 2) -> list[float]:
@@ -373,7 +481,7 @@ class PipelineRuntime:
         busy = np.zeros((self.plan.num_replicas, max(self.plan.num_stages(r) for r in range(self.plan.num_replicas))))
         for _ in range(steps):
             for rec in self._forward_backward(batch)[4]:
-                if rec.action[0] in "FB":
+                if rec.action[0] in "FB" and self._counts((rec.replica, rec.stage)):
                     busy[rec.replica, rec.stage] += rec.end_s - rec.start_s
         busy = self._allreduce_world(busy)
         return [self.shares[r] * steps / float(busy[r].max()) for r in range(self.plan.num_replicas)]
@@ -404,18 +512,18 @@ class PipelineRuntime:
         `global_batch_size` rows, forward only; identical on every rank."""
         num_tokens = self._check_batch(batch, self.plan.global_batch_size)
         _, loss_sums, _ = self._run(batch, train=False)
-        loss_sum = sum(float(x) for xs in loss_sums.values() for x in xs)
+        loss_sum = self._loss_sum(loss_sums)
         return float(self._allreduce_world(np.array([loss_sum], np.float64))[0]), num_tokens
 
     def params(self) -> dict[str, np.ndarray]:
         """Flat global names -> host arrays of this rank's stages' parameters."""
         out = {}
         for k in self.local_keys:
-            out.update({n: np.asarray(jax.device_get(v)) for n, v in self.stages[k].flat().items()})
+            out.update({n: mp.host_copy(v) for n, v in self.stages[k].flat().items()})
         return out
 
     def stage_params(self, key: StageKey) -> dict[str, np.ndarray]:
-        return {n: np.asarray(jax.device_get(v)) for n, v in self.stages[key].flat().items()}
+        return {n: mp.host_copy(v) for n, v in self.stages[key].flat().items()}
 
     def checkpoint_state(self) -> dict[str, Any]:
         """{"r{replica}s{stage}": {"params": ..., "opt_state": ...}} for this rank's stages."""
@@ -628,7 +736,7 @@ class _StepExecutor:
         """RECV_ACT / RECV_GRAD: places the arrived message on the stage's activation sharding."""
         box = "in" if a.kind == ActionKind.RECV_ACT else "gout"
         x = self.mailbox.pop(_incoming(k, a))
-        self.outbox[(box, k, a.microbatch)] = jax.device_put(x, self.rt.stages[k].act_sharding)
+        self.outbox[(box, k, a.microbatch)] = self.rt._place_received(k, x)
 
 
 def _forward_only(num_stages: int, num_microbatches: int) -> list[list[Action]]:

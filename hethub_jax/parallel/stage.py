@@ -28,6 +28,7 @@ from hethub_jax.models.config import LlamaConfig
 from hethub_jax.models.llama import Llama
 from hethub_jax.models.loss import token_cross_entropy
 from hethub_jax.optim import clip_by_norm
+from hethub_jax.parallel import multiprocess as mp
 from hethub_jax.parallel import rules
 
 Params = Any  # nested dict of arrays (nnx pure dict)
@@ -129,15 +130,24 @@ class PipelineStage:
         # Eager initialisation on the stage's first device, then placement onto the mesh. (A jitted
         # init with out_shardings would avoid the unsharded copy; eager is much faster to start for
         # the small models this runs on today.)
-        with jax.default_device(devices[0]):
+        # A mesh over several processes of an island (issue 15): initialised on a device of this
+        # process, then each device gets its slice of the (identical) host value.
+        self.multiprocess = mp.spans_processes(devices)
+        local = [d for d in devices if d.process_index == jax.process_index()]
+        with jax.default_device(local[0]):
             init = nnx.to_pure_dict(nnx.split(make())[1])
-        self.params: Params = jax.device_put(init, self.param_shardings)
+        if self.multiprocess:
+            self.params: Params = jax.tree.map(lambda x, s: mp.place_global(np.asarray(x), s),
+                                               init, self.param_shardings)
+        else:
+            self.params = jax.device_put(init, self.param_shardings)
         self.optimizer, self._clip_norm = optimizer, clip_norm
         replicated = NamedSharding(self.mesh, P())
         mesh_devices = set(self.mesh.devices.flat)
+        place = ((lambda x: mp.place_global(np.asarray(x), replicated)) if self.multiprocess
+                 else (lambda x: jax.device_put(x, replicated)))
         self.opt_state = jax.tree.map(  # scalars (step counts) replicated on the stage mesh too
-            lambda x: x if x.committed and set(x.sharding.device_set) == mesh_devices
-            else jax.device_put(x, replicated),
+            lambda x: x if x.committed and set(x.sharding.device_set) == mesh_devices else place(x),
             optimizer.init(self.params))
         self.opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
         self._abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.params)
@@ -257,6 +267,10 @@ class PipelineStage:
         return jax.device_put(x, self.tok_sharding if self.is_first else self.act_sharding)
 
     def place_tokens(self, x: Any) -> jax.Array:
+        """``[mb, S]`` host rows (the whole microbatch, the same on every process) on the stage's
+        token sharding; on a mesh over several processes each process places only its own rows."""
+        if self.multiprocess:
+            return mp.place_global(x, self.tok_sharding)
         return jax.device_put(x, self.tok_sharding)
 
     def flat(self, tree: Params | None = None) -> dict[str, jax.Array]:

@@ -56,7 +56,7 @@ def _as_record(e: RecordLike) -> ActionRecord:
 
 
 def to_chrome_trace(events: Union[Any, Iterable[RecordLike]], path: Union[str, os.PathLike],
-                    *, include_comm: bool = True) -> Dict[str, Any]:
+                    *, include_comm: bool = True, predicted: Optional[Iterable[RecordLike]] = None) -> Dict[str, Any]:
     """Write a Chrome trace (JSON Object Format, loadable in Perfetto / chrome://tracing).
 
     Args:
@@ -66,6 +66,9 @@ def to_chrome_trace(events: Union[Any, Iterable[RecordLike]], path: Union[str, o
         (``Timeline.events``).
       path: output file.
       include_comm: if False, only F and B records are written.
+      predicted: optional PREDICTED records of the same step (``hethub_jax.planner.predictor.
+        predicted_records``), same clock as ``events``: written in their own process groups (pids after
+        the measured ones), each labelled ``"PREDICTED ..."``, events with ``cat`` ``"predicted"``.
 
     Layout: one complete event (``"ph": "X"``) per record with ``name`` the action text (``"F3"``),
     ``ts``/``dur`` in microseconds relative to the earliest record, ``pid`` one per (replica, island)
@@ -76,24 +79,28 @@ def to_chrome_trace(events: Union[Any, Iterable[RecordLike]], path: Union[str, o
     Returns:
       the trace dict that was written.
     """
-    recs = [_as_record(e) for e in getattr(events, "events", events)]
+    recs = [(_as_record(e), False) for e in getattr(events, "events", events)]
+    recs += [(_as_record(e), True) for e in (getattr(predicted, "events", predicted) or ())]
     if not include_comm:
-        recs = [r for r in recs if r.action[:1] in ("F", "B")]
-    t0 = min((r.start_s for r in recs), default=0.0)
-    pids: Dict[Tuple[int, Optional[str]], int] = {}
+        recs = [(r, p) for r, p in recs if r.action[:1] in ("F", "B")]
+    t0 = min((r.start_s for r, _ in recs), default=0.0)
+    pids: Dict[Tuple[bool, int, Optional[str]], int] = {}
+    for r, p in sorted(recs, key=lambda x: x[1]):  # measured groups first, then predicted
+        pids.setdefault((p, r.replica, r.island), len(pids))
     trace: List[Dict[str, Any]] = []
     threads = set()
-    for r in recs:
-        pid = pids.setdefault((r.replica, r.island), len(pids))
+    for r, p in recs:
+        pid = pids[(p, r.replica, r.island)]
         threads.add((pid, r.stage))
+        cat = "predicted" if p else "compute" if r.action[:1] in ("F", "B") else "comm"
         trace.append({
-            "name": r.action, "cat": "compute" if r.action[:1] in ("F", "B") else "comm", "ph": "X",
+            "name": r.action, "cat": cat, "ph": "X",
             "ts": (r.start_s - t0) * 1e6, "dur": max(0.0, r.end_s - r.start_s) * 1e6,
             "pid": pid, "tid": r.stage,
-            "args": {"stage": r.stage, "replica": r.replica, "island": r.island},
+            "args": {"stage": r.stage, "replica": r.replica, "island": r.island, "predicted": p},
         })
-    for (replica, island), pid in pids.items():
-        label = f"replica {replica}" + (f" / island {island}" if island is not None else "")
+    for (p, replica, island), pid in pids.items():
+        label = ("PREDICTED " if p else "") + f"replica {replica}" + (f" / island {island}" if island is not None else "")
         trace.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": label}})
     for pid, stage in sorted(threads):
         trace.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": stage,

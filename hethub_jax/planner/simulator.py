@@ -15,12 +15,15 @@ Timing model of :func:`simulate` (all times in seconds, the step starts at 0):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+import heapq
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from hethub_jax.parallel.schedule import Action, execution_order, message_key
+from hethub_jax.parallel.schedule import Action, ScheduleDeadlock, execution_order, message_key
 from hethub_jax.parallel.trace import ActionRecord
 
-__all__ = ["Timeline", "simulate"]
+__all__ = ["Timeline", "simulate", "simulate_processes"]
+
+Key = Tuple[int, int]  # (replica, stage)
 
 
 @dataclass(frozen=True)
@@ -102,3 +105,99 @@ def _checked(t: float, name: str, stage: int, a: Action) -> float:
     return t
 
 
+
+
+def simulate_processes(lists: Mapping[Key, Sequence[Action]], process_of: Mapping[Key, Any],
+                       action_time: Callable[[Key, int], float],
+                       delivery_time: Callable[[Key, Action], float]) -> Tuple[Tuple[Key, Action, float, float], ...]:
+    """Time action lists of stages that share processes, as ``hethub_jax.parallel.runtime`` runs them.
+
+    Keys are ``(replica, stage)`` pairs; a SEND/RECV's ``peer`` is a stage of the same replica. Every
+    process runs one action at a time: it sweeps its stages in the order of ``lists`` (keys of one
+    process in insertion order), running each stage's next actions while they are ready (a RECV is
+    ready once its message is delivered), and waits for the next delivery when none is ready -- the
+    runtime's loop (``PipelineRuntime._run``). Processes run concurrently. With one stage per process
+    the result equals :func:`simulate`'s.
+
+    Args:
+      lists: per key, its ordered action list (``plan.actions(r)[s]``).
+      process_of: per key, the process (any hashable) that runs it.
+      action_time: ``(key, index) -> seconds`` the process is busy with ``lists[key][index]`` (F, B,
+        and the sender's / receiver's share of a SEND / RECV); >= 0.
+      delivery_time: ``(key, send_action) -> seconds`` from the end of a SEND until its message is
+        available to the receiver; >= 0.
+
+    Returns:
+      ``(key, action, start_s, end_s)`` per action, in the order they ran.
+    Raises:
+      ScheduleDeadlock: if some process waits forever.
+      ValueError: if a callback returns a negative or non-finite time.
+    """
+    procs: Dict[Any, List[Key]] = {}
+    for k in lists:
+        procs.setdefault(process_of[k], []).append(k)
+    ptr = {k: 0 for k in lists}
+    clock = {p: 0.0 for p in procs}
+    delivered: Dict[tuple, float] = {}
+    events: List[Tuple[Key, Action, float, float]] = []
+
+    def mkey(k: Key, a: Action) -> tuple:
+        return (k[0],) + message_key(k[1], a)
+
+    def ready(k: Key, a: Action, now: float) -> bool:
+        return not a.is_recv or delivered.get(mkey(k, a), float("inf")) <= now
+
+    def run(p: Any):
+        keys = procs[p]
+        while any(ptr[k] < len(lists[k]) for k in keys):
+            progressed = False
+            for k in keys:
+                while ptr[k] < len(lists[k]) and ready(k, lists[k][ptr[k]], clock[p]):
+                    i, a = ptr[k], lists[k][ptr[k]]
+                    start = clock[p]
+                    clock[p] = start + _checked(action_time(k, i), "action_time", k[1], a)
+                    if a.is_send:
+                        delivered[mkey(k, a)] = clock[p] + _checked(delivery_time(k, a), "delivery_time", k[1], a)
+                    events.append((k, a, start, clock[p]))
+                    ptr[k] += 1
+                    progressed = True
+                    yield a.is_send
+            if not progressed:
+                yield None
+
+    _drive(procs, {p: run(p) for p in procs}, clock, lambda p: [
+        delivered[mkey(k, lists[k][ptr[k]])] for k in procs[p]
+        if ptr[k] < len(lists[k]) and mkey(k, lists[k][ptr[k]]) in delivered],
+        lambda p: [f"{k} at {lists[k][ptr[k]]}" for k in procs[p] if ptr[k] < len(lists[k])])
+    return tuple(events)
+
+
+def _drive(procs: Mapping[Any, Any], gens: Mapping[Any, Any], clock: Dict[Any, float],
+           known_waits: Callable[[Any], List[float]], stuck: Callable[[Any], List[str]]) -> None:
+    """Runs the process generators of :func:`simulate_processes` in time order: always the process with
+    the smallest clock next (ties: first listed); a process with nothing ready jumps to its earliest
+    known delivery, or sleeps until some SEND runs. Raises ScheduleDeadlock if all sleep."""
+    order = {p: n for n, p in enumerate(procs)}
+    heap = [(0.0, n, p) for p, n in order.items()]
+    heapq.heapify(heap)
+    blocked: set = set()
+    while heap:
+        _, _, p = heapq.heappop(heap)
+        try:
+            sent = next(gens[p])
+        except StopIteration:
+            continue
+        if sent:  # a new message may unblock waiting processes
+            for q in blocked:
+                heapq.heappush(heap, (clock[q], order[q], q))
+            blocked.clear()
+        if sent is None:  # nothing ready: wait for the earliest known delivery after now
+            waits = known_waits(p)
+            if not waits:
+                blocked.add(p)
+                continue
+            clock[p] = max(clock[p], min(waits))
+        heapq.heappush(heap, (clock[p], order[p], p))
+    if blocked:
+        raise ScheduleDeadlock("schedule deadlock: no process can progress; waiting: "
+                               + "; ".join(x for p in blocked for x in stuck(p)))

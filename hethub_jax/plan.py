@@ -1,0 +1,130 @@
+"""``python -m hethub_jax.plan``: the automatic parallel planner on the command line (docs/planner.md).
+
+Usage::
+
+    python -m hethub_jax.plan --model PRESET_OR_CONFIG --cluster CLUSTER.yaml --global-batch N
+        [--seq-len N] [--profiles DIR] [--out plan.json] [--top K] [--json]
+
+Prints one table per candidate (best first): per stage its device type, devices, DP x TP, layers,
+predicted compute per microbatch, memory per device and bubble; the step time, tokens/s, MFU and the
+fraction of the cluster's upper bound (sum of each group's best homogeneous tokens/s). Every figure is
+PREDICTED by ``hethub_jax.planner.predictor``, none is measured. ``--out`` writes the best plan, which
+``python -m hethub_jax.train --plan`` runs unchanged.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Dict, List, Optional, Sequence
+
+__all__ = ["main", "format_candidate", "candidate_dict"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m hethub_jax.plan", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="model preset name (e.g. llama-140b) or a YAML/JSON config")
+    p.add_argument("--cluster", required=True, help="cluster spec YAML (docs/cluster_spec.md)")
+    p.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default min(4096, model max))")
+    p.add_argument("--profiles", default=None, help="folder of measured profiles <device>.json / <group>.json")
+    p.add_argument("--out", default=None, help="write the best plan (JSON) here")
+    p.add_argument("--top", type=int, default=3, help="candidates to keep and print (default 3)")
+    p.add_argument("--max-stages-per-group", type=int, default=4, help="most stages one group may hold")
+    p.add_argument("--microbatch-sizes", type=int, nargs="+", default=None,
+                   help="candidate microbatch sizes (default: every divisor of the global batch)")
+    p.add_argument("--no-hetero-dp", action="store_true", help="skip the heterogeneous data-parallel family")
+    p.add_argument("--no-upper-bound", action="store_true", help="skip the per-group homogeneous searches")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
+    return p
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.1f}"
+
+
+def format_candidate(i: int, c: Any, groups: Dict[str, Any], ub: Optional[float]) -> str:
+    """The readable table of one candidate (every figure PREDICTED)."""
+    pred, plan = c.prediction, c.plan
+    frac = f"{c.upper_bound_fraction:.3f} of the cluster's upper bound ({ub:,.0f} tokens/s)" if ub else \
+        "upper bound not computed"
+    lines = [f"Candidate {i + 1} ({c.kind}) - PREDICTED: step {pred.step_time_s:.4g} s, "
+             f"{pred.tokens_per_s:,.0f} tokens/s, MFU {100 * c.mfu:.1f}%, {frac}",
+             f"  microbatch {plan.microbatch_size}, global batch {plan.global_batch_size}, schedule {plan.schedule}, "
+             f"recompute {plan.recompute}; pipeline {pred.pipeline_s:.4g} s + gradient sums {pred.allreduce_s:.3g} s "
+             f"+ update {pred.update_s:.3g} s",
+             f"  {'rep':>3} {'stg':>3}  {'group (device)':<26} {'devices':>7} {'DP x TP':>9} {'layers':>9} "
+             f"{'F+B/mb s':>10} {'mem GB (cap)':>14} {'bubble':>7}"]
+    shares = plan.batch_shares()
+    for sp in pred.stages:
+        st = plan.stage(sp.replica, sp.stage)
+        g = groups[st.island]
+        dev = f"{st.island} ({g.device or 'profile'})"
+        cap = groups[st.island].memory_gb
+        lines.append(f"  {sp.replica:>3} {sp.stage:>3}  {dev:<26.26} {st.num_devices:>7} {st.dp:>4} x {st.tp:<3}"
+                     f" {st.first_layer:>4}-{st.last_layer:<4} {sp.compute_s_per_microbatch:>10.4g} "
+                     f"{_gb(sp.memory.total):>6} ({cap:>5.0f}) {100 * sp.bubble_fraction:>6.1f}%")
+    if plan.num_replicas > 1:
+        lines.append(f"  batch shares (samples per replica): {shares}")
+    return "\n".join(lines)
+
+
+def candidate_dict(c: Any) -> Dict[str, Any]:
+    """JSON form of a candidate: the plan, its kind, MFU, fraction of the upper bound and the prediction
+    (timeline left out); every figure PREDICTED."""
+    pred = c.prediction.to_dict()
+    pred.pop("timeline", None)
+    return {"kind": c.kind, "predicted": True, "step_time_s": c.step_time_s, "tokens_per_s": c.tokens_per_s,
+            "mfu": c.mfu, "upper_bound_fraction": c.upper_bound_fraction, "layers": [list(x) for x in c.layers],
+            "plan": c.plan.to_dict(), "prediction": pred}
+
+
+class _GroupInfo:
+    def __init__(self, g: Any, costs: Any):
+        self.device = g.device
+        self.memory_gb = costs.memory_bytes / 1e9
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    from hethub_jax.planner import PlanningError, SearchOptions, default_seq_len, load_cluster, load_model, search
+    from hethub_jax.planner.search import group_costs
+    try:
+        cfg = load_model(args.model)
+        cluster = load_cluster(args.cluster).resolved()
+        opt = SearchOptions(top_k=args.top, max_stages_per_group=args.max_stages_per_group,
+                            microbatch_sizes=tuple(args.microbatch_sizes) if args.microbatch_sizes else None,
+                            hetero_dp=not args.no_hetero_dp)
+        costs = group_costs(cluster, opt.efficiency, args.profiles)
+        seq = args.seq_len or default_seq_len(cfg)
+        res = search(cfg, cluster, args.global_batch, seq, costs=costs, options=opt,
+                     upper_bound=not args.no_upper_bound)
+    except PlanningError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.out:
+        res.best.plan.to_json(args.out)
+    if args.json:
+        print(json.dumps({"predicted": True, "cluster": cluster.name, "global_batch": args.global_batch,
+                          "seq_len": seq, "search": {"skeletons": res.skeletons, "expanded": res.expanded,
+                                                     "evaluated": res.evaluated, "wall_s": res.wall_s},
+                          "upper_bound_tokens_per_s": res.upper_bound_tokens_per_s,
+                          "candidates": [candidate_dict(c) for c in res.candidates]}, indent=2))
+        return 0
+    groups = {g.name: _GroupInfo(g, costs[g.name]) for g in cluster.groups}
+    print(f"PREDICTED plans for {args.model} on {cluster.name} ({cluster.num_devices} devices), global batch "
+          f"{args.global_batch} x {seq} tokens; search {res.wall_s:.2f} s, {res.skeletons} configurations, "
+          f"{res.evaluated} predictions")
+    for i, c in enumerate(res.candidates):
+        print()
+        print(format_candidate(i, c, groups, res.upper_bound_tokens_per_s))
+    if args.out:
+        print(f"\nbest plan written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""Cost models of one device type, from a profile or from the catalog (pure Python + numpy, no JAX).
+
+:class:`DeviceCosts` answers "how many seconds does this piece of a step take on this device type":
+a decoder layer's forward or backward, the embedding, the LM head + loss, the fixed per-action cost of
+a stage call, the optimizer update and the in-island all-reduce. :class:`LinkModel` times a message
+over a link, ``alpha + bytes / bandwidth`` (Hockney 1994, "The communication challenge for MPP: Intel
+Paragon and Meiko CS-2", the alpha-beta model).
+
+Phases (what one pipeline action computes, ``hethub_jax.parallel.stage``):
+  * ``"F"``: forward that saves the ``jax.vjp`` residuals (``forward_saving``; recompute ``none``);
+  * ``"F_nosave"``: plain forward (``forward``; recompute ``full``);
+  * ``"B"``: backward from the saved residuals (``backward_saved``);
+  * ``"B_recompute"``: backward that recomputes the forward first (``backward_recompute``); also the
+    fused forward + backward of the last stage (``forward_backward``: the same work).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
+
+from hethub_jax.planner import analytic
+from hethub_jax.planner.catalog import DeviceSpec, get_device
+
+__all__ = ["PHASES", "LinkModel", "DeviceCosts", "PROFILE_FORMAT"]
+
+PHASES = ("F", "F_nosave", "B", "B_recompute")
+#: ``format`` field of profile JSON files written by ``python -m hethub_jax.profile``
+PROFILE_FORMAT = "hethub-jax-profile/1"
+#: work of each phase in forwards (Narayanan et al. 2021, section 5.1: backward = 2 forwards)
+_PHASE_FORWARDS = {"F": 1.0, "F_nosave": 1.0, "B": analytic.BACKWARD_FLOPS_FACTOR,
+                   "B_recompute": 1.0 + analytic.BACKWARD_FLOPS_FACTOR}
+#: all-reduces of T x D activations per layer and phase under Megatron TP (Shoeybi et al. 2019,
+#: section 3: f and g operators, 2 in the forward, 2 in the backward, 4 when the forward is recomputed)
+_PHASE_TP_ALLREDUCES = {"F": 2, "F_nosave": 2, "B": 2, "B_recompute": 4}
+
+
+def _check_phase(phase: str) -> None:
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """A point-to-point link: ``time_s(nbytes) = alpha_s + nbytes / bandwidth`` (seconds).
+
+    Attributes:
+      alpha_s: latency per message, seconds (>= 0).
+      bandwidth: bytes/s (> 0).
+
+    Raises:
+      ValueError: if ``alpha_s < 0`` or ``bandwidth <= 0``.
+    """
+
+    alpha_s: float
+    bandwidth: float
+
+    def __post_init__(self) -> None:
+        if not (self.alpha_s >= 0 and self.bandwidth > 0):
+            raise ValueError(f"LinkModel needs alpha_s >= 0 and bandwidth > 0, got {self.alpha_s}, {self.bandwidth}")
+
+    def time_s(self, nbytes: float) -> float:
+        return self.alpha_s + float(nbytes) / self.bandwidth
+
+
+@dataclass(frozen=True)
+class _Linear:
+    """``c0 + c1 * x`` (seconds), fitted by least squares in the profile."""
+
+    c0: float
+    c1: float
+
+    def __call__(self, x: float) -> float:
+        return max(0.0, self.c0 + self.c1 * x)
+
+
+@dataclass(frozen=True)
+class DeviceCosts:
+    """The cost model of ONE device type (build with :meth:`from_catalog` or :meth:`from_profile`).
+
+    Attributes:
+      name: device type (catalog key or the profile's ``device_type``).
+      source: ``"profile"`` (measured) or ``"catalog"`` (datasheet x efficiency).
+      memory_bytes: memory capacity per device, bytes.
+      emulated_slowdown: the emulated slowdown the profile's times include (DESIGN.md section 9; 1.0
+        for the catalog); the predictor rescales by ``island.slowdown / emulated_slowdown``.
+      spec: the catalog entry (catalog costs) or None.
+      efficiency: fraction of the datasheet peaks assumed reachable (catalog costs), else None.
+      fits: per TP degree (int) and phase, the fitted ``{"layer", "embed", "head", "base"}`` lines
+        (profile costs; x is FLOPs for layer and head, tokens for embed, 1 for base).
+      update_fit, allreduce_fit, shared_sum_fit, host_link: fitted lines of the update (x = parameters
+        per device), the in-island all-reduce (x = bytes), the runtime's host-side sum of shared
+        gradients (x = bytes over holders) and the device <-> host copy (profile costs).
+      bridge_link: the MPI bridge measured by the profiler under ``mpiexec -n 2`` (None when not
+        measured); pass it to ``predict(..., bridge=...)``.
+      profile: the raw profile dict (profile costs).
+    """
+
+    name: str
+    source: str
+    memory_bytes: int
+    emulated_slowdown: float = 1.0
+    spec: Optional[DeviceSpec] = None
+    efficiency: Optional[float] = None
+    fits: Dict[int, Dict[str, Dict[str, _Linear]]] = field(default_factory=dict)
+    update_fit: Optional[_Linear] = None
+    allreduce_fit: Optional[_Linear] = None
+    shared_sum_fit: Optional[Tuple[float, float]] = None
+    host_link: Optional[LinkModel] = None
+    bridge_link: Optional[LinkModel] = None
+    profile: Optional[Dict[str, Any]] = None
+
+    # ---- constructors ------------------------------------------------------------------------------
+    @classmethod
+    def from_catalog(cls, spec: Union[DeviceSpec, str], efficiency: float = 0.4) -> "DeviceCosts":
+        """Costs from datasheet figures: compute at ``efficiency x peak_flops``, memory traffic at
+        ``efficiency x memory_bandwidth``, links at their datasheet bandwidth with a stated latency
+        (5 us inside a node, 10 us over the network: typical NCCL small-message latencies, an
+        assumption). ``efficiency`` 0.4 is a typical MFU of large-model training (Narayanan et al.
+        2021 report 0.44-0.52 of peak on A100 for GPT models of 1-1000 B parameters; Chowdhery et al.
+        2022, PaLM, 0.46): a stated assumption, profile the device to replace it.
+
+        Raises:
+          ValueError: if ``efficiency`` is not in (0, 1], or for an unknown device name.
+        """
+        if isinstance(spec, str):
+            spec = get_device(spec)
+        if not 0 < efficiency <= 1:
+            raise ValueError(f"efficiency must be in (0, 1], got {efficiency}")
+        return cls(name=spec.name, source="catalog", memory_bytes=int(spec.memory_bytes), spec=spec,
+                   efficiency=float(efficiency),
+                   host_link=LinkModel(5e-6, spec.intra_node_bandwidth))
+
+    @classmethod
+    def from_profile(cls, profile: Union[Mapping[str, Any], str, os.PathLike]) -> "DeviceCosts":
+        """Costs from a profile written by ``python -m hethub_jax.profile`` (a dict or a JSON path).
+
+        Raises:
+          ValueError: if the profile's ``format`` is not :data:`PROFILE_FORMAT` or a fit is missing.
+          OSError: if the file cannot be read.
+        """
+        if not isinstance(profile, Mapping):
+            with open(profile) as f:
+                profile = json.load(f)
+        if profile.get("format") != PROFILE_FORMAT:
+            raise ValueError(f"not a {PROFILE_FORMAT} profile (format {profile.get('format')!r})")
+        fits_in = profile.get("fits", {})
+        if "compute" not in fits_in:
+            raise ValueError("profile has no 'fits.compute' section")
+        fits: Dict[int, Dict[str, Dict[str, _Linear]]] = {}
+        for tp, phases in fits_in["compute"].items():
+            fits[int(tp)] = {ph: {part: _Linear(float(v["c0"]), float(v["c1"])) for part, v in parts.items()}
+                             for ph, parts in phases.items()}
+        lin = lambda d: None if d is None else _Linear(float(d["c0"]), float(d["c1"]))
+        host, br = fits_in.get("host_copy"), fits_in.get("bridge")
+        link = lambda d: None if d is None else LinkModel(max(0.0, float(d["c0"])), 1.0 / max(float(d["c1"]), 1e-15))
+        return cls(name=str(profile.get("device_type", "cpu")), source="profile",
+                   memory_bytes=int(profile.get("memory_bytes", get_device("cpu").memory_bytes)),
+                   emulated_slowdown=float(profile.get("emulated_slowdown", 1.0)),
+                   fits=fits, update_fit=lin(fits_in.get("update")), allreduce_fit=lin(fits_in.get("allreduce")),
+                   shared_sum_fit=_shared_fit(fits_in.get("shared_sum")),
+                   host_link=link(host), bridge_link=link(br),
+                   profile=dict(profile))
+
+    # ---- compute -----------------------------------------------------------------------------------
+    def _fit(self, tp: int, phase: str, part: str) -> Tuple[_Linear, float]:
+        """The fitted line of the nearest profiled TP degree <= tp (else the smallest), and the factor
+        (profiled tp / tp) that scales its slope to ``tp`` shards."""
+        _check_phase(phase)
+        tps = sorted(self.fits)
+        lower = [t for t in tps if t <= tp]
+        t = lower[-1] if lower else tps[0]
+        try:
+            return self.fits[t][phase][part], t / tp
+        except KeyError:
+            raise ValueError(f"profile {self.name!r} has no fit for tp={t}, phase {phase!r}, part {part!r}") from None
+
+    def _compute(self, flops: float, tp: int, phase: str) -> float:
+        return flops * _PHASE_FORWARDS[phase] / (tp * self.spec.peak_flops * self.efficiency)
+
+    def layer_time_s(self, cfg: Any, tokens: float, seq_len: int, tp: int, phase: str) -> float:
+        """Seconds of ONE decoder layer on a TP group of ``tp`` devices for ``tokens`` tokens (per DP
+        rank of the stage) in sequences of ``seq_len``, phase in :data:`PHASES`.
+
+        Catalog: forward FLOPs (:func:`analytic.layer_flops`) x the phase's forwards / (tp x peak x
+        efficiency) + the phase's Megatron TP all-reduces of ``T x D`` activations (tp > 1).
+        Profile: the fitted ``c0 + c1 x FLOPs`` of the nearest profiled TP degree.
+
+        Raises:
+          ValueError: for an unknown phase, or tp < 1.
+        """
+        if tp < 1:
+            raise ValueError(f"tp must be >= 1, got {tp}")
+        flops = analytic.layer_flops(cfg, tokens, seq_len)
+        if self.source == "catalog":
+            _check_phase(phase)
+            t = self._compute(flops, tp, phase)
+            if tp > 1:
+                nbytes = tokens * cfg.hidden_size * analytic.dtype_bytes(cfg.dtype)
+                t += _PHASE_TP_ALLREDUCES[phase] * self.allreduce_time_s(nbytes, tp)
+            return t
+        fit, scale = self._fit(tp, phase, "layer")
+        return max(0.0, fit.c0 + fit.c1 * flops * scale)
+
+    def embed_time_s(self, cfg: Any, tokens: float, tp: int, phase: str) -> float:
+        """Seconds of the token embedding (a gather; backward a scatter-add into the embedding
+        gradient) for ``tokens`` tokens. Catalog: ``T D`` elements read and written at ``efficiency x
+        memory_bandwidth`` (x the phase's forwards)."""
+        if self.source == "catalog":
+            _check_phase(phase)
+            nbytes = 2 * tokens * cfg.hidden_size * analytic.dtype_bytes(cfg.dtype)
+            return nbytes * _PHASE_FORWARDS[phase] / (self.spec.memory_bandwidth * self.efficiency)
+        fit, scale = self._fit(tp, phase, "embed")
+        return max(0.0, fit.c0 + fit.c1 * tokens * scale)
+
+    def head_time_s(self, cfg: Any, tokens: float, seq_len: int, tp: int, phase: str) -> float:
+        """Seconds of the final norm, LM head and summed cross-entropy for ``tokens`` tokens."""
+        flops = analytic.head_flops(cfg, tokens)
+        if self.source == "catalog":
+            _check_phase(phase)
+            return self._compute(flops, tp, phase)
+        fit, scale = self._fit(tp, phase, "head")
+        return max(0.0, fit.c0 + fit.c1 * flops * scale)
+
+    def stage_overhead_s(self, tp: int, phase: str) -> float:
+        """Fixed seconds of one stage call (dispatch, argument handling, synchronisation), measured
+        as the intercept of the profile's stage fits; 0 for catalog costs (an assumption: negligible
+        against the compute of a large model)."""
+        if self.source == "catalog":
+            _check_phase(phase)
+            return 0.0
+        fit, _ = self._fit(tp, phase, "base")
+        return max(0.0, fit.c0)
+
+    # ---- update and collectives ------------------------------------------------------------------
+    def update_time_s(self, num_params_per_device: float, param_dtype_bytes: int = 4) -> float:
+        """Seconds of one AdamW update of ``num_params_per_device`` parameters on one device.
+
+        Catalog: memory-bound; reads parameter, gradient and two moments and writes parameter and
+        two moments, 7 x ``param_dtype_bytes`` per parameter (optax.adamw keeps its moments in the
+        parameter dtype), at ``efficiency x memory_bandwidth``. Profile: fitted ``c0 + c1 x n``.
+        """
+        if self.source == "catalog":
+            return 7.0 * param_dtype_bytes * num_params_per_device / (self.spec.memory_bandwidth * self.efficiency)
+        if self.update_fit is None:
+            raise ValueError(f"profile {self.name!r} has no optimizer-update fit")
+        return self.update_fit(num_params_per_device)
+
+    def allreduce_time_s(self, nbytes: float, num_devices: int) -> float:
+        """Seconds of an all-reduce of ``nbytes`` (per device) over ``num_devices`` devices of one island.
+
+        Catalog: ring all-reduce, ``2 (n - 1) alpha + 2 (n - 1) / n x nbytes / bandwidth`` (Patarasuk &
+        Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of workstations", section 3),
+        with the intra-node link inside ``devices_per_node`` devices, else the network link. Profile:
+        fitted ``c0 + c1 x nbytes x 2 (n - 1) / n``. 0 for one device.
+        """
+        n = int(num_devices)
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        ring = 2.0 * (n - 1) / n
+        if self.source == "catalog":
+            intra = n <= self.spec.devices_per_node
+            alpha, bw = (5e-6, self.spec.intra_node_bandwidth) if intra else (10e-6, self.spec.network_bandwidth)
+            return 2 * (n - 1) * alpha + ring * nbytes / bw
+        if self.allreduce_fit is None:
+            raise ValueError(f"profile {self.name!r} has no all-reduce fit")
+        return self.allreduce_fit(ring * nbytes)
+
+    def shared_sum_s(self, nbytes: float, tensors: int = 1) -> float:
+        """Seconds of the runtime's sum of gradients held by several stages of one process
+        (``PipelineRuntime._reduce_shared``: each holder's float32 copy to the host, the sum, the copy
+        back); ``nbytes`` and ``tensors``: float32 bytes and tensors summed over the holders. Profile:
+        ``c_bytes x nbytes + c_tensor x tensors``; otherwise a copy each way, ``2 x host_copy_s``.
+        0 for ``nbytes <= 0``."""
+        if nbytes <= 0:
+            return 0.0
+        if self.shared_sum_fit is not None:
+            return self.shared_sum_fit[0] * nbytes + self.shared_sum_fit[1] * tensors
+        return 2.0 * self.host_copy_s(nbytes)
+
+    def host_copy_s(self, nbytes: float) -> float:
+        """Seconds to copy ``nbytes`` between a device and host memory (one direction)."""
+        if self.host_link is None:
+            return 0.0
+        return self.host_link.time_s(nbytes)
+
+    def describe(self) -> str:
+        """One line naming the device type and where the figures come from."""
+        if self.source == "catalog":
+            return f"{self.name}: catalog figures x efficiency {self.efficiency:g} ({self.spec.source[:60]}...)"
+        p = self.profile or {}
+        return (f"{self.name}: profile of {p.get('date', '?')} on {p.get('machine', {}).get('node', '?')} "
+                f"(JAX {p.get('jax_version', '?')}, emulated slowdown {self.emulated_slowdown:g})")
+
+
+def _shared_fit(d: Optional[Mapping[str, Any]]) -> Optional[Tuple[float, float]]:
+    return None if d is None else (float(d["c_bytes"]), float(d["c_tensor"]))

@@ -1,0 +1,920 @@
+"""Automatic parallel planner: three-level search for the plan with the least predicted step time.
+
+DESIGN.md section 8; the method, the search space and the exactness argument are in ``docs/planner.md``.
+
+Search space (for a model, a cluster spec and a global batch size):
+  * pipeline plans: an order of ALL node groups along the pipeline (every permutation); per group a
+    number of stages ``k`` (1..``max_stages_per_group``), a TP degree ``tp`` (level 3: divides the
+    devices per node, divides the attention heads and divides or is a multiple of the KV heads) and
+    the DP degree ``dp`` (level 2: the largest divisor of the microbatch size with ``k * dp * tp`` <=
+    the group's devices); the microbatch size (a divisor of the global batch), the schedule, the
+    recompute policy, and every split of the layers into contiguous stages of >= 1 layer (level 1);
+  * heterogeneous-DP plans: one replica per group (each a pipeline inside its group, chosen as the
+    group's minimum-bottleneck pipeline), batch shares by ``parallel.plan.proportional_shares`` of
+    the replicas' speeds (``microbatch_size / bottleneck``).
+Every candidate is ranked by ``predictor.predict(...).step_time_s`` and must fit memory
+(``Prediction.fits``). Pipeline plans are found by branch and bound: ``predict``'s step time is at
+least the pipeline makespan, which is at least ``max_b(M t_b + sum_{s<b} t_s)`` and ``M x`` the busiest
+island's per-microbatch compute (``planner.pipeline_time``); a configuration or a partial split whose
+bound is not below the k-th best step time found so far cannot enter the top k and is skipped. All other
+splits are evaluated with ``predict``: the result equals exhaustive enumeration (``exhaustive_search``).
+
+Pure Python: no JAX import.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+from hethub_jax.parallel.plan import Plan, proportional_shares
+from hethub_jax.parallel.schedule import get_schedule, in_flight_bound
+from hethub_jax.planner.cluster import ClusterSpec, islands_of, load_cluster
+from hethub_jax.planner.pipeline_time import makespan
+
+__all__ = ["SearchOptions", "Skeleton", "Candidate", "SearchResult", "PlanningError", "search",
+           "exhaustive_search", "min_bottleneck_split", "greedy_bottleneck_split", "group_costs", "bridge_for", "valid_tp_degrees"]
+
+#: relative slack on lower bounds: the planner's linear stage-time formulas and ``predict`` may round the
+#: last bit differently; a bound is trusted to prune only when it exceeds the incumbent by this much
+LB_SLACK = 1e-9
+
+
+class PlanningError(ValueError):
+    """No plan of the search space fits; the message names the binding constraint."""
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """What the search may choose (defaults: everything the runtime supports).
+
+    Attributes:
+      microbatch_sizes: candidate microbatch sizes (samples); ``None``: every divisor of the global batch.
+      schedules: pipeline schedules to try (``"1f1b"``, ``"gpipe"``).
+      recompute: recompute policies to try (``"none"``, ``"full"``).
+      tp_degrees: candidate TP degrees; ``None``: every valid divisor of the devices per node.
+      max_stages_per_group: most pipeline stages one group (island) may hold.
+      hetero_dp: also try the heterogeneous data-parallel plan family.
+      top_k: candidates kept.
+      efficiency: fraction of datasheet peak assumed for catalog device types (``DeviceCosts.from_catalog``).
+      last_group: only pipelines whose last stage (final norm, LM head, loss) is on this group.
+    """
+
+    microbatch_sizes: Optional[Tuple[int, ...]] = None
+    schedules: Tuple[str, ...] = ("1f1b", "gpipe")
+    recompute: Tuple[str, ...] = ("none", "full")
+    tp_degrees: Optional[Tuple[int, ...]] = None
+    max_stages_per_group: int = 4
+    hetero_dp: bool = True
+    top_k: int = 3
+    efficiency: float = 0.4
+    last_group: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Skeleton:
+    """A pipeline configuration without its layer split.
+
+    Attributes:
+      microbatch_size, schedule, recompute: as in the plan.
+      groups: group names in pipeline order.
+      stages, tp, dp: per group (same order): stage count, TP and DP degree of each of its stages.
+    """
+
+    microbatch_size: int
+    schedule: str
+    recompute: str
+    groups: Tuple[str, ...]
+    stages: Tuple[int, ...]
+    tp: Tuple[int, ...]
+    dp: Tuple[int, ...]
+
+    @property
+    def num_stages(self) -> int:
+        return sum(self.stages)
+
+    def stage_group(self) -> List[int]:
+        """Per pipeline stage, the index (into ``groups``) of its group."""
+        return [j for j, k in enumerate(self.stages) for _ in range(k)]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One planned configuration, PREDICTED.
+
+    Attributes:
+      plan: the plan (validated against the model).
+      prediction: ``predictor.Prediction`` of the plan (every figure predicted).
+      kind: ``"pipeline"`` or ``"hetero-dp"``.
+      layers: per replica, the layer count of each stage.
+      mfu: model FLOPs utilisation, predicted: model FLOPs per step (forward + backward, no recompute)
+        / (step time x the plan's devices' peak FLOP/s).
+      upper_bound_fraction: tokens/s / the cluster's upper bound (sum over groups of the best
+        homogeneous tokens/s), when computed.
+    """
+
+    plan: Plan
+    prediction: Any
+    kind: str
+    layers: Tuple[Tuple[int, ...], ...]
+    mfu: float
+    upper_bound_fraction: Optional[float] = None
+
+    @property
+    def step_time_s(self) -> float:
+        return self.prediction.step_time_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.prediction.tokens_per_s
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """Result of :func:`search`.
+
+    Attributes:
+      candidates: the top k, best (least predicted step time) first; ties broken by the plan JSON.
+      skeletons: configurations the search enumerated; expanded: those not pruned by their bound.
+      evaluated: ``predict`` calls.
+      wall_s: seconds the search took.
+      upper_bound_tokens_per_s: sum over groups of each group's best homogeneous tokens/s (or None).
+    """
+
+    candidates: Tuple[Candidate, ...]
+    skeletons: int
+    expanded: int
+    evaluated: int
+    wall_s: float
+    upper_bound_tokens_per_s: Optional[float] = None
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# level 1: exact minimum-bottleneck split (dynamic program over layer prefixes)
+
+def min_bottleneck_split(stage_times: Sequence[Sequence[float]], num_layers: int) -> Tuple[float, Tuple[int, ...]]:
+    """Split ``num_layers`` layers into ``S = len(stage_times)`` contiguous stages of >= 1 layer each,
+    minimising the largest stage time; exact dynamic program over layer prefixes.
+
+    Args:
+      stage_times: per stage ``s``, ``stage_times[s][n]`` = seconds of stage ``s`` holding ``n`` layers
+        (index 0 unused; embedding/LM-head costs already included for the first/last stage;
+        ``math.inf`` where ``n`` layers do not fit memory). Must have at least ``num_layers + 1`` entries.
+
+    Returns:
+      ``(bottleneck seconds, layer counts per stage)``; ties go to the split that gives earlier stages
+      more layers. ``(inf, ())`` when no split fits.
+    """
+    S, L = len(stage_times), num_layers
+    if S == 0 or L < S:
+        return math.inf, ()
+    inf = math.inf
+    # best[s][p]: least bottleneck of stages 0..s holding layers 0..p-1; choice[s][p]: stage s's count
+    best = [[inf] * (L + 1) for _ in range(S)]
+    choice = [[0] * (L + 1) for _ in range(S)]
+    t0 = stage_times[0]
+    for p in range(1, L - S + 2):
+        best[0][p] = t0[p]
+        choice[0][p] = p
+    for s in range(1, S):
+        ts, prev, row, ch = stage_times[s], best[s - 1], best[s], choice[s]
+        for p in range(s + 1, L - (S - 1 - s) + 1):
+            b, c = inf, 0
+            for n in range(1, p - s + 1):  # stage s holds layers p-n..p-1
+                v = prev[p - n]
+                if ts[n] > v:
+                    v = ts[n]
+                if v < b:
+                    b, c = v, n
+            row[p], ch[p] = b, c
+    if best[S - 1][L] == inf:
+        return inf, ()
+    counts, p = [], L
+    for s in range(S - 1, -1, -1):
+        counts.append(choice[s][p])
+        p -= choice[s][p]
+    return best[S - 1][L], tuple(reversed(counts))
+
+
+def greedy_bottleneck_split(stage_times: Sequence[Sequence[float]], num_layers: int,
+                            minimum: Optional[Sequence[int]] = None) -> Tuple[float, Tuple[int, ...]]:
+    """The same least bottleneck as :func:`min_bottleneck_split`, in ``O(L log S)``: a stage's time
+    depends only on its own layer count and is nondecreasing in it, so the minimax allocation is
+    reached by starting every stage at its minimum (``minimum[s]``, default 1 layer) and giving each
+    further layer to the stage whose time after taking it is least (each step keeps the maximum as
+    small as any allocation of that many layers can; ties to the lower stage index).
+    ``tests/test_planner.py`` checks it against the DP. Returns ``(inf, ())`` when no split fits."""
+    S, L = len(stage_times), num_layers
+    counts = list(minimum or [1] * S)
+    if S == 0 or L < sum(counts) or any(stage_times[s][c] == math.inf for s, c in enumerate(counts)):
+        return math.inf, ()
+    nxt = lambda s: stage_times[s][counts[s] + 1] if counts[s] + 1 <= L else math.inf
+    heap = [(nxt(s), s) for s in range(S)]
+    heapq.heapify(heap)
+    for _ in range(L - sum(counts)):
+        t, s = heapq.heappop(heap)
+        if t == math.inf:
+            return math.inf, ()
+        counts[s] += 1
+        heapq.heappush(heap, (nxt(s), s))
+    return max(stage_times[s][n] for s, n in enumerate(counts)), tuple(counts)
+
+
+# ---------------------------------------------------------------------------------------------------
+# inputs: device costs, links, TP degrees
+
+def group_costs(cluster: ClusterSpec, efficiency: float = 0.4, profiles_dir: Optional[str] = None) -> Dict[str, Any]:
+    """Per group name, its ``costs.DeviceCosts``: the group's ``profile`` file; else
+    ``<profiles_dir>/<device>.json`` or ``<profiles_dir>/<group>.json`` when present; else the device
+    catalog entry with the group's ``devices_per_node`` and bandwidths, at ``efficiency`` of peak.
+
+    Raises:
+      ValueError: for an unknown catalog device or an unreadable profile.
+    """
+    import dataclasses
+    import os
+
+    from hethub_jax.planner.catalog import get_device
+    from hethub_jax.planner.costs import DeviceCosts
+    out = {}
+    for g in cluster.resolved().groups:
+        path = g.profile
+        if path is None and profiles_dir:
+            for name in (g.device, g.name):
+                p = os.path.join(profiles_dir, f"{name}.json")
+                if name and os.path.exists(p):
+                    path = p
+                    break
+        if path is not None:
+            out[g.name] = DeviceCosts.from_profile(path)
+            continue
+        spec = dataclasses.replace(get_device(g.device), devices_per_node=g.devices_per_node,
+                                   intra_node_bandwidth=g.intra_node_bandwidth,
+                                   network_bandwidth=g.network_bandwidth)
+        out[g.name] = DeviceCosts.from_catalog(spec, efficiency)
+    return out
+
+
+def bridge_for(cluster: ClusterSpec, pairs: Sequence[Tuple[str, str]]):
+    """The ``costs.LinkModel`` passed to ``predict`` (one bridge per plan): the slowest link (least
+    bandwidth, then most latency) among the given group pairs; the default link when there is none."""
+    from hethub_jax.planner.costs import LinkModel
+    links = [cluster.link(a, b) for a, b in pairs if a != b]
+    if not links:
+        bw, lat = cluster.link("", " ")
+    else:
+        bw, lat = min(links, key=lambda x: (x[0], -x[1]))
+    return LinkModel(lat, bw)
+
+
+def valid_tp_degrees(cfg: Any, devices_per_node: int, allowed: Optional[Sequence[int]] = None) -> List[int]:
+    """TP degrees inside one node (level 3): divisors of ``devices_per_node`` that divide the attention
+    heads and divide or are a multiple of the KV heads (``Plan.validate``'s rule), optionally limited
+    to ``allowed``."""
+    heads = cfg.num_attention_heads
+    kv = cfg.num_key_value_heads or heads
+    out = [t for t in range(1, devices_per_node + 1) if devices_per_node % t == 0 and heads % t == 0
+           and (kv % t == 0 or t % kv == 0)]
+    return [t for t in out if allowed is None or t in allowed]
+
+
+def balanced(n: int, k: int) -> List[int]:
+    """``n`` layers over ``k`` stages of one group as evenly as possible (the first ``n % k`` stages take
+    one more): the search space's split inside a group."""
+    q, r = divmod(n, k)
+    return [q + 1] * r + [q] * (k - r)
+
+
+def _stage_counts(sk: "Skeleton", per_group: Sequence[int]) -> Tuple[int, ...]:
+    return tuple(c for n, k in zip(per_group, sk.stages) for c in balanced(n, k))
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _largest_divisor_at_most(n: int, cap: int) -> int:
+    return max((d for d in _divisors(n) if d <= cap), default=0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the search
+
+class _Planner:
+    """State of one search: inputs, cost caches, the top-k list and counters."""
+
+    def __init__(self, cfg: Any, cluster: ClusterSpec, global_batch: int, seq_len: int,
+                 costs: Mapping[str, Any], options: SearchOptions):
+        self.cfg, self.cluster, self.opt = cfg, cluster.resolved(), options
+        self.gbs, self.seq, self.L = int(global_batch), int(seq_len), int(cfg.num_hidden_layers)
+        self.costs = dict(costs)
+        self.groups = {g.name: g for g in self.cluster.groups}
+        self.factor = {n: float(g.slowdown) / float(getattr(self.costs[n], "emulated_slowdown", 1.0))
+                       for n, g in self.groups.items()}
+        self._times: Dict[tuple, List[float]] = {}
+        self._lines: Dict[tuple, tuple] = {}
+        self._fused: Dict[tuple, str] = {}
+        self._upd: Dict[tuple, float] = {}
+        self._seen: set = set()
+        self._bridges: Dict[tuple, Any] = {}
+        self.dedupe = True
+        self._caps: Dict[tuple, int] = {}
+        self._preds: Dict[str, Any] = {}
+        self.top: List[Tuple[float, str, Candidate]] = []
+        self.skeletons = self.expanded = self.evaluated = 0
+
+    # ---- top k -----------------------------------------------------------------------------------
+    def ub(self) -> float:
+        """The k-th best step time so far (inf until k candidates exist): the pruning threshold."""
+        return self.top[-1][0] if len(self.top) >= self.opt.top_k else math.inf
+
+    def prunes(self, bound: float) -> bool:
+        return bound > self.ub() * (1 + LB_SLACK)
+
+    def offer(self, cand: Candidate) -> None:
+        key = (cand.step_time_s, cand.plan.to_json(indent=None))
+        if any(k[1] == key[1] for k in self.top):
+            return
+        self.top.append((key[0], key[1], cand))
+        self.top.sort(key=lambda x: (x[0], x[1]))
+        del self.top[self.opt.top_k:]
+
+    # ---- per-stage costs (the same calls predict makes) -----------------------------------------
+    def layer_lb(self, g: str, tp: int, dp: int, mbs: int, rec: str) -> float:
+        """Lower bound of one layer's F + B seconds per microbatch on a stage of group ``g``
+        (slowdown included; the last stage's fused F+B counted as its cheaper alternative)."""
+        c, tokens = self.costs[g], mbs // dp * self.seq
+        lt = lambda ph: c.layer_time_s(self.cfg, tokens, self.seq, tp, ph)
+        fb = lt("F") + lt("B") if rec == "none" else lt("F_nosave") + lt("B_recompute")
+        return self.factor[g] * min(fb, lt("B_recompute"))
+
+    def stage_lines(self, g: str, tp: int, dp: int, mbs: int, rec: str, first: bool, last: bool, fused: str):
+        """``(F, B)`` seconds of one microbatch's actions on a stage of group ``g`` as lines ``(time at 1
+        layer, time per extra layer)``, from the calls ``predict`` makes (``stage_compute_s`` x the
+        island's slowdown factor). ``fused`` (last stage only): ``"all"`` when every forward directly
+        precedes its own backward in the schedule (the runtime then runs one fused forward+backward
+        action, phase ``B_recompute``, and the B action costs nothing), ``"none"`` when no forward does,
+        ``"some"`` otherwise (then F is the cheaper of the two and B is 0: a lower bound)."""
+        key = (g, tp, dp, mbs, rec, first, last, fused)
+        if key not in self._lines:
+            from hethub_jax.planner.predictor import stage_compute_s
+            c, f, tokens = self.costs[g], self.factor[g], mbs // dp * self.seq
+            sc = lambda n, ph: f * stage_compute_s(self.cfg, c, 0, n - 1, first, last, tokens, self.seq, tp, ph)
+            line = lambda ph: (sc(1, ph), sc(2, ph) - sc(1, ph))
+            fph, bph = ("F", "B") if rec == "none" else ("F_nosave", "B_recompute")
+            fl, bl = line(fph), line(bph)
+            if last and fused == "all":
+                fl, bl = line("B_recompute"), (0.0, 0.0)
+            elif last and fused == "some":
+                fu = line("B_recompute")
+                fl, bl = (min(fl[0], fu[0]), min(fl[1], fu[1])), (0.0, 0.0)
+            self._lines[key] = (fl, bl)
+        return self._lines[key]
+
+    def stage_times(self, g: str, tp: int, dp: int, mbs: int, rec: str, first: bool, last: bool,
+                    fused: str = "none") -> List[float]:
+        """``t[n]``, n = 0..L: seconds of F + B of one microbatch on a stage of ``n`` layers (lines of
+        :meth:`stage_lines`); ``t[0] = inf``."""
+        key = (g, tp, dp, mbs, rec, first, last, fused)
+        if key not in self._times:
+            (fa, fs), (ba, bs) = self.stage_lines(*key)
+            self._times[key] = [math.inf] + [fa + ba + (n - 1) * (fs + bs) for n in range(1, self.L + 1)]
+        return self._times[key]
+
+    def fused(self, sched: str, num_stages: int, M: int) -> str:
+        """Whether the last stage's forwards run fused with their backwards (see :meth:`stage_lines`):
+        1F1B's last stage has no warm-up, so every F is directly followed by its own B ("all"); GPipe's
+        runs all F then all B, so only with M = 1 ("all", else "none"). Other schedules: read from the
+        action lists."""
+        if sched == "1f1b":
+            return "all"
+        if sched == "gpipe":
+            return "all" if M == 1 else "none"
+        key = (sched, num_stages, M)
+        if key not in self._fused:
+            acts = [a for a in get_schedule(sched)(num_stages, M)[-1] if a.is_compute]
+            pairs = [i + 1 < len(acts) and acts[i + 1].kind.value == "B" and acts[i + 1].microbatch == a.microbatch
+                     for i, a in enumerate(acts) if a.kind.value == "F"]
+            self._fused[key] = "all" if all(pairs) else ("none" if not any(pairs) else "some")
+        return self._fused[key]
+
+    def step_lb(self, sk: Skeleton, counts: Sequence[int]) -> float:
+        """A lower bound of ``predict``'s step time for ``sk`` split as ``counts``: the makespan
+        (:func:`pipeline_time.makespan`) with every action at most as long as ``predict`` makes it (no
+        message or copy times), plus, for S >= 2 stages, the optimizer updates (the busiest island's
+        sum over its stages, as ``predict`` adds them). The makespan is nondecreasing in every action
+        time, and an island that runs several stages one action at a time only delays actions."""
+        sg, S, M = sk.stage_group(), len(counts), self.gbs // sk.microbatch_size
+        fu = self.fused(sk.schedule, S, M)
+        fw, bw, upd = [], [], {}
+        for s, n in enumerate(counts):
+            j = sg[s]
+            g, first, last = sk.groups[j], s == 0, s == S - 1
+            (fa, fs), (ba, bs) = self.stage_lines(g, sk.tp[j], sk.dp[j], sk.microbatch_size, sk.recompute,
+                                                  first, last, fu if last else "none")
+            fw.append(fa + (n - 1) * fs)
+            bw.append(ba + (n - 1) * bs)
+            upd[g] = upd.get(g, 0.0) + self.update_s(g, sk.tp[j], n, first, last)
+        act, grad = self.message_times(sk, counts, fw, bw)
+        lb = makespan(sk.schedule, M, fw, bw, act, grad)
+        load: Dict[int, float] = {}
+        for s in range(S):  # an island runs its stages one action at a time
+            load[sg[s]] = load.get(sg[s], 0.0) + M * (fw[s] + bw[s])
+        return max(lb, max(load.values())) + (max(upd.values()) if S > 1 else 0.0)
+
+    def message_times(self, sk: Skeleton, counts: Sequence[int], fw: List[float], bw: List[float]):
+        """Adds to ``fw``/``bw`` (in place) the host copies ``predict`` charges around each compute action
+        (a RECV's copy onto the devices; a SEND's copy to the host when the peer is on another island) and
+        returns the per-boundary delivery seconds (the bridge between islands, 0 inside one): the
+        message of a microbatch is ``microbatch x seq_len x hidden`` activations in the compute dtype
+        (``docs/predictor.md``). Returns ``(act, grad)`` lists for :func:`pipeline_time.makespan`."""
+        from hethub_jax.planner import analytic
+        sg, S = sk.stage_group(), len(counts)
+        nbytes = sk.microbatch_size * self.seq * self.cfg.hidden_size * analytic.dtype_bytes(self.cfg.dtype)
+        isl = [sk.groups[sg[s]] for s in range(S)]
+        copy = [self.costs[g].host_copy_s(nbytes) for g in isl]
+        delivery = []
+        for s in range(S - 1):
+            cross = isl[s] != isl[s + 1]
+            delivery.append(self.bridge(tuple(zip(sk.groups, sk.groups[1:]))).time_s(nbytes) if cross else 0.0)
+            fw[s] += copy[s] if cross else 0.0      # SEND_ACT after F
+            fw[s + 1] += copy[s + 1]                # RECV_ACT before F
+            bw[s] += copy[s]                        # RECV_GRAD before B
+            bw[s + 1] += copy[s + 1] if cross else 0.0  # SEND_GRAD after B
+        return delivery, list(delivery)
+
+    def bridge(self, pairs: Tuple[Tuple[str, str], ...]):
+        if pairs not in self._bridges:
+            self._bridges[pairs] = bridge_for(self.cluster, pairs)
+        return self._bridges[pairs]
+
+    def update_s(self, g: str, tp: int, n: int, first: bool, last: bool) -> float:
+        """Seconds of one stage's optimizer update (``DeviceCosts.update_time_s`` of its parameters per
+        device, x the slowdown factor), as ``predict`` counts it."""
+        key = (g, tp, n, first, last)
+        if key not in self._upd:
+            from hethub_jax.planner import analytic
+            nparam = analytic.stage_params_per_device(self.cfg, 0, n - 1, first, last, tp)
+            self._upd[key] = self.factor[g] * self.costs[g].update_time_s(
+                nparam, analytic.dtype_bytes(self.cfg.param_dtype))
+        return self._upd[key]
+
+    def stage_cap(self, g: str, tp: int, dp: int, mbs: int, rec: str, first: bool, last: bool,
+                  in_flight: int) -> int:
+        """Most layers a stage can hold within device memory (``predictor.stage_memory_bytes``), 0 if
+        not even one layer fits. Memory is linear in the layer count."""
+        key = (g, tp, dp, mbs, rec, first, last, in_flight)
+        if key not in self._caps:
+            from hethub_jax.planner.predictor import stage_memory_bytes
+            mem = self.costs[g].memory_bytes * (1 + LB_SLACK)
+            m = lambda n: stage_memory_bytes(self.cfg, 0, n - 1, first, last, microbatch_size=mbs,
+                                             seq_len=self.seq, dp=dp, tp=tp, in_flight=in_flight,
+                                             recompute=rec).total
+            m1 = m(1)
+            if m1 > mem:
+                cap = 0
+            else:
+                slope = m(2) - m1
+                cap = self.L if slope <= 0 else min(self.L, 1 + int((mem - m1) // slope))
+            self._caps[key] = cap
+        return self._caps[key]
+
+    def tables(self, sk: Skeleton, num_microbatches: Optional[int] = None,
+               last_fused: Optional[str] = None) -> List[List[float]]:
+        """Per pipeline stage of ``sk``, ``t[n]`` with ``inf`` where ``n`` layers do not fit memory."""
+        S, sg = sk.num_stages, sk.stage_group()
+        M = num_microbatches or self.gbs // sk.microbatch_size
+        out = []
+        for s in range(S):
+            j, first, last = sg[s], s == 0, s == S - 1
+            args = (sk.groups[j], sk.tp[j], sk.dp[j], sk.microbatch_size, sk.recompute, first, last)
+            inflight = 0 if (last and sk.schedule == "1f1b") else in_flight_bound(sk.schedule, S, s, M)
+            cap = self.stage_cap(*args, inflight)
+            t = self.stage_times(*args, (last_fused or self.fused(sk.schedule, S, M)) if last else "none")
+            out.append(t if cap >= self.L else t[:cap + 1] + [math.inf] * (self.L - cap))
+        return out
+
+    # ---- configurations --------------------------------------------------------------------------
+    def microbatch_sizes(self) -> List[int]:
+        given = self.opt.microbatch_sizes
+        return sorted(m for m in (given or _divisors(self.gbs)) if m >= 1 and self.gbs % m == 0)
+
+    def choices(self, g: str, mbs: int) -> List[Tuple[int, int, int]]:
+        """Levels 2 and 3 for group ``g``: ``(stages, tp, dp)`` with ``dp`` the largest divisor of
+        ``mbs`` such that ``stages * dp * tp`` devices fit the group."""
+        grp = self.groups[g]
+        out = []
+        for tp in valid_tp_degrees(self.cfg, grp.devices_per_node, self.opt.tp_degrees):
+            for k in range(1, min(self.opt.max_stages_per_group, self.L) + 1):
+                if k * tp > grp.num_devices:
+                    break
+                dp = _largest_divisor_at_most(mbs, grp.num_devices // (k * tp))
+                out.append((k, tp, dp))
+        return out
+
+    def combo_streams(self) -> Iterator[Tuple[float, int, str, Tuple[Tuple[int, int, int], ...]]]:
+        """``(LB0, mbs, recompute, per-group choices in cluster order)`` in ascending LB0, with
+        ``LB0 >= M * L / sum_g 1/w_g`` (``w_g``: the group's per-layer lower bound), a bound of the step
+        time of every pipeline of those choices, whatever the order and split: the busiest island
+        computes at least ``M * n_g * w_g`` with ``sum_g n_g = L``; with a second bound (:meth:`_lb0`). Both
+        grow along the heap's successors (each group's choices are sorted by ``1/w`` descending), so the
+        keys come out nondecreasing and the caller may stop at the first key above the k-th best."""
+        names = list(self.groups)
+        heap: list = []
+        streams = []
+        for mbs in self.microbatch_sizes():
+            M = self.gbs // mbs
+            for rec in self.opt.recompute:
+                per = []
+                for g in names:
+                    cs = [(1.0 / self.layer_lb(g, tp, dp, mbs, rec), c) for c in self.choices(g, mbs)
+                          for (k, tp, dp) in [c]]
+                    cs.sort(key=lambda x: (-x[0], x[1]))
+                    per.append(cs)
+                if any(not cs for cs in per):
+                    continue
+                sid = len(streams)
+                streams.append((mbs, rec, M, per))
+                idx = (0,) * len(names)
+                heapq.heappush(heap, (self._lb0(streams[sid], idx), sid, idx))
+        seen = set()
+        while heap:
+            lb0, sid, idx = heapq.heappop(heap)
+            if (sid, idx) in seen:
+                continue
+            seen.add((sid, idx))
+            mbs, rec, M, per = streams[sid]
+            combo = tuple(per[j][i][1] for j, i in enumerate(idx))
+            if self.combo_capacity(mbs, rec, combo) >= self.L:
+                yield lb0, mbs, rec, combo
+            else:
+                self.skeletons += 1
+            for j in range(len(idx)):
+                if idx[j] + 1 < len(per[j]):
+                    nxt = idx[:j] + (idx[j] + 1,) + idx[j + 1:]
+                    if (sid, nxt) not in seen:
+                        heapq.heappush(heap, (self._lb0(streams[sid], nxt), sid, nxt))
+
+    def combo_capacity(self, mbs: int, rec: str, combo) -> int:
+        """An upper bound of the layers one choice per group can hold in memory: per group, its stages x
+        the layers a middle stage holds with no microbatch in flight (memory grows with both)."""
+        return sum(k * self.stage_cap(g, tp, dp, mbs, rec, False, False, 0)
+                   for g, (k, tp, dp) in zip(self.groups, combo))
+
+    def _lb0(self, stream, idx) -> float:
+        """``max(M L / sum_g 1/w_g, L min_g w_g)``: the busiest island bound, and microbatch 0 passing
+        every stage forward and backward (``sum_s t_s >= sum_g n_g w_g >= L min_g w_g``)."""
+        mbs, rec, M, per = stream
+        inv = [per[j][i][0] for j, i in enumerate(idx)]
+        return max(M * self.L / sum(inv), self.L / max(inv))
+
+    def twin_class(self, g: str) -> Any:
+        """Groups of one class are interchangeable: same fields but the name, and no explicit link names
+        them (so every link to them is the default one). Swapping two of them changes no prediction."""
+        linked = {n for link in self.cluster.links for n in link.between}
+        if g in linked or self.opt.last_group == g:
+            return g
+        return json.dumps(self.groups[g].model_dump(exclude={"name"}), sort_keys=True)
+
+    def skeletons_of(self, mbs: int, rec: str, combo) -> Iterator[Skeleton]:
+        """Every pipeline order and schedule for one choice per group (``combo`` in cluster order), except
+        those equal to one already given up to swapping interchangeable groups (:meth:`twin_class`)."""
+        names = list(self.groups)
+        cls = [self.twin_class(g) for g in names]
+        for sched in self.opt.schedules:
+            for perm in itertools.permutations(range(len(names))):
+                if self.opt.last_group is not None and names[perm[-1]] != self.opt.last_group:
+                    continue
+                sig = (mbs, rec, sched, tuple((cls[j], combo[j]) for j in perm))
+                if self.dedupe and sig in self._seen:
+                    continue
+                self._seen.add(sig)
+                yield Skeleton(mbs, sched, rec, tuple(names[j] for j in perm),
+                               tuple(combo[j][0] for j in perm), tuple(combo[j][1] for j in perm),
+                               tuple(combo[j][2] for j in perm))
+
+    # ---- level 1 inside one configuration: branch and bound over the splits ------------------------
+    def group_tables(self, sk: Skeleton, times: List[List[float]]) -> List[List[float]]:
+        """Per group ``j`` of ``sk``, ``f[n]``: the island's compute per microbatch when it holds ``n``
+        layers spread evenly over its stages (:func:`balanced`); ``inf`` if a stage exceeds memory or
+        ``n`` is below the group's stage count. Nondecreasing in ``n``."""
+        out, s0 = [], 0
+        for k in sk.stages:
+            f = [math.inf] * (self.L + 1)
+            if k <= self.L:
+                cur = sum(times[s0 + i][1] for i in range(k))
+                f[k] = cur
+                for n in range(k + 1, self.L + 1):  # balanced(n, k) adds one layer to stage (n - 1) % k
+                    i, c = (n - 1) % k, (n - 1) // k
+                    cur += times[s0 + i][c + 1] - times[s0 + i][c]
+                    f[n] = cur if cur == cur else math.inf  # inf - inf is nan
+                    if f[n] == math.inf:
+                        break
+            out.append(f)
+            s0 += k
+        return out
+
+    def expand(self, sk: Skeleton) -> None:
+        """Evaluate every split of ``sk`` that can still enter the top k (module docstring)."""
+        self.skeletons += 1
+        G, M, L = len(sk.groups), self.gbs // sk.microbatch_size, self.L
+        if L < sk.num_stages:
+            return
+        times = self.tables(sk)
+        gt = self.group_tables(sk, times)
+        beta, per_group = greedy_bottleneck_split(gt, L, sk.stages)
+        if not per_group or self.prunes(M * beta):
+            return
+        self.expanded += 1
+        self.evaluate(sk, _stage_counts(sk, per_group))
+        cur: List[int] = []
+        first_stage = [sum(sk.stages[:j]) for j in range(G)]
+
+        def dfs(j: int, left: int, prefix: float) -> None:
+            ub = self.ub() * (1 + LB_SLACK)
+            need = sum(sk.stages[j + 1:])
+            hi = left if j == G - 1 else left - need
+            lo = left if j == G - 1 else sk.stages[j]
+            for n in range(hi, lo - 1, -1):
+                if gt[j][n] == math.inf or not M * gt[j][n] <= ub:  # inf: a stage exceeds memory
+                    continue
+                ts = [times[first_stage[j] + i][c] for i, c in enumerate(balanced(n, sk.stages[j]))]
+                p, ok = prefix, True
+                for t in ts:  # makespan >= M t_b + sum_{s<b} t_s (pipeline_time.makespan_lower_bound)
+                    if M * t + p > ub:
+                        ok = False
+                        break
+                    p += t
+                if not ok:
+                    continue
+                cur.append(n)
+                if j == G - 1:
+                    self.evaluate(sk, _stage_counts(sk, cur))
+                else:
+                    dfs(j + 1, left - n, p)
+                cur.pop()
+                ub = self.ub() * (1 + LB_SLACK)
+
+        dfs(0, L, 0.0)
+
+    # ---- evaluation ------------------------------------------------------------------------------
+    def pipeline_plan(self, sk: Skeleton, counts: Sequence[int]) -> Plan:
+        stages, first, sg = [], 0, sk.stage_group()
+        for s, n in enumerate(counts):
+            j = sg[s]
+            stages.append({"island": sk.groups[j], "dp": sk.dp[j], "tp": sk.tp[j], "first_layer": first,
+                           "last_layer": first + n - 1})
+            first += n
+        names = [g for g in self.groups if g in sk.groups]
+        return Plan.from_dict({
+            "description": f"PREDICTED plan from python -m hethub_jax.plan (cluster {self.cluster.name}): "
+                           f"pipeline {' -> '.join(sk.groups)}, layers {list(counts)}",
+            "islands": islands_of(self.cluster, names), "stages": stages, "global_batch_size": self.gbs,
+            "microbatch_size": sk.microbatch_size, "schedule": sk.schedule, "recompute": sk.recompute})
+
+    def evaluate(self, sk: Skeleton, counts: Sequence[int], bound: bool = True) -> None:
+        if bound and self.prunes(self.step_lb(sk, counts)):
+            return
+        plan = self.pipeline_plan(sk, counts)
+        pairs = list(zip(sk.groups, sk.groups[1:]))
+        self.consider(plan, "pipeline", (tuple(counts),), pairs)
+
+    def consider(self, plan: Plan, kind: str, layers, pairs) -> None:
+        """``predict`` the plan (memoised on its JSON) and offer it to the top k if it fits memory."""
+        key = plan.to_json(indent=None)
+        if key not in self._preds:
+            from hethub_jax.planner.predictor import predict
+            used = {st.island for rep in plan.replicas for st in rep.stages}
+            self._preds[key] = predict(self.cfg, plan, {n: self.costs[n] for n in used}, seq_len=self.seq,
+                                       bridge=bridge_for(self.cluster, pairs))
+            self.evaluated += 1
+        pred = self._preds[key]
+        if pred.fits:
+            self.offer(Candidate(plan, pred, kind, tuple(layers), self.mfu(plan, pred)))
+
+    def mfu(self, plan: Plan, pred: Any) -> float:
+        """Predicted model FLOPs utilisation (see :class:`Candidate`)."""
+        from hethub_jax.planner import analytic
+        from hethub_jax.planner.catalog import get_device
+        tokens = self.gbs * self.seq
+        flops = 3.0 * (self.L * analytic.layer_flops(self.cfg, tokens, self.seq) + analytic.head_flops(self.cfg, tokens))
+        peak = 0.0
+        for isl in plan.islands:
+            g, c = self.groups[isl.name], self.costs[isl.name]
+            spec = getattr(c, "spec", None) or (get_device(g.device) if g.device else None)
+            peak += g.num_devices * (spec.peak_flops / self.factor[isl.name] if spec else math.nan)
+        return flops / (pred.step_time_s * peak) if pred.step_time_s > 0 else math.nan
+
+    # ---- heterogeneous data parallelism ----------------------------------------------------------
+    def replica_of(self, g: str, mbs: int, sched: str, rec: str, M: int):
+        """The group's own pipeline for the hetero-DP family: over its choices (layers spread evenly over
+        the stages), the one with the least island compute per microbatch (the island runs its stages
+        one action at a time). ``(seconds, skeleton, counts)`` or None."""
+        best = None
+        for k, tp, dp in self.choices(g, mbs):
+            sk = Skeleton(mbs, sched, rec, (g,), (k,), (tp,), (dp,))
+            if self.L < k:
+                continue
+            per_mb = self.group_tables(sk, self.tables(sk, M))[0][self.L]
+            if per_mb < math.inf and (best is None or per_mb < best[0]):
+                best = (per_mb, sk, tuple(balanced(self.L, k)))
+        return best
+
+    def hetero(self) -> None:
+        """Evaluate the hetero-DP family: per (microbatch size, schedule, recompute), one replica per group."""
+        names = list(self.groups)
+        for mbs in self.microbatch_sizes():
+            M = self.gbs // mbs
+            if M < len(names):
+                continue
+            for sched in self.opt.schedules:
+                for rec in self.opt.recompute:
+                    self.skeletons += 1
+                    reps = [self.replica_of(g, mbs, sched, rec, M) for g in names]
+                    if any(r is None for r in reps):
+                        continue
+                    units = proportional_shares(M, [mbs / r[0] for r in reps])
+                    # bound: replica r computes u_r microbatches on its island; the last stage counted
+                    # at the cheaper of fused and unfused (u_r, not M, decides GPipe's fusion)
+                    lbs = [self.group_tables(r[1], self.tables(r[1], M, "some"))[0][self.L] for r in reps]
+                    if self.prunes(max(u * lb for u, lb in zip(units, lbs))):
+                        continue
+                    self.expanded += 1
+                    self.consider(self.hetero_plan(reps, units, mbs, sched, rec), "hetero-dp",
+                                  [r[2] for r in reps], list(itertools.combinations(names, 2)))
+
+    def hetero_plan(self, reps, units, mbs: int, sched: str, rec: str) -> Plan:
+        replicas = []
+        for (per_mb, sk, counts), u in zip(reps, units):
+            first, stages = 0, []
+            for n in counts:
+                stages.append({"island": sk.groups[0], "dp": sk.dp[0], "tp": sk.tp[0], "first_layer": first,
+                               "last_layer": first + n - 1})
+                first += n
+            replicas.append({"stages": stages, "batch_share": u * mbs, "throughput": mbs / per_mb})
+        return Plan.from_dict({
+            "description": f"PREDICTED plan from python -m hethub_jax.plan (cluster {self.cluster.name}): "
+                           f"heterogeneous DP, one replica per group, shares {[u * mbs for u in units]}",
+            "islands": islands_of(self.cluster), "replicas": replicas, "global_batch_size": self.gbs,
+            "microbatch_size": mbs, "schedule": sched, "recompute": rec})
+
+    # ---- infeasibility ---------------------------------------------------------------------------
+    def why_infeasible(self) -> str:
+        """The binding constraint when no candidate fits (most memory-friendly settings tried first)."""
+        mbs = self.microbatch_sizes()[0] if self.microbatch_sizes() else 1
+        rec = "full" if "full" in self.opt.recompute else self.opt.recompute[0]
+        lines, total = [], 0
+        for g, grp in self.groups.items():
+            tps = valid_tp_degrees(self.cfg, grp.devices_per_node, self.opt.tp_degrees)
+            if not tps:
+                lines.append(f"group {g!r}: no valid TP degree divides its {grp.devices_per_node} devices per node "
+                             f"and the model's heads")
+                continue
+            tp = tps[-1]
+            cap = self.stage_cap(g, tp, 1, mbs, rec, False, False, 1)
+            gb = self.costs[g].memory_bytes / 1e9
+            lines.append(f"group {g!r} ({grp.device or 'profile'}, {gb:.3g} GB per device): at most {cap} decoder "
+                         f"layer(s) per stage at TP={tp}, microbatch {mbs}, recompute {rec}")
+            total += cap * min(self.opt.max_stages_per_group, grp.num_devices // tp)
+        detail = "; ".join(lines)
+        if self.L < len(self.groups) and (not self.opt.hetero_dp or self.gbs // min(self.microbatch_sizes() or [1])
+                                          < len(self.groups)):
+            return (f"infeasible: the model has {self.L} layers, fewer than the {len(self.groups)} node groups a "
+                    f"pipeline must use (every stage holds >= 1 layer), and the global batch of {self.gbs} is too "
+                    f"small for one data-parallel replica per group")
+        if total == 0:
+            return ("infeasible: one decoder layer's memory exceeds every device type even at the highest TP "
+                    f"degree: {detail}")
+        if total < self.L:
+            return (f"infeasible: the model's {self.L} layers do not fit the cluster's memory: at most {total} "
+                    f"fit with max_stages_per_group={self.opt.max_stages_per_group}: {detail}")
+        return ("infeasible: no plan of the search space fits device memory (the embedding / LM head stage or "
+                f"the microbatch sizes {self.microbatch_sizes()} are the binding constraint): {detail}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# public entry points
+
+def _setup(cfg: Any, cluster: Any, global_batch: int, seq_len: int, costs, options, profiles_dir) -> _Planner:
+    options = options or SearchOptions()
+    cluster = load_cluster(cluster).resolved()
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"global_batch must be a positive integer (samples), got {global_batch!r}")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive integer (tokens), got {seq_len!r}")
+    if options.top_k < 1 or options.max_stages_per_group < 1:
+        raise ValueError(f"top_k and max_stages_per_group must be >= 1, got {options.top_k}, "
+                         f"{options.max_stages_per_group}")
+    for s in options.schedules:
+        if s not in ("1f1b", "gpipe"):
+            raise ValueError(f"schedules must be among ['1f1b', 'gpipe'], got {s!r}")
+    for r in options.recompute:
+        if r not in ("none", "full"):
+            raise ValueError(f"recompute must be among ['none', 'full'], got {r!r}")
+    if options.last_group is not None:
+        cluster.group(options.last_group)
+    if options.microbatch_sizes is not None and not any(global_batch % m == 0 for m in options.microbatch_sizes):
+        raise ValueError(f"no microbatch size in {list(options.microbatch_sizes)} divides the global batch "
+                         f"{global_batch}")
+    costs = costs or group_costs(cluster, options.efficiency, profiles_dir)
+    missing = [g.name for g in cluster.groups if g.name not in costs]
+    if missing:
+        raise ValueError(f"no device costs for group(s) {missing}")
+    return _Planner(cfg, cluster, global_batch, seq_len, costs, options)
+
+
+def search(cfg: Any, cluster: Any, global_batch: int, seq_len: int, *, costs: Optional[Mapping[str, Any]] = None,
+           options: Optional[SearchOptions] = None, profiles_dir: Optional[str] = None,
+           upper_bound: bool = False) -> SearchResult:
+    """Find the ``options.top_k`` plans with the least PREDICTED step time that fit memory.
+
+    Args:
+      cfg: model config (``LlamaConfig``).
+      cluster: a :class:`ClusterSpec`, a YAML path or a dict.
+      global_batch: samples per optimizer step; seq_len: tokens per sample.
+      costs: per group name, a ``costs.DeviceCosts``; default :func:`group_costs`.
+      options: the search space (:class:`SearchOptions`).
+      profiles_dir: folder of measured profiles (``<device>.json`` / ``<group>.json``).
+      upper_bound: also compute the cluster's upper bound (one homogeneous search per group) and each
+        candidate's ``upper_bound_fraction``.
+
+    Returns:
+      a :class:`SearchResult`; the same inputs give the same result on any run.
+    Raises:
+      ValueError: for bad input (naming it), before any search work.
+      PlanningError: when no plan fits, naming the binding constraint.
+    """
+    t0 = time.perf_counter()
+    p = _setup(cfg, cluster, global_batch, seq_len, costs, options, profiles_dir)
+    for lb0, mbs, rec, combo in p.combo_streams():
+        if p.prunes(lb0):
+            break
+        for sk in p.skeletons_of(mbs, rec, combo):
+            p.expand(sk)
+    if p.opt.hetero_dp and len(p.groups) > 1:
+        p.hetero()
+    if not p.top:
+        raise PlanningError(p.why_infeasible())
+    ub = _upper_bound(p) if upper_bound else None
+    cands = tuple(_with_fraction(c, ub) for _, _, c in p.top)
+    return SearchResult(cands, p.skeletons, p.expanded, p.evaluated, time.perf_counter() - t0, ub)
+
+
+def _with_fraction(c: Candidate, ub: Optional[float]) -> Candidate:
+    if not ub:
+        return c
+    return Candidate(c.plan, c.prediction, c.kind, c.layers, c.mfu, c.tokens_per_s / ub)
+
+
+def _upper_bound(p: _Planner) -> float:
+    """Sum over groups of the group's best homogeneous tokens/s (a search on that group alone)."""
+    total = 0.0
+    opt = SearchOptions(**{**p.opt.__dict__, "top_k": 1, "hetero_dp": False})
+    for g in p.cluster.groups:
+        sub = ClusterSpec.model_validate({"name": f"{p.cluster.name}/{g.name}", "groups": [g.model_dump()]})
+        try:
+            r = search(p.cfg, sub, p.gbs, p.seq, costs={g.name: p.costs[g.name]}, options=opt)
+        except PlanningError:
+            continue
+        total += r.best.tokens_per_s
+    return total
+
+
+def exhaustive_search(cfg: Any, cluster: Any, global_batch: int, seq_len: int, *,
+                      costs: Optional[Mapping[str, Any]] = None,
+                      options: Optional[SearchOptions] = None) -> SearchResult:
+    """Reference for tests: ``predict`` on EVERY plan of :func:`search`'s space (every configuration,
+    every split into contiguous stages), no bounds. Only for small models and clusters.
+
+    Raises:
+      PlanningError: when no plan fits.
+    """
+    t0 = time.perf_counter()
+    p = _setup(cfg, cluster, global_batch, seq_len, costs, options, None)
+    p.dedupe = False
+    names = list(p.groups)
+    for mbs in p.microbatch_sizes():
+        for rec in p.opt.recompute:
+            for combo in itertools.product(*(p.choices(g, mbs) for g in names)):
+                for sk in p.skeletons_of(mbs, rec, combo):
+                    p.skeletons += 1
+                    G = len(sk.groups)
+                    for cuts in itertools.combinations(range(1, p.L), G - 1):
+                        b = (0,) + cuts + (p.L,)
+                        per_group = [b[i + 1] - b[i] for i in range(G)]
+                        if all(n >= k for n, k in zip(per_group, sk.stages)):
+                            p.evaluate(sk, _stage_counts(sk, per_group), bound=False)
+    if p.opt.hetero_dp and len(names) > 1:
+        p.hetero()
+    if not p.top:
+        raise PlanningError(p.why_infeasible())
+    return SearchResult(tuple(c for _, _, c in p.top), p.skeletons, p.skeletons, p.evaluated,
+                        time.perf_counter() - t0)

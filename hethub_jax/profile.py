@@ -1,0 +1,417 @@
+"""Profiler: measures one island's device type and writes a profile JSON (DESIGN.md section 7).
+
+Run once per island (device type): ``python -m hethub_jax.profile --out profiles/cpu.json``; under
+``mpiexec -n 2`` rank 0 also measures the MPI bridge to rank 1 (ping-pong); alone it skips the bridge
+and says so. A few minutes at most (about 1-2 minutes for the tiny model on 2 CPU cores).
+
+What is measured, with the runtime's own code paths (``hethub_jax.parallel.stage.PipelineStage``):
+  * per TP degree and microbatch size, the four stage calls the runtime makes -- ``forward_saving``
+    (phase ``F``), ``forward`` (``F_nosave``), ``backward_saved`` (``B``) and
+    ``backward_recompute`` / the last stage's fused ``forward_backward`` (``B_recompute``) -- on four
+    stages: the first (layer 0, embedding), two middle ones (one and two layers) and the last (LM
+    head and loss), each call including the runtime's placement of its host inputs; then per phase
+    the fixed cost of a call (``base``), a layer's, the embedding's and the LM head + loss's,
+    ``head``, fitted jointly by least squares (numpy, :func:`fit_compute`) as ``c0 + c1 x`` with x the
+    layer's / head's forward FLOPs (``hethub_jax.planner.analytic``) or the tokens (embedding);
+  * the optimizer update (``PipelineStage.update``, AdamW) of the four stages: ``c0 + c1 x params``;
+  * the device <-> host copy of activation-sized arrays (``jax.device_get`` / ``jax.device_put``),
+    the in-island all-reduce (``psum`` over the island's devices) and the runtime's sum of gradients
+    held by several stages (tied embeddings, DP replicas; :func:`measure_shared_sum`):
+    ``c0 + c1 x bytes``;
+  * the bridge (``MPIHostBridge`` send/recv round trips, under mpiexec): ``c0 + c1 x bytes``.
+Each figure is the median of ``--repeats`` timed calls after one untimed call (compilation).
+An emulated slowdown (``--slowdown f``, DESIGN.md section 9) multiplies every compute and update
+time by f (what the runtime's wait adds) and is recorded as ``emulated_slowdown``.
+``hethub_jax.planner.costs.DeviceCosts.from_profile`` reads the file.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from hethub_jax.planner import analytic
+from hethub_jax.planner.costs import PROFILE_FORMAT
+
+PHASES = ("F", "F_nosave", "B", "B_recompute")
+STAGE_KINDS = ("first", "mid1", "mid2", "last")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m hethub_jax.profile", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="tiny", help="model preset (hethub_jax.models.config.PRESETS)")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sample")
+    p.add_argument("--microbatch-sizes", default="1,2,4", help="comma-separated samples per microbatch")
+    p.add_argument("--tp", default="1", help="comma-separated TP degrees (fake CPU devices are added as needed)")
+    p.add_argument("--repeats", type=int, default=7, help="timed calls per figure (median)")
+    p.add_argument("--device-type", default=None, help="name of the device type (default: the JAX platform)")
+    p.add_argument("--slowdown", type=float, default=1.0, help="emulated slowdown factor >= 1 (cpu only)")
+    p.add_argument("--statistic", choices=("median", "min"), default="median",
+                   help="statistic over the timed calls of each figure (min: for a machine shared with other jobs)")
+    p.add_argument("--out", required=True, help="profile JSON to write")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def fit_line(x: Sequence[float], y: Sequence[float]) -> Dict[str, float]:
+    """Least-squares ``y = c0 + c1 x`` (numpy.linalg.lstsq); one distinct x: ``c1 = 0``, ``c0 = mean``.
+    Returns ``{"c0", "c1", "rmse"}`` (seconds, seconds per unit of x, seconds)."""
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    if len(set(x.tolist())) < 2:
+        return {"c0": float(np.mean(y)), "c1": 0.0, "rmse": float(np.std(y))}
+    a = np.stack([np.ones_like(x), x], axis=1)
+    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+    rmse = float(np.sqrt(np.mean((a @ coef - y) ** 2)))
+    return {"c0": float(coef[0]), "c1": float(coef[1]), "rmse": rmse}
+
+
+def fit_shared_sum(samples: List[dict]) -> Optional[Dict[str, float]]:
+    """``seconds = c_bytes x bytes + c_tensor x tensors`` by least squares through the origin (numpy);
+    None without samples."""
+    if not samples:
+        return None
+    a = np.array([[s["bytes"], s["tensors"]] for s in samples], float)
+    y = np.array([s["seconds"] for s in samples])
+    scale = a.max(axis=0)
+    coef = np.linalg.lstsq(a / scale, y, rcond=None)[0] / scale
+    return {"c_bytes": float(max(coef[0], 0.0)), "c_tensor": float(max(coef[1], 0.0)),
+            "rmse": float(np.sqrt(np.mean((a @ coef - y) ** 2)))}
+
+
+def fit_compute(cfg: Any, samples: List[dict], seq_len: int) -> Dict[str, Dict[str, Dict[str, dict]]]:
+    """Per TP degree and phase, the ``base``/``layer``/``embed``/``head`` lines, fitted JOINTLY by least
+    squares over all stage samples of that TP degree and phase (``{"kind": "stage", "tp", "phase",
+    "tokens", "layers": n, "is_first", "is_last", "seconds"}``):
+
+        seconds = base + n (layer_c0 + layer_c1 x layer_flops) + is_first (embed_c0 + embed_c1 x tokens)
+                  + is_last (head_c0 + head_c1 x head_flops)
+
+    (one regression instead of differences of noisy timings). ``rmse`` is the fit's, in seconds."""
+    groups: Dict[tuple, List[dict]] = {}
+    for s in samples:
+        if s.get("kind") == "stage":
+            groups.setdefault((int(s["tp"]), s["phase"]), []).append(s)
+    out: Dict[str, Dict[str, Dict[str, dict]]] = {}
+    for (tp, phase), rows in sorted(groups.items()):
+        a = np.array([[1.0, r["layers"], r["layers"] * analytic.layer_flops(cfg, r["tokens"], seq_len),
+                       float(r["is_first"]), r["is_first"] * r["tokens"], float(r["is_last"]),
+                       r["is_last"] * analytic.head_flops(cfg, r["tokens"])] for r in rows])
+        y = np.array([r["seconds"] for r in rows])
+        scale = np.maximum(np.abs(a).max(axis=0), 1e-30)  # column scaling for a well-conditioned solve
+        coef = np.linalg.lstsq(a / scale, y, rcond=None)[0] / scale
+        rmse = float(np.sqrt(np.mean((a @ coef - y) ** 2)))
+        line = lambda c0, c1: {"c0": float(c0), "c1": float(c1), "rmse": rmse}
+        out.setdefault(str(tp), {})[phase] = {
+            "base": line(coef[0], 0.0), "layer": line(coef[1], coef[2]), "embed": line(coef[3], coef[4]),
+            "head": line(coef[5], coef[6])}
+    return out
+
+
+#: statistic over the timed calls of one figure: "median" (default) or "min" (``--statistic``; the
+#: minimum is closer to an unloaded machine's time when other jobs share the cores)
+STATISTIC = {"name": "median"}
+
+
+def _median_time(fn: Callable[[], Any], repeats: int, before: Optional[Callable[[], Any]] = None) -> float:
+    """Seconds of ``fn()`` (which must block until its result is ready) after one untimed call: the
+    median (or the minimum, see :data:`STATISTIC`) of ``repeats`` calls; ``before()`` runs untimed
+    ahead of each call (fresh donated buffers)."""
+    times = []
+    for i in range(repeats + 1):
+        arg = before() if before else None
+        t0 = time.perf_counter()
+        fn() if before is None else fn(arg)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return float(np.min(times) if STATISTIC["name"] == "min" else np.median(times))
+
+
+# ---- measurements (JAX from here on) ---------------------------------------------------------------
+
+def _stage_ranges(num_layers: int) -> Dict[str, tuple]:
+    if num_layers < 4:
+        raise ValueError(f"profiling needs a model with >= 4 layers (first, two middle, last stage), "
+                         f"got {num_layers}")
+    return {"first": (0, 0), "mid1": (1, 1), "mid2": (1, 2), "last": (num_layers - 1, num_layers - 1)}
+
+
+def _inputs(st: Any, cfg: Any, mbs: int, seq_len: int):
+    """Host arrays of one microbatch and the device input of a non-first stage, as the runtime has them."""
+    import jax.numpy as jnp
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab_size, (mbs, seq_len), dtype=np.int32)
+    pos = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (mbs, seq_len))
+    mask = np.ones((mbs, seq_len), np.float32)
+    x_dev = None if st.is_first else st.place_input(
+        rng.standard_normal((mbs, seq_len, cfg.hidden_size)).astype(jnp.dtype(cfg.dtype)))
+    return tokens, pos, mask, x_dev
+
+
+def measure_stage(st: Any, cfg: Any, mbs: int, seq_len: int, repeats: int) -> Dict[str, float]:
+    """Median seconds of the runtime's four calls on stage ``st`` for one microbatch of ``mbs``
+    samples, each with the host-input placement the runtime's F action does (runtime.py ``_StepExecutor._forward``).
+    On the last stage ``B_recompute`` is the fused ``forward_backward`` (the same work)."""
+    import jax
+    import jax.numpy as jnp
+
+    from hethub_jax.parallel.stage import StageInputs
+    tokens, pos_h, mask, x_dev = _inputs(st, cfg, mbs, seq_len)
+
+    def args():
+        x = st.place_tokens(tokens) if st.is_first else x_dev
+        extra = (st.place_tokens(tokens), st.place_tokens(mask)) if st.is_last else (None, None)
+        return StageInputs(x, st.place_tokens(pos_h), *extra)
+
+    g = jnp.ones((), jnp.float32) if st.is_last else jax.device_put(
+        jnp.ones((mbs, seq_len, cfg.hidden_size), cfg.dtype), st.act_sharding)
+    no = np.bool_(False)
+    out = {"F": _median_time(lambda: jax.block_until_ready(st.forward_saving(st.params, args())[0]), repeats),
+           "F_nosave": _median_time(lambda: jax.block_until_ready(st.forward(st.params, args())), repeats)}
+    saved = st.forward_saving(st.params, args())[1]
+    out["B"] = _median_time(lambda acc: jax.block_until_ready(st.backward_saved(saved, g, acc, no)[0]),
+                            repeats, before=st.new_grad_buffer)
+    if st.is_last:
+        out["B_recompute"] = _median_time(
+            lambda acc: jax.block_until_ready(st.forward_backward(st.params, args(), acc, no)), repeats,
+            before=st.new_grad_buffer)
+    else:
+        acc = st.new_grad_buffer()
+        out["B_recompute"] = _median_time(
+            lambda: jax.block_until_ready(st.backward_recompute(st.params, args(), g, acc, no)[0]), repeats)
+    return out
+
+
+def measure_update(st: Any, repeats: int) -> float:
+    """Median seconds of one optimizer update (``PipelineStage.update``) of the stage."""
+    import jax
+    import jax.numpy as jnp
+    grads = st.new_grad_buffer()
+    inv, norm = jnp.float32(1e-3), jnp.float32(1.0)
+
+    def step():
+        st.params, st.opt_state = st.update(st.params, st.opt_state, grads, inv, norm)
+        jax.block_until_ready(st.params)
+    return _median_time(step, repeats)
+
+
+def measure_host_copy(device: Any, sizes: Sequence[int], repeats: int) -> List[dict]:
+    """Seconds of one device->host plus one host->device copy of ``n`` float32 bytes, halved."""
+    import jax
+    out = []
+    for n in sizes:
+        host = np.ones(n // 4, np.float32)
+        dev = jax.device_put(host, device)
+
+        def both():
+            jax.device_get(dev).sum()
+            jax.block_until_ready(jax.device_put(host, device))
+        out.append({"kind": "host_copy", "bytes": n, "seconds": _median_time(both, repeats) / 2})
+    return out
+
+
+def measure_allreduce(devices: Sequence[Any], sizes: Sequence[int], repeats: int) -> List[dict]:
+    """Seconds of a ``psum`` of ``n`` float32 bytes per device over ``devices`` (jit + shard_map)."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    if len(devices) < 2:
+        return []
+    mesh = Mesh(np.asarray(devices), ("d",))
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None:  # older JAX
+        from jax.experimental.shard_map import shard_map
+    f = jax.jit(shard_map(lambda x: jax.lax.psum(x, "d"), mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    out = []
+    for n in sizes:
+        x = jax.device_put(np.ones((len(devices), n // 4), np.float32), NamedSharding(mesh, P("d")))
+        out.append({"kind": "allreduce", "bytes": n, "devices": len(devices),
+                    "seconds": _median_time(lambda: jax.block_until_ready(f(x)), repeats)})
+    return out
+
+
+def measure_shared_sum(cfg: Any, devices: Sequence[Any], repeats: int) -> List[dict]:
+    """Seconds of the runtime's sum of gradients held by several stages (``PipelineRuntime.
+    _reduce_shared``: host copies, float32 sums, placement back) in one process, on two plans of this
+    island: two pipeline stages sharing the tied embedding (tied models only) and two data-parallel
+    replicas of the whole model (every parameter shared). Recorded with the float32 bytes and the
+    number of tensors summed over the holders (the cost has a per-tensor part: one copy each way and
+    one placement per tensor)."""
+    import jax
+
+    from hethub_jax.optim import OptimConfig
+    from hethub_jax.parallel.plan import Plan
+    from hethub_jax.parallel.runtime import PipelineRuntime
+    n, half = cfg.num_hidden_layers, cfg.num_hidden_layers // 2
+    isl = [{"name": "p", "platform": devices[0].platform, "devices_per_process": 2}]
+    plans = [{"islands": isl, "global_batch_size": 2, "microbatch_size": 1,
+              "replicas": [{"stages": [{"island": "p", "first_layer": 0, "last_layer": n - 1}]}] * 2}]
+    if cfg.tie_word_embeddings:
+        plans.append({"islands": isl, "global_batch_size": 1, "microbatch_size": 1, "stages": [
+            {"island": "p", "first_layer": 0, "last_layer": half - 1},
+            {"island": "p", "first_layer": half, "last_layer": n - 1}]})
+    out = []
+    for d in plans:
+        rt = PipelineRuntime(Plan.from_dict(d), cfg, OptimConfig(), devices=list(devices[:2]))
+        acc = {k: rt.stages[k].new_grad_buffer() for k in rt.local_keys}
+        flats = {k: rt.stages[k].flat(acc[k]) for k in rt.local_keys}
+        nbytes = sum(4 * flats[k][name].size for name, hs in rt.shared.items() for k in hs)
+        tensors = sum(len(hs) for hs in rt.shared.values())
+        sec = _median_time(lambda: jax.block_until_ready(rt._reduce_shared(acc)), repeats)
+        out.append({"kind": "shared_sum", "bytes": int(nbytes), "tensors": tensors, "seconds": sec})
+    return out
+
+
+def measure_bridge(sizes: Sequence[int], repeats: int) -> Optional[List[dict]]:
+    """Round trips over ``MPIHostBridge`` between ranks 0 and 1 (under ``mpiexec -n 2``), halved; None
+    (with a message) when not under MPI with 2 ranks."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        print("bridge: mpi4py not installed; skipped", flush=True)
+        return None
+    if MPI.COMM_WORLD.Get_size() != 2:
+        print("bridge: not under `mpiexec -n 2`; skipped (run under mpiexec -n 2 to measure it)", flush=True)
+        return None
+    from hethub_jax.comm.mpi import MPIHostBridge
+    comm = MPIHostBridge(MPI.COMM_WORLD)
+    rank, out = comm.rank, []
+    for n in sizes:
+        buf = np.ones(max(1, n // 4), np.float32)
+
+        def trip():
+            if rank == 0:
+                comm.send(buf, 1, 7)
+                comm.recv(1, 8, out=buf)
+            else:
+                comm.recv(0, 7, out=buf)
+                comm.send(buf, 0, 8)
+        out.append({"kind": "bridge", "bytes": n, "seconds": _median_time(trip, repeats) / 2})
+    return out
+
+
+def profile_compute(cfg: Any, seq_len: int, mbs_list: Sequence[int], tps: Sequence[int], repeats: int,
+                    devices: Sequence[Any], progress: bool) -> tuple:
+    """(stage samples, update samples) over TP degrees, stage kinds and microbatch sizes."""
+    from tqdm import tqdm
+
+    from hethub_jax.optim import OptimConfig, make_optimizer
+    from hethub_jax.parallel.stage import PipelineStage
+    ranges = _stage_ranges(cfg.num_hidden_layers)
+    tx = make_optimizer(OptimConfig())
+    samples, updates = [], []
+    bar = tqdm(total=len(tps) * len(ranges) * len(mbs_list), desc="profile", disable=not progress, unit="stage")
+    for tp in tps:
+        if tp > len(devices):
+            raise ValueError(f"TP degree {tp} needs {tp} devices; the island has {len(devices)} (for CPU set "
+                             f"XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+        for kind, (fl, ll) in ranges.items():
+            st = PipelineStage(cfg, fl, ll, list(devices[:tp]), 1, tp, seed=0, recompute=False, optimizer=tx)
+            for mbs in mbs_list:
+                bar.set_postfix_str(f"tp={tp} {kind} mb={mbs}")
+                for phase, sec in measure_stage(st, cfg, mbs, seq_len, repeats).items():
+                    samples.append({"kind": "stage", "stage": kind, "first_layer": fl, "last_layer": ll,
+                                    "layers": ll - fl + 1, "is_first": st.is_first, "is_last": st.is_last,
+                                    "tp": tp, "phase": phase, "microbatch_size": mbs, "tokens": mbs * seq_len,
+                                    "seconds": sec})
+                bar.update()
+            if tp == tps[0]:
+                n = analytic.stage_params_per_device(cfg, fl, ll, fl == 0, ll == cfg.num_hidden_layers - 1, tp)
+                updates.append({"kind": "update", "stage": kind, "params": n, "seconds": measure_update(st, repeats)})
+    bar.close()
+    return samples, updates
+
+
+def _scaled(samples: List[dict], factor: float) -> List[dict]:
+    return [dict(s, seconds=s["seconds"] * factor) for s in samples]
+
+
+def build_profile(cfg: Any, args: Any, samples: List[dict], updates: List[dict], copies: List[dict],
+                  allreduce: List[dict], bridge: Optional[List[dict]], platform_name: str) -> Dict[str, Any]:
+    """The profile dict (format :data:`hethub_jax.planner.costs.PROFILE_FORMAT`, docs/predictor.md)."""
+    import jax
+    f = float(args.slowdown)
+    samples, updates = _scaled(samples, f), _scaled(updates, f)
+    line = lambda xs, key: None if not xs else fit_line([x[key] for x in xs], [x["seconds"] for x in xs])
+    ar = [dict(a, ring_bytes=a["bytes"] * 2 * (a["devices"] - 1) / a["devices"]) for a in allreduce]
+    return {
+        "format": PROFILE_FORMAT, "device_type": args.device_type or platform_name,
+        "machine": {"node": platform.node(), "processor": platform.processor() or platform.machine(),
+                    "cpu_count": os.cpu_count(), "system": platform.platform()},
+        "python": sys.version.split()[0], "jax_version": jax.__version__, "platform": platform_name,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "emulated_slowdown": f,
+        "emulation_note": ("compute and update times multiplied by the emulated slowdown (the runtime waits "
+                           "(f - 1) x each measured action, DESIGN.md section 9)" if f != 1 else "none"),
+        "memory_bytes": _device_memory_bytes(platform_name),
+        "model": cfg.to_dict(), "seq_len": args.seq_len, "repeats": args.repeats, "statistic": args.statistic,
+        "samples": samples + updates + copies + ar + (bridge or []),
+        "fits": {"compute": fit_compute(cfg, samples, args.seq_len), "update": line(updates, "params"),
+                 "host_copy": line([c for c in copies if c["kind"] == "host_copy"], "bytes"),
+                 "shared_sum": fit_shared_sum([c for c in copies if c["kind"] == "shared_sum"]),
+                 "allreduce": line(ar, "ring_bytes"),
+                 "bridge": line(bridge or [], "bytes")},
+        "bridge_note": "measured over MPIHostBridge" if bridge else "not measured (run under mpiexec -n 2)",
+    }
+
+
+def _device_memory_bytes(platform_name: str) -> int:
+    """Device memory: the first device's ``memory_stats()['bytes_limit']`` when given, else (CPU) the
+    host's physical memory (``os.sysconf``)."""
+    import jax
+    stats = getattr(jax.devices()[0], "memory_stats", lambda: None)()
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    args = _parser().parse_args(argv)
+    STATISTIC["name"] = args.statistic
+    mbs_list = [int(x) for x in args.microbatch_sizes.split(",")]
+    tps = [int(x) for x in args.tp.split(",")]
+    if args.slowdown < 1 or args.repeats < 1 or min(mbs_list + tps) < 1 or args.seq_len < 1:
+        raise SystemExit("--slowdown must be >= 1; --repeats, --seq-len, microbatch sizes and TP degrees >= 1")
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={max(tps + [2])}").strip()
+    import jax
+
+    from hethub_jax.models.config import get_preset
+    cfg = get_preset(args.model)
+    bridge = measure_bridge([1024, 64 * 1024, 1024 * 1024], args.repeats)
+    if bridge is not None and bridge and _mpi_rank() != 0:
+        return {}
+    devices = jax.devices()
+    platform_name = devices[0].platform
+    if args.slowdown != 1 and platform_name != "cpu":
+        raise SystemExit("--slowdown (emulation) applies only to cpu islands")
+    t0 = time.perf_counter()
+    samples, updates = profile_compute(cfg, args.seq_len, mbs_list, tps, args.repeats, devices,
+                                       not args.no_progress)
+    act = args.seq_len * cfg.hidden_size * analytic.dtype_bytes(cfg.dtype)
+    sizes = sorted({act * m for m in mbs_list} | {1 << 20, 8 << 20})
+    copies = measure_host_copy(devices[0], sizes, args.repeats)
+    allreduce = measure_allreduce(devices[:max(tps)], sizes, args.repeats)
+    copies += measure_shared_sum(cfg, devices, args.repeats)
+    prof = build_profile(cfg, args, samples, updates, copies, allreduce, bridge, platform_name)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump(prof, fh, indent=1)
+    print(f"profile of {prof['device_type']} ({len(prof['samples'])} samples, {time.perf_counter() - t0:.0f} s) "
+          f"written to {args.out}" + (f"; EMULATED slowdown {args.slowdown:g}" if args.slowdown != 1 else ""))
+    return prof
+
+
+def _mpi_rank() -> int:
+    from mpi4py import MPI
+    return MPI.COMM_WORLD.Get_rank()
+
+
+if __name__ == "__main__":
+    main()

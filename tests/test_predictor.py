@@ -1,0 +1,333 @@
+"""Tests of the performance predictor (hethub_jax.planner: analytic, catalog, costs, predictor,
+simulator.simulate_processes). Pure Python except the memory check against XLA's memory_analysis()."""
+import itertools
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hethub_jax.parallel.plan import Plan
+from hethub_jax.parallel.schedule import get_schedule
+from hethub_jax.planner import analytic
+from hethub_jax.planner.catalog import CATALOG, get_device
+from hethub_jax.planner.costs import PROFILE_FORMAT, DeviceCosts, LinkModel
+from hethub_jax.planner.predictor import predict, stage_compute_s
+from hethub_jax.planner.simulator import simulate, simulate_processes
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Cfg:
+    """A model config without the models package (plain attributes, as LlamaConfig has them)."""
+    vocab_size, hidden_size, intermediate_size, num_hidden_layers = 1000, 64, 128, 8
+    num_attention_heads, num_key_value_heads, head_dim = 4, 2, 16
+    tie_word_embeddings, dtype, param_dtype = False, "float32", "float32"
+
+
+def fixed_profile(t_f, t_b, t_fb=None, name="dev", update=0.0):
+    """A profile whose stage actions take fixed seconds: F / F_nosave t_f, B t_b, B_recompute (also
+    the last stage's fused F+B) t_fb (default t_f + t_b), independent of layers and tokens."""
+    t_fb = t_f + t_b if t_fb is None else t_fb
+    zero = {"c0": 0.0, "c1": 0.0}
+    parts = lambda t: {"layer": zero, "embed": zero, "head": zero, "base": {"c0": t, "c1": 0.0}}
+    return {"format": PROFILE_FORMAT, "device_type": name, "memory_bytes": 10**12,
+            "fits": {"compute": {"1": {"F": parts(t_f), "F_nosave": parts(t_f), "B": parts(t_b),
+                                       "B_recompute": parts(t_fb)}},
+                     "update": {"c0": update, "c1": 0.0}, "allreduce": zero}}
+
+
+def chain_plan(p, m, schedule="1f1b", slow=None, layers=8, islands=None):
+    """p stages over p islands (one stage each), microbatch_size 1, m microbatches."""
+    names = islands or [f"i{s}" for s in range(p)]
+    per = layers // p
+    stages = [{"island": names[s], "first_layer": s * per,
+               "last_layer": layers - 1 if s == p - 1 else (s + 1) * per - 1} for s in range(p)]
+    return Plan.from_dict({"islands": [{"name": n, "platform": "cpu", "slowdown": (slow or {}).get(n, 1.0)}
+                                       for n in dict.fromkeys(names)],
+                           "stages": stages, "global_batch_size": m, "microbatch_size": 1, "schedule": schedule})
+
+
+# ---- hand-checkable step times ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("schedule,p,m", list(itertools.product(["1f1b", "gpipe"], [1, 2, 3, 4], [1, 2, 5, 8])))
+def test_equal_stages_take_m_plus_p_minus_1_slots(schedule, p, m):
+    t_f, t_b = 0.01, 0.02
+    costs = DeviceCosts.from_profile(fixed_profile(t_f, t_b))
+    plan = chain_plan(p, m, schedule)
+    pred = predict(Cfg, plan, {i.name: costs for i in plan.islands}, seq_len=8, bridge=LinkModel(0.0, 1e30))
+    # GPipe / 1F1B textbook: (m + p - 1) (t_f + t_b); bubble (p - 1) / (m + p - 1) on every stage
+    assert pred.pipeline_s == pytest.approx((m + p - 1) * (t_f + t_b))
+    for st in pred.stages:
+        assert st.busy_s == pytest.approx(m * (t_f + t_b))
+        assert st.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize("schedule,p,m", [("gpipe", 2, 1), ("gpipe", 2, 4), ("gpipe", 3, 3), ("gpipe", 4, 6),
+                                          ("1f1b", 2, 1), ("1f1b", 4, 1)])
+def test_transfers_add_two_hops_per_stage_boundary(schedule, p, m):
+    """A transfer time c per message: the first microbatch's activation crosses p-1 links forward and
+    the gradients p-1 links back; GPipe's forwards (and backwards) then follow each other without
+    waiting: (m + p - 1)(t_f + t_b) + 2 (p - 1) c. (1F1B with m > 1 is NOT this: its warm-up of
+    p - 1 - s forwards does not cover the round trip, the simulator adds the waits.)"""
+    t_f, t_b, c = 0.01, 0.02, 0.003
+    costs = DeviceCosts.from_profile(fixed_profile(t_f, t_b))
+    plan = chain_plan(p, m, schedule)
+    pred = predict(Cfg, plan, {i.name: costs for i in plan.islands}, seq_len=8, bridge=LinkModel(c, 1e30))
+    assert pred.pipeline_s == pytest.approx((m + p - 1) * (t_f + t_b) + 2 * (p - 1) * c)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_slowest_stage_paces_the_pipeline(schedule):
+    """The last stage k x slower (emulated slowdown k): every other stage does one F before and one B
+    after the m microbatches of the bottleneck: sum_{s<p-1} (t_f + t_b) + m k (t_f + t_b)."""
+    t_f, t_b, p, m, k = 0.01, 0.02, 3, 6, 3.0
+    costs = DeviceCosts.from_profile(fixed_profile(t_f, t_b))
+    plan = chain_plan(p, m, schedule, slow={"i2": k})
+    pred = predict(Cfg, plan, {i.name: costs for i in plan.islands}, seq_len=8, bridge=LinkModel(0.0, 1e30))
+    assert pred.pipeline_s == pytest.approx((p - 1) * (t_f + t_b) + m * k * (t_f + t_b))
+    assert min(pred.stages, key=lambda s: s.bubble_fraction).stage == 2
+    assert "r0s2" in pred.critical_path
+
+
+def test_stages_sharing_a_process_run_one_action_at_a_time():
+    """Two stages on one island: its one process runs all 2 m F/B pairs back to back (always one is
+    ready), so the pipeline takes their sum, not (m + 1) slots."""
+    t_f, t_b, m = 0.01, 0.02, 4
+    costs = DeviceCosts.from_profile(fixed_profile(t_f, t_b))
+    plan = chain_plan(2, m, "1f1b", islands=["a", "a"])
+    plan = Plan.from_dict(dict(plan.to_dict(), islands=[{"name": "a", "platform": "cpu", "devices_per_process": 2}]))
+    pred = predict(Cfg, plan, {"a": costs}, seq_len=8)
+    assert pred.pipeline_s == pytest.approx(2 * m * (t_f + t_b))
+
+
+def test_simulate_processes_equals_simulate_with_one_stage_per_process():
+    rng = random.Random(0)
+    for name, S, M in itertools.product(["gpipe", "1f1b"], [1, 2, 3, 5], [1, 3, 7]):
+        acts = get_schedule(name)(S, M)
+        tf = {(s, a.kind, a.microbatch): rng.uniform(0.1, 1.0) for s in range(S) for a in acts[s] if a.is_compute}
+        comm = {(s, str(a)): rng.uniform(0, 0.3) for s in range(S) for a in acts[s] if a.is_send}
+        tl = simulate(acts, lambda s, a: tf[(s, a.kind, a.microbatch)], lambda s, d, a: comm[(s, str(a))])
+        ev = simulate_processes({(0, s): acts[s] for s in range(S)}, {(0, s): s for s in range(S)},
+                                lambda k, i: tf.get((k[1], acts[k[1]][i].kind, acts[k[1]][i].microbatch), 0.0)
+                                if acts[k[1]][i].is_compute else 0.0,
+                                lambda k, a: comm[(k[1], str(a))])
+        ends = {(k[1], str(a)): t1 for k, a, _, t1 in ev}
+        assert max(ends.values()) == pytest.approx(tl.makespan_s)
+        for s, a, _, t1 in tl.events:
+            assert ends[(s, str(a))] == pytest.approx(t1)
+
+
+def test_large_plan_predicts_well_under_a_second():
+    """8192 devices (2 islands x 4096), 80 layers (llama3-70b shape), 8 stages of 10 layers, dp 128 x tp 8,
+    64 microbatches: catalog costs, both process models exercised."""
+    cfg = type("C70", (Cfg,), dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                                   num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                                   head_dim=128, dtype="bfloat16"))
+    islands = [{"name": "h100", "platform": "cuda", "num_processes": 512, "devices_per_process": 8},
+               {"name": "mi300x", "platform": "rocm", "num_processes": 512, "devices_per_process": 8}]
+    stages = [{"island": "h100" if s < 4 else "mi300x", "dp": 128, "tp": 8, "first_layer": 10 * s,
+               "last_layer": 10 * s + 9} for s in range(8)]
+    plan = Plan.from_dict({"islands": islands, "stages": stages, "global_batch_size": 128 * 64,
+                           "microbatch_size": 128})
+    costs = {"h100": DeviceCosts.from_catalog("H100-SXM"), "mi300x": DeviceCosts.from_catalog("MI300X")}
+    t0 = time.perf_counter()
+    pred = predict(cfg, plan, costs, seq_len=4096)
+    assert time.perf_counter() - t0 < 1.0
+    assert pred.step_time_s > 0 and {s.source for s in pred.stages} == {"catalog"}
+    # independent bound: no step is faster than the busiest island's compute at its stated efficiency
+    fl = 3 * analytic.layer_flops(cfg, 128 * 64 * 4096, 4096) * 40 / 4096
+    assert pred.step_time_s >= fl / (0.4 * get_device("H100-SXM").peak_flops)
+
+
+# ---- catalog, costs, memory ------------------------------------------------------------------------
+
+def test_catalog_has_every_required_type_with_a_source():
+    for name in ["A100-80GB", "H100-SXM", "H200", "B200", "MI250X", "MI300X", "MI325X", "Gaudi3", "Ascend910B", "cpu"]:
+        d = get_device(name)
+        assert d.peak_flops > 0 and d.memory_bytes > 0 and d.memory_bandwidth > 0 and len(d.source) > 40
+    assert get_device("gaudi-3") is CATALOG["Gaudi3"]
+    with pytest.raises(ValueError, match="known"):
+        get_device("TPU-v9")
+
+
+def test_catalog_costs_follow_the_roofline():
+    cfg, c = Cfg, DeviceCosts.from_catalog("H100-SXM", efficiency=0.5)
+    t = c.layer_time_s(cfg, 4096, 1024, 1, "F")
+    assert t == pytest.approx(analytic.layer_flops(cfg, 4096, 1024) / (0.5 * 989e12))
+    assert c.layer_time_s(cfg, 4096, 1024, 1, "B_recompute") == pytest.approx(3 * t)
+    with pytest.raises(ValueError, match="efficiency"):
+        DeviceCosts.from_catalog("H100-SXM", efficiency=1.5)
+
+
+def test_layer_flops_match_a_hand_count():
+    # D=64, H=4, K=2, Dh=16, F=128, T=10, s=5: q 2*10*64*64, kv 2*2*10*64*32, o 2*10*64*64,
+    # mlp 6*10*64*128, attention 4*10*5*4*16
+    want = 2 * 10 * 64 * 64 + 4 * 10 * 64 * 32 + 2 * 10 * 64 * 64 + 6 * 10 * 64 * 128 + 4 * 10 * 5 * 64
+    assert analytic.layer_flops(Cfg, 10, 5) == want
+
+
+def test_emulated_slowdown_multiplies_compute():
+    c = DeviceCosts.from_profile(fixed_profile(0.01, 0.02))
+    fast, slow = chain_plan(1, 4), chain_plan(1, 4, slow={"i0": 2.5})
+    a = predict(Cfg, fast, {"i0": c}, seq_len=8)
+    b = predict(Cfg, slow, {"i0": c}, seq_len=8)
+    assert b.pipeline_s == pytest.approx(2.5 * a.pipeline_s)
+
+
+def test_profile_round_trip(tmp_path):
+    """A profile fitted from samples of known lines, written and read back, gives those lines."""
+    from hethub_jax.profile import fit_compute
+    seq = 16
+    truth = {"base": 1e-4, "layer": 2e-9, "embed": 3e-8, "head": 1e-9}
+    samples = []
+    for tok in (16, 32, 64):
+        lf, hf = analytic.layer_flops(Cfg, tok, seq), analytic.head_flops(Cfg, tok)
+        mid1 = truth["base"] + truth["layer"] * lf
+        vals = {"mid1": mid1, "mid2": mid1 + truth["layer"] * lf, "first": mid1 + truth["embed"] * tok,
+                "last": mid1 + truth["head"] * hf}
+        shape = {"mid1": (1, False, False), "mid2": (2, False, False), "first": (1, True, False),
+                 "last": (1, False, True)}
+        samples += [{"kind": "stage", "layers": shape[k][0], "is_first": shape[k][1], "is_last": shape[k][2],
+                     "tp": 1, "phase": ph, "tokens": tok, "seconds": v}
+                    for k, v in vals.items() for ph in ("F", "F_nosave", "B", "B_recompute")]
+    prof = {"format": PROFILE_FORMAT, "device_type": "cpu", "memory_bytes": 10**10, "emulated_slowdown": 1.0,
+            "fits": {"compute": fit_compute(Cfg, samples, seq), "update": {"c0": 1e-3, "c1": 1e-9},
+                     "allreduce": {"c0": 1e-5, "c1": 1e-10}, "host_copy": {"c0": 1e-5, "c1": 1e-10}}}
+    path = tmp_path / "cpu.json"
+    path.write_text(__import__("json").dumps(prof))
+    c = DeviceCosts.from_profile(str(path))
+    assert c.source == "profile" and c.name == "cpu"
+    t = stage_compute_s(Cfg, c, 2, 4, True, True, 48, seq, 1, "B")
+    want = truth["base"] + 3 * truth["layer"] * analytic.layer_flops(Cfg, 48, seq) + truth["embed"] * 48 \
+        + truth["head"] * analytic.head_flops(Cfg, 48)
+    assert t == pytest.approx(want, rel=1e-6)
+    assert c.update_time_s(1e6) == pytest.approx(1e-3 + 1e-3)
+    with pytest.raises(ValueError, match="format"):
+        DeviceCosts.from_profile({"format": "other"})
+
+
+def test_memory_counts_params_grads_and_adam_moments():
+    from hethub_jax.planner.predictor import stage_memory_bytes
+    m = stage_memory_bytes(Cfg, 0, 3, True, False, microbatch_size=4, seq_len=8, dp=2, tp=1, in_flight=3,
+                           recompute="none")
+    n = 4 * analytic.layer_params(Cfg) + analytic.embed_params(Cfg)
+    assert m.params == 4 * n and m.grads == 4 * n and m.optimizer == 8 * n
+    per_mb = 4 * analytic.layer_activation_bytes(Cfg, 16, 8, 1, "none", 4)
+    assert m.activations == pytest.approx(3 * per_mb) and m.logits == 0
+    full = stage_memory_bytes(Cfg, 0, 3, True, False, microbatch_size=4, seq_len=8, dp=2, tp=1, in_flight=3,
+                              recompute="full")
+    assert full.activations < m.activations
+    with pytest.raises(ValueError, match="divisible"):
+        stage_memory_bytes(Cfg, 0, 3, True, False, microbatch_size=3, seq_len=8, dp=2, tp=1, in_flight=1,
+                           recompute="none")
+
+
+# ---- boundaries ------------------------------------------------------------------------------------
+
+BLOCKER = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in {'jax', 'jaxlib', 'flax', 'optax', 'orbax', 'mpi4py'}:
+            raise ImportError('blocked: ' + name)
+sys.meta_path.insert(0, Block())
+"""
+
+
+def _import_blocked(modules):
+    code = BLOCKER + "".join(f"import {m}\n" for m in modules) + "print('ok')"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=REPO), timeout=60)
+
+
+def test_planner_imports_without_jax():
+    r = _import_blocked(["hethub_jax.planner.analytic", "hethub_jax.planner.catalog", "hethub_jax.planner.costs",
+                         "hethub_jax.planner.predictor", "hethub_jax.planner.simulator",
+                         "hethub_jax.planner.xla_cost", "hethub_jax.parallel.plan", "hethub_jax.parallel.trace"])
+    assert r.returncode == 0, r.stderr
+
+
+def test_model_config_imports_without_jax():
+    r = _import_blocked(["hethub_jax.models.config", "hethub_jax.planner.predictor"])
+    assert r.returncode == 0, r.stderr
+
+
+# ---- predicted against measured ----------------------------------------------------------------------
+
+def test_predicted_records_land_in_their_own_labelled_process_group(tmp_path):
+    import json
+
+    from hethub_jax.parallel.trace import ActionRecord, to_chrome_trace
+    from hethub_jax.planner.predictor import compare_step, predicted_records
+    costs = DeviceCosts.from_profile(fixed_profile(0.01, 0.02))
+    plan = chain_plan(2, 3)
+    c = {i.name: costs for i in plan.islands}
+    measured = [ActionRecord(0, "F0", 100.0, 100.01, "i0"), ActionRecord(1, "F0", 100.02, 100.05, "i1")]
+    pred = predicted_records(Cfg, plan, c, seq_len=8, offset_s=100.0)
+    assert pred and all(r.island.startswith("predicted: ") for r in pred) and min(r.start_s for r in pred) == 100.0
+    out = to_chrome_trace(measured, tmp_path / "t.json", predicted=pred)
+    names = {e["pid"]: e["args"]["name"] for e in out["traceEvents"] if e["name"] == "process_name"}
+    measured_pids = {e["pid"] for e in out["traceEvents"] if e["ph"] == "X" and not e["args"]["predicted"]}
+    predicted_pids = {e["pid"] for e in out["traceEvents"] if e["ph"] == "X" and e["args"]["predicted"]}
+    assert measured_pids == {0, 1} and not measured_pids & predicted_pids
+    assert all(names[p].startswith("PREDICTED") for p in predicted_pids)
+    assert not any(names[p].startswith("PREDICTED") for p in measured_pids)
+    assert json.loads((tmp_path / "t.json").read_text()) == out
+    # without predicted records the trace is what it was (backwards compatible pids and labels)
+    plain = to_chrome_trace(measured, tmp_path / "p.json")
+    assert [e["pid"] for e in plain["traceEvents"] if e["ph"] == "X"] == [0, 1]
+    line, metrics = compare_step(predict(Cfg, plan, c, seq_len=8), 0.2)
+    assert "predicted" in line and "measured 0.2 s" in line
+    assert metrics["predicted_over_measured"] == pytest.approx(metrics["predicted_step_time_s"] / 0.2)
+
+
+def test_simulate_processes_reports_a_deadlock():
+    from hethub_jax.parallel.schedule import Action, ScheduleDeadlock
+    lists = {(0, 0): [Action("RECV_GRAD", 0, 1), Action("F", 0)], (0, 1): [Action("RECV_ACT", 0, 0), Action("F", 0)]}
+    with pytest.raises(ScheduleDeadlock, match="RECV"):
+        simulate_processes(lists, {(0, 0): "a", (0, 1): "b"}, lambda k, i: 1.0, lambda k, a: 0.0)
+
+
+def test_concurrency_stages_pipelines_an_islands_stages():
+    t_f, t_b, m = 0.01, 0.02, 4
+    costs = DeviceCosts.from_profile(fixed_profile(t_f, t_b))
+    plan = chain_plan(2, m, "1f1b", islands=["a", "a"])
+    plan = Plan.from_dict(dict(plan.to_dict(), islands=[{"name": "a", "platform": "cpu", "devices_per_process": 2}]))
+    pred = predict(Cfg, plan, {"a": costs}, seq_len=8, concurrency="stages")
+    assert pred.pipeline_s == pytest.approx((m + 1) * (t_f + t_b))
+    with pytest.raises(ValueError, match="concurrency"):
+        predict(Cfg, plan, {"a": costs}, seq_len=8, concurrency="threads")
+
+
+def test_costs_for_plan_prefers_profiles_then_the_catalog():
+    from hethub_jax.planner.predictor import costs_for_plan
+    plan = chain_plan(2, 2)
+    c = costs_for_plan(plan, profiles={"i0": fixed_profile(0.01, 0.02)})
+    assert c["i0"].source == "profile" and c["i1"].source == "catalog" and c["i1"].name == "cpu"
+    gpu = Plan.from_dict(dict(plan.to_dict(), islands=[{"name": "i0", "platform": "cuda"}, {"name": "i1", "platform": "cpu"}]))
+    with pytest.raises(ValueError, match="device type"):
+        costs_for_plan(gpu)
+    assert costs_for_plan(gpu, device_types={"i0": "H100-SXM"})["i0"].spec.name == "H100-SXM"
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_in_flight_microbatches_follow_the_schedule(schedule):
+    """Stage memory holds in_flight_bound(schedule) microbatches of residuals (GPipe m, 1F1B p - s); a
+    1F1B last stage none (its forwards are fused with their backwards)."""
+    from hethub_jax.parallel.schedule import in_flight_bound
+    from hethub_jax.planner.predictor import stage_memory_bytes
+    p, m = 4, 6
+    costs = DeviceCosts.from_profile(fixed_profile(0.01, 0.02))
+    plan = chain_plan(p, m, schedule)
+    pred = predict(Cfg, plan, {i.name: costs for i in plan.islands}, seq_len=8)
+    for st in pred.stages:
+        spec = plan.replicas[0].stages[st.stage]
+        n = in_flight_bound(schedule, p, st.stage, m)
+        if spec.is_last and schedule == "1f1b":
+            n = 0
+        want = stage_memory_bytes(Cfg, spec.first_layer, spec.last_layer, spec.is_first, spec.is_last,
+                                  microbatch_size=1, seq_len=8, dp=1, tp=1, in_flight=n, recompute="none")
+        assert st.memory.activations == pytest.approx(want.activations)
