@@ -1,21 +1,40 @@
-"""Checkpoints of the training job (orbax-checkpoint).
+"""Plan-independent checkpoints of the training job (orbax-checkpoint; docs/training.md).
 
-Layout (one directory per saved step, one orbax checkpoint per MPI rank)::
+Layout (one directory per saved step, one orbax checkpoint per *unit* of the model)::
 
     checkpoint_dir/
+      .lock                 held (``fcntl.flock``) by the run writing here; pid and host inside
       step_{N}/
-        rank_{R}/        orbax StandardCheckpointer directory of rank R's stages:
-                         {"r{replica}s{stage}": {"params": ..., "opt_state": ...}, ...}
-        meta.json        written by the logging rank after its own save: step, world_size,
-                         config and plan (for humans and for --resume)
+        embed/              orbax checkpoint of the token embedding
+        layers.{i}/         one per decoder layer i
+        head/               final norm (and the output head if not tied to the embedding)
+        {unit}.crc.json     CRC-32 (zlib) of every array of the unit, with shape and dtype
+        meta.json           step, config, plan it was written under, data position, seeds
 
-orbax writes each ``rank_{R}`` into a temporary directory and renames it when complete, so a
-``rank_{R}`` directory that exists is a complete checkpoint. A step is complete when ``meta.json``
-and every rank's directory exist (:func:`latest_step`).
+Each unit holds ``{"params": {...}, "opt": {"0_mu": {...}, "0_nu": {...}}, "shared": {"0_count",
+"2_count"}}``: the unit's parameters under their global names (``layers.3.mlp.up_proj`` ->
+``params/layers/3/mlp/up_proj``), the optimizer's per-parameter moments for exactly those parameters
+(optax AdamW keeps ``mu`` and ``nu`` per parameter leaf, so every node of the optimizer state whose
+tree structure is the parameters' is sliced per unit), and the optimizer's shared scalars (step
+counts, equal on every stage) copied into every unit. Nothing depends on the plan: a process of any
+plan restores exactly the units of its own stages, re-placed on its own meshes.
 
-Islands of several processes (one ``jax.distributed`` runtime over several ranks) would need one
-orbax checkpoint per island, saved by all its processes together; :func:`check_supported` rejects
-them until the runtime supports that.
+Writing: each unit is written by the rank holding its first copy (replica 0's stage; the tied
+embedding by the first stage), with orbax's asynchronous checkpointer (saving overlaps the next
+training steps; the arrays are copied to host first). orbax writes a unit into a temporary directory
+and renames it when complete; the CRC file and ``meta.json`` are written atomically (temporary file,
+``os.replace``) after it. A step is *complete* when every unit directory, every CRC file and
+``meta.json`` exist (:func:`complete_steps`): a crash mid-save leaves an incomplete step that is
+never loaded and is deleted by the next run's pruning. ``keep`` complete steps are kept.
+
+Restoring (:func:`restore_latest`) tries complete steps newest first; a unit whose orbax read fails
+or whose arrays do not match their CRC is :class:`CheckpointCorrupt` (naming the unit directory and
+array), and all ranks then fall back together to the next older complete step, with a warning.
+
+Islands of several processes (one ``jax.distributed`` runtime over several ranks) would save each
+unit from all processes of the holding island together (orbax multi-process: every process calls
+save with its shards, ``jax.process_index() == 0`` commits); :func:`check_supported` rejects them
+until the runtime supports that (docs/training.md).
 """
 
 from __future__ import annotations
@@ -23,21 +42,105 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import socket
+import threading
+import time
+import zlib
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
-__all__ = ["step_dir", "rank_dir", "save", "restore", "latest_step", "write_meta", "read_meta",
-           "check_supported"]
+import numpy as np
 
+__all__ = ["CheckpointError", "CheckpointCorrupt", "CheckpointMismatch", "unit_of", "model_units",
+           "step_dir", "complete_steps", "latest_step", "read_meta", "write_meta", "check_supported",
+           "check_compatible", "AsyncSaver", "runtime_units", "restore_latest", "DirLock", "probe_writable"]
+
+FORMAT = 2
 _STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read (the message names the path)."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint unit fails to load or does not match its checksums (names the unit and array)."""
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint written for another model or data set-up (names the first field that differs)."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# names and layout
+
+def unit_of(name: str) -> str:
+    """Global parameter name -> unit: ``layers.3.mlp.up_proj`` -> ``layers.3``, ``embed_tokens`` ->
+    ``embed``, ``norm`` / ``lm_head`` -> ``head``."""
+    if name.startswith("layers."):
+        return ".".join(name.split(".")[:2])
+    return "embed" if name == "embed_tokens" else "head"
+
+
+def model_units(num_layers: int) -> list[str]:
+    """Every unit of a model of ``num_layers`` decoder layers."""
+    return ["embed", *(f"layers.{i}" for i in range(num_layers)), "head"]
 
 
 def step_dir(checkpoint_dir: str | os.PathLike, step: int) -> Path:
     return Path(checkpoint_dir) / f"step_{step}"
 
 
-def rank_dir(checkpoint_dir: str | os.PathLike, step: int, rank: int) -> Path:
-    return step_dir(checkpoint_dir, step) / f"rank_{rank}"
+def _steps(root: Path) -> list[int]:
+    if not root.is_dir():
+        return []
+    return sorted((int(m.group(1)) for m in (_STEP_RE.match(p.name) for p in root.iterdir()) if m),
+                  reverse=True)
+
+
+def is_complete(checkpoint_dir: str | os.PathLike, step: int, units: list[str]) -> bool:
+    d = step_dir(checkpoint_dir, step)
+    return (d / "meta.json").is_file() and all(
+        (d / u).is_dir() and (d / f"{u}.crc.json").is_file() for u in units)
+
+
+def complete_steps(checkpoint_dir: str | os.PathLike, num_layers: int) -> list[int]:
+    """Steps (newest first) whose every unit, CRC file and ``meta.json`` exist."""
+    units = model_units(num_layers)
+    return [n for n in _steps(Path(checkpoint_dir)) if is_complete(checkpoint_dir, n, units)]
+
+
+def latest_step(checkpoint_dir: str | os.PathLike, num_layers: int) -> int | None:
+    """The newest complete step, or None."""
+    steps = complete_steps(checkpoint_dir, num_layers)
+    return steps[0] if steps else None
+
+
+def _atomic_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_meta(checkpoint_dir: str | os.PathLike, step: int, meta: Mapping[str, Any]) -> Path:
+    """Write ``step_{step}/meta.json`` atomically (temporary file, then ``os.replace``)."""
+    path = step_dir(checkpoint_dir, step) / "meta.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_json(path, {"format": FORMAT, **dict(meta)})
+    return path
+
+
+def read_meta(checkpoint_dir: str | os.PathLike, step: int) -> dict:
+    path = step_dir(checkpoint_dir, step) / "meta.json"
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointCorrupt(f"{path}: unreadable ({e})") from None
 
 
 def check_supported(plan: Any) -> None:
@@ -48,77 +151,335 @@ def check_supported(plan: Any) -> None:
                          f"supported yet (islands {multi}); set train.checkpoint_dir: null")
 
 
-def save(checkpoint_dir: str | os.PathLike, step: int, rank: int, state: Mapping[str, Any]) -> Path:
-    """Save this rank's state (``PipelineRuntime.checkpoint_state()``) to
-    ``checkpoint_dir/step_{step}/rank_{rank}`` and wait until it is committed. An existing directory
-    of the same step and rank is replaced (orbax ``force=True``).
+#: config fields that must match the checkpoint's for a resume (model shape, and the data order that
+#: the saved data position refers to); anything else (optimizer, plan, eval, ...) may change
+_DATA_FIELDS = ("corpus_path", "tokenizer_path", "seq_len", "validation_fraction", "seed")
 
-    Returns:
-      the rank directory.
+
+def check_compatible(meta: Mapping[str, Any], config: Mapping[str, Any], global_batch_size: int,
+                     where: str) -> None:
+    """Raises :class:`CheckpointMismatch` naming the first field (``model.hidden_size``,
+    ``data.seq_len``, ``train.global_batch_size``) whose value differs between the checkpoint's
+    ``meta.json`` and this run (``config``: ``TrainConfig.to_dict()``)."""
+    theirs = meta.get("config", {})
+    pairs = [(f"model.{k}", theirs.get("model", {}).get(k), v) for k, v in config["model"].items()]
+    pairs += [(f"data.{k}", theirs.get("data", {}).get(k), config["data"].get(k))
+              for k in _DATA_FIELDS if k in config["data"]]
+    pairs.append(("train.global_batch_size", meta.get("data", {}).get("global_batch_size"),
+                  global_batch_size))
+    for name, a, b in pairs:
+        if a != b:
+            raise CheckpointMismatch(f"{where} was written for another set-up: {name} is {a!r} there, "
+                                     f"{b!r} here (resume with the same value, or start in another "
+                                     f"train.checkpoint_dir)")
+
+
+# ---------------------------------------------------------------------------------------------------
+# the unit trees of a runtime
+
+def _is_param_tree(pdef) -> Callable[[Any], bool]:
+    import jax
+    return lambda x: not isinstance(x, (np.ndarray, jax.Array)) and jax.tree.structure(x) == pdef
+
+
+def _opt_nodes(opt_state: Any, params: Any) -> list[tuple[str, Any, bool]]:
+    """``(key, node, per_parameter)`` for the optimizer state: nodes shaped like the parameters
+    (AdamW's ``mu``, ``nu``) and the remaining leaves (step counts). Keys like ``0_mu``."""
+    import jax
+    is_p = _is_param_tree(jax.tree.structure(params))
+    leaves = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_p)[0]
+    return [(jax.tree_util.keystr(p, simple=True, separator="_"), x, is_p(x)) for p, x in leaves]
+
+
+def _nest(flat: Mapping[str, Any]) -> dict:
+    out: dict = {}
+    for name, x in flat.items():
+        *head, last = name.split(".")
+        d = out
+        for k in head:
+            d = d.setdefault(k, {})
+        d[last] = x
+    return out
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in tree.items():
+        name = f"{prefix}{k}"
+        out.update(_flatten(v, name + ".") if isinstance(v, Mapping) else {name: v})
+    return out
+
+
+def _stage_units(stage: Any, leaf: Callable[[Any], Any]) -> dict[str, dict]:
+    """The unit trees of one stage, every array passed through ``leaf`` (host copy, or abstract)."""
+    units: dict[str, dict] = {}
+    for name, x in stage.flat().items():
+        units.setdefault(unit_of(name), {"params": {}, "opt": {}, "shared": {}})["params"][name] = leaf(x)
+    for key, node, per_param in _opt_nodes(stage.opt_state, stage.params):
+        for u, tree in units.items():
+            if per_param:
+                tree["opt"].setdefault(key, {}).update(
+                    {n: leaf(x) for n, x in stage.flat(node).items() if unit_of(n) == u})
+            else:
+                tree["shared"][key] = leaf(node)
+    return {u: {"params": _nest(t["params"]), "opt": {k: _nest(v) for k, v in t["opt"].items()},
+                "shared": t["shared"]} for u, t in units.items()}
+
+
+def _owned_units(rt: Any) -> dict[str, tuple]:
+    """unit -> the stage key holding its first copy (it saves the unit), for units of local stages."""
+    out = {}
+    for name, key in rt.norm_owner.items():
+        out.setdefault(unit_of(name), key)
+    return {u: k for u, k in out.items() if k in rt.stages}
+
+
+def runtime_units(rt: Any) -> dict[str, dict]:
+    """Host copies (numpy) of the units this rank writes (see module docstring), by unit name."""
+    import jax
+    host = lambda x: np.asarray(jax.device_get(x))
+    out = {}
+    for u, key in _owned_units(rt).items():
+        out[u] = _stage_units(rt.stages[key], host)[u]
+    return out
+
+
+def _crc_table(tree: Mapping[str, Any]) -> dict[str, list]:
+    return {k: [zlib.crc32(np.ascontiguousarray(x).tobytes()), list(np.shape(x)), str(np.asarray(x).dtype)]
+            for k, x in _flatten(tree).items()}
+
+
+# ---------------------------------------------------------------------------------------------------
+# saving
+
+class AsyncSaver:
+    """Writes this rank's units of a step with orbax's asynchronous checkpointer; a background thread
+    waits for them, then writes the CRC files, ``meta.json`` (if given) and prunes old steps.
+
+    ``save`` returns once the arrays are on the host; the next ``save`` (and ``wait``) waits for the
+    previous one and raises its error, if any, as :class:`CheckpointError`.
+
+    Args:
+      root: ``train.checkpoint_dir``.
+      num_layers: the model's decoder layers (the units of a complete step).
+      keep: complete steps kept (older ones and incomplete older ones are deleted by the rank that
+        writes ``meta.json``); None keeps all.
     """
-    import orbax.checkpoint as ocp
 
-    path = rank_dir(checkpoint_dir, step, rank).absolute()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    ckptr = ocp.StandardCheckpointer()
-    try:
-        ckptr.save(path, dict(state), force=True)
-        ckptr.wait_until_finished()
-    finally:
-        ckptr.close()
-    return path
+    def __init__(self, root: str | os.PathLike, num_layers: int, keep: int | None):
+        self.root, self.units, self.keep = Path(root), model_units(num_layers), keep
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(self, step: int, units: Mapping[str, dict], meta: Mapping[str, Any] | None) -> Path:
+        import orbax.checkpoint as ocp
+        self.wait()
+        d = step_dir(self.root, step).absolute()
+        d.mkdir(parents=True, exist_ok=True)
+        pending = []
+        for u, tree in units.items():
+            ckptr = ocp.StandardCheckpointer()
+            ckptr.save(d / u, tree, force=True)
+            pending.append((u, ckptr))
+        self._thread = threading.Thread(target=self._finish, args=(step, d, pending, units, meta),
+                                        name=f"checkpoint-step-{step}")
+        self._thread.start()
+        return d
+
+    def _finish(self, step, d: Path, pending, units, meta) -> None:
+        try:
+            for u, ckptr in pending:
+                ckptr.wait_until_finished()
+                ckptr.close()
+                _atomic_json(d / f"{u}.crc.json", _crc_table(units[u]))
+            if meta is not None:
+                write_meta(self.root, step, meta)
+                self._prune(step)
+        except BaseException as e:  # reported by the next save / wait
+            self._error = e
+
+    def _prune(self, newest: int) -> None:
+        """Keep the newest ``keep`` complete steps; delete older and incomplete steps older than the
+        newest complete one (no rank writes those any more)."""
+        done = [n for n in _steps(self.root) if is_complete(self.root, n, self.units)]
+        if not done or self.keep is None:
+            return
+        kept = set(done[:self.keep])
+        for n in _steps(self.root):
+            if n < done[0] and n not in kept:
+                shutil.rmtree(step_dir(self.root, n), ignore_errors=True)
+
+    def wait(self) -> None:
+        """Wait for the save in flight; raises CheckpointError if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise CheckpointError(f"saving a checkpoint in {self.root} failed: {type(e).__name__}: {e}") from e
 
 
-def restore(checkpoint_dir: str | os.PathLike, step: int, rank: int, like: Mapping[str, Any]) -> dict:
-    """Restore rank ``rank``'s state of ``step`` with the structure, shapes, dtypes and shardings of
-    ``like`` (the fresh runtime's ``checkpoint_state()``).
+# ---------------------------------------------------------------------------------------------------
+# restoring
 
-    Raises:
-      FileNotFoundError: the checkpoint does not exist.
-      ValueError: (from orbax) the stored tree does not match ``like``.
-    """
+def _read_unit(d: Path, unit: str, like: dict) -> dict:
+    """One unit of a step, checked against its CRC table. Raises CheckpointCorrupt."""
     import jax
     import orbax.checkpoint as ocp
-
-    path = rank_dir(checkpoint_dir, step, rank).absolute()
-    if not path.is_dir():
-        raise FileNotFoundError(f"no checkpoint at {path}")
-    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, dict(like))
-    ckptr = ocp.StandardCheckpointer()
+    path = (d / unit).absolute()
     try:
-        return ckptr.restore(path, target)
-    finally:
-        ckptr.close()
+        with open(d / f"{unit}.crc.json") as f:
+            crc = json.load(f)
+        target = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), like)
+        ckptr = ocp.StandardCheckpointer()
+        try:
+            tree = ckptr.restore(path, target)
+        finally:
+            ckptr.close()
+    except Exception as e:  # orbax / tensorstore / json: report the unit, not a 60-line traceback
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointCorrupt(f"{path}: cannot be read ({type(e).__name__}: {first[:200]})") from None
+    got = _crc_table(tree)
+    for k, want in crc.items():
+        if got.get(k) != want:
+            raise CheckpointCorrupt(f"{path}: array {k} does not match its checksum in {unit}.crc.json "
+                                    f"(data corrupted on disk)")
+    if set(got) != set(crc):
+        raise CheckpointCorrupt(f"{path}: arrays {sorted(set(got) ^ set(crc))} missing from {unit}.crc.json")
+    return tree
 
 
-def write_meta(checkpoint_dir: str | os.PathLike, step: int, meta: Mapping[str, Any]) -> Path:
-    """Write ``step_{step}/meta.json`` atomically (temporary file, then ``os.replace``)."""
-    path = step_dir(checkpoint_dir, step) / "meta.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".json.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(dict(meta), f, indent=1, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+def _load_stage(stage: Any, trees: Mapping[str, dict]) -> None:
+    """Places the units' parameters and optimizer state onto ``stage`` (its own shardings)."""
+    import jax
+    flat = {}
+    for t in trees.values():
+        flat.update(_flatten(t["params"]))
+    stage.params = jax.device_put(stage.unflat(flat), stage.param_shardings)
+    first = next(iter(trees.values()))
+    nodes = {}
+    for key, node, per_param in _opt_nodes(stage.opt_state, stage.params):
+        if per_param:
+            moments = {}
+            for t in trees.values():
+                moments.update(_flatten(t["opt"][key]))
+            nodes[key] = stage.unflat(moments, like=node)
+        else:
+            nodes[key] = first["shared"][key]
+    import jax.tree_util as tu
+    is_p = _is_param_tree(jax.tree.structure(stage.params))
+    new = tu.tree_map_with_path(lambda p, x: nodes[tu.keystr(p, simple=True, separator="_")],
+                                stage.opt_state, is_leaf=is_p)
+    stage.opt_state = jax.tree.map(lambda n, o: jax.device_put(np.asarray(n).astype(o.dtype), o.sharding),
+                                   new, stage.opt_state)
 
 
-def read_meta(checkpoint_dir: str | os.PathLike, step: int) -> dict:
-    with open(step_dir(checkpoint_dir, step) / "meta.json") as f:
-        return json.load(f)
+def _read_step(rt: Any, root: Path, step: int) -> dict[tuple, dict]:
+    """The unit trees of every local stage at ``step`` (each unit read once). Raises CheckpointCorrupt."""
+    import jax
+    d = step_dir(root, step)
+    cache: dict[str, dict] = {}
+    out = {}
+    for key, stage in rt.stages.items():
+        like = _stage_units(stage, lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype))
+        for u in like:
+            if u not in cache:
+                cache[u] = _read_unit(d, u, like[u])
+        out[key] = {u: cache[u] for u in like}
+    return out
 
 
-def latest_step(checkpoint_dir: str | os.PathLike, world_size: int) -> int | None:
-    """The highest step N whose ``step_N`` holds ``meta.json`` and ``rank_0..rank_{world_size-1}``;
-    ``None`` if there is none (or the directory does not exist)."""
-    root = Path(checkpoint_dir)
-    if not root.is_dir():
+def restore_latest(rt: Any, root: str | os.PathLike, config: Mapping[str, Any], global_batch_size: int,
+                   warn: Callable[[str], None] = print) -> tuple[int, dict] | None:
+    """Restore the newest complete, readable step of ``root`` into the runtime ``rt`` (every rank of
+    the job calls this; ranks agree on the step through ``rt.comm``).
+
+    Returns:
+      ``(step, meta)``, or None if ``root`` holds no complete step.
+
+    Raises:
+      CheckpointMismatch: the newest step was written for another model / data set-up.
+      CheckpointCorrupt: every complete step is corrupt (the message names each fault).
+    """
+    steps = complete_steps(root, rt.config.num_hidden_layers)
+    if not steps:
         return None
-    steps = sorted((int(m.group(1)) for m in (_STEP_RE.match(p.name) for p in root.iterdir()) if m),
-                   reverse=True)
-    for n in steps:
-        d = step_dir(root, n)
-        if (d / "meta.json").is_file() and all((d / f"rank_{r}").is_dir() for r in range(world_size)):
-            return n
-    return None
+    errors = []
+    for step in steps:
+        meta = read_meta(root, step)
+        check_compatible(meta, config, global_batch_size, where=f"checkpoint {step_dir(root, step)}")
+        try:
+            trees, err = _read_step(rt, Path(root), step), ""
+        except CheckpointCorrupt as e:
+            trees, err = None, str(e)
+        bad = np.array([0.0 if trees is not None else 1.0])
+        if rt.comm is not None:
+            bad = np.asarray(rt.comm.allreduce(bad, op="sum"))
+        if bad[0] == 0:
+            for key, t in trees.items():
+                _load_stage(rt.stages[key], t)
+            return step, meta
+        errors.append(err or f"step {step}: corrupt on another rank")
+        if step != steps[-1]:
+            warn(f"warning: checkpoint step {step} is corrupt ({errors[-1]}); falling back to the previous "
+                 f"complete step")
+    raise CheckpointCorrupt(f"every complete checkpoint in {root} is corrupt: " + " | ".join(errors))
+
+
+# ---------------------------------------------------------------------------------------------------
+# the output directory: lock and write probe
+
+class DirLock:
+    """An exclusive lock of an output directory (``fcntl.flock`` on ``path``), released when the
+    process ends (also by a crash or SIGKILL: a dead run never leaves the directory locked).
+
+    Raises:
+      CheckpointError: another live process holds the lock (the message names its pid and host).
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        import fcntl
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a+")
+        try:
+            fcntl.flock(self._f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._f.seek(0)
+            holder = self._f.read().strip() or "unknown"
+            self._f.close()
+            raise CheckpointError(f"{self.path.parent} is in use by another run ({holder}); one output "
+                                  f"directory is written by one run at a time") from None
+        self._f.seek(0)
+        self._f.truncate()
+        self._f.write(f"pid {os.getpid()} on host {socket.gethostname()} since "
+                      f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
+        self._f.flush()
+
+    def release(self) -> None:
+        import fcntl
+        if not self._f.closed:
+            fcntl.flock(self._f.fileno(), fcntl.LOCK_UN)
+            self._f.close()
+
+
+def probe_writable(directory: str | os.PathLike, nbytes: int = 1 << 20) -> None:
+    """Write and delete a probe file of ``nbytes`` in ``directory`` (created if missing).
+
+    Raises:
+      OSError: with a message naming the directory (unwritable, full disk)."""
+    d = Path(directory)
+    probe = d / f".probe.{os.getpid()}"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"\0" * nbytes)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise OSError(f"{d} is not writable ({e.strerror or e})") from None
+    finally:
+        try:
+            probe.unlink()
+        except OSError:
+            pass

@@ -170,11 +170,43 @@ def package_versions(names: Sequence[str] = ("jax", "jaxlib", "flax", "optax", "
 
 
 def handshake_record(config_digest: str, island: str, platform: str, local_device_count: int,
-                     versions: Mapping[str, str] | None = None) -> dict:
-    """What one rank contributes to the handshake (JSON-able)."""
-    return {"config_hash": config_digest, "island": island, "platform": platform,
-            "local_device_count": int(local_device_count),
-            "versions": dict(package_versions() if versions is None else versions)}
+                     versions: Mapping[str, str] | None = None, config: Mapping | None = None) -> dict:
+    """What one rank contributes to the handshake (JSON-able). ``config`` (e.g. ``{"config": ...,
+    "plan": ...}``) lets a hash mismatch name the first field that differs."""
+    rec = {"config_hash": config_digest, "island": island, "platform": platform,
+           "local_device_count": int(local_device_count),
+           "versions": dict(package_versions() if versions is None else versions)}
+    if config is not None:
+        rec["config_fields"] = flatten_fields(config)
+    return rec
+
+
+def flatten_fields(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings/lists -> ``{"train.steps": 5, "plan.islands.0.name": "fast", ...}``."""
+    if isinstance(tree, Mapping):
+        items = tree.items()
+    elif isinstance(tree, (list, tuple)):
+        items = enumerate(tree)
+    else:
+        return {prefix.rstrip("."): tree}
+    out: dict[str, Any] = {}
+    for k, v in items:
+        out.update(flatten_fields(v, f"{prefix}{k}."))
+    return out
+
+
+def _first_difference(records: Sequence[Mapping]) -> str | None:
+    """``config.train.steps: ranks [0] have 5; ranks [1] have 6`` for the first differing field."""
+    if not all("config_fields" in r for r in records):
+        return None
+    keys: list[str] = []
+    for r in records:
+        keys += [k for k in r["config_fields"] if k not in keys]
+    for k in keys:
+        vals = [r["config_fields"].get(k, "<missing>") for r in records]
+        if any(v != vals[0] for v in vals):
+            return f"{k}: {_groups(vals, list(range(len(records))))}"
+    return None
 
 
 def _groups(values: Sequence[Any], ranks: Sequence[int]) -> str:
@@ -194,7 +226,9 @@ def compare_records(records: Sequence[Mapping]) -> list[str]:
     ranks = list(range(len(records)))
     hashes = [r["config_hash"] for r in records]
     if len(set(hashes)) > 1:
-        problems.append(f"config/plan hash differs: {_groups(hashes, ranks)}")
+        diff = _first_difference(records)
+        problems.append(f"ranks run different configs/plans: {diff}" if diff
+                        else f"config/plan hash differs: {_groups(hashes, ranks)}")
     islands: dict[str, list[int]] = {}
     for r, rec in enumerate(records):
         islands.setdefault(rec["island"], []).append(r)

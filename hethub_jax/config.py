@@ -24,7 +24,7 @@ The sections are frozen, strict pydantic models (``hethub_jax.typed``); their JS
 from __future__ import annotations
 
 import os
-from typing import Annotated, Any, Iterable, Mapping, Optional
+from typing import Annotated, Any, Iterable, Literal, Mapping, Optional
 
 import yaml
 from pydantic import Field, StringConstraints, model_validator
@@ -68,10 +68,21 @@ class TrainSettings(StrictModel):
       seed: parameter initialisation seed (the data shuffle seed is ``data.seed``).
       metrics_file: JSON-lines metrics path (``None``: none written). Truncated at the start of a
         run, appended to when resuming.
-      checkpoint_dir: orbax checkpoints go to ``checkpoint_dir/step_{N}/rank_{R}/`` (``None``: none).
+      checkpoint_dir: orbax checkpoints go to ``checkpoint_dir/step_{N}/{unit}/`` (``None``: none;
+        layout in ``hethub_jax.checkpoint``).
       checkpoint_every: also checkpoint every this many steps (0: only at the end).
       resume: continue from the newest complete checkpoint in ``checkpoint_dir`` (parameters,
-        optimizer state and data position), if there is one.
+        optimizer state and data position), under this run's plan (which may differ from the plan
+        the checkpoint was written under). No complete checkpoint is an error unless
+        ``resume_or_start``.
+      resume_or_start: with ``resume``, start from step 0 when there is no complete checkpoint.
+      keep_checkpoints: complete checkpoints kept in ``checkpoint_dir`` (older ones are deleted);
+        ``None``: all.
+      message_timeout_s: seconds a rank waits for a message from another rank (an activation,
+        gradient or collective) before it fails naming the peer rank and island.
+      on_nonfinite_loss: ``stop``: end the run (exit status 1) at a non-finite loss; ``skip``: leave
+        parameters and optimizer state as they were and go on with the next batch. Either way the
+        step's update is never applied and never reaches a checkpoint.
       plan: path of a plan JSON (``docs/plan_format.md``); ``None``: one island ``main`` on the
         local JAX platform, one stage with all layers on one device, schedule ``1f1b``.
       trace_file: write a Chrome trace (Perfetto) of the last step's actions here (``None``: none).
@@ -93,6 +104,10 @@ class TrainSettings(StrictModel):
     checkpoint_dir: Optional[PathStr] = "runs/tiny/checkpoints"
     checkpoint_every: NonNegativeInt = 0
     resume: bool = False
+    resume_or_start: bool = False
+    keep_checkpoints: Optional[PositiveInt] = 3
+    message_timeout_s: Annotated[float, Field(gt=0)] = 300.0
+    on_nonfinite_loss: Literal["stop", "skip"] = "stop"
     plan: Optional[PathStr] = None
     trace_file: Optional[PathStr] = None
 

@@ -65,7 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", metavar="DIR", default=None, help="train.checkpoint_dir")
     p.add_argument("--no-checkpoint", action="store_true", help="set train.checkpoint_dir to null")
     p.add_argument("--resume", action="store_true", default=None,
-                   help="train.resume: continue from the newest complete checkpoint in checkpoint_dir")
+                   help="train.resume: continue from the newest complete checkpoint in checkpoint_dir "
+                        "(any plan); none is an error")
+    p.add_argument("--resume-or-start", action="store_true", default=None,
+                   help="train.resume and train.resume_or_start: as --resume, but start from step 0 "
+                        "when there is no complete checkpoint")
     p.add_argument("--plan", metavar="PLAN.json", default=None, help="train.plan: parallel plan JSON")
     p.add_argument("--trace-file", metavar="PATH", default=None,
                    help="train.trace_file: Chrome trace of the last step's actions")
@@ -98,12 +102,20 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
         "train.microbatch_size": args.microbatch_size, "data.seq_len": args.seq_len,
         "optim.learning_rate": args.lr, "train.seed": args.seed, "train.eval_every": args.eval_every,
         "train.metrics_file": args.metrics_file, "train.checkpoint_dir": args.checkpoint_dir,
-        "train.resume": args.resume, "train.plan": args.plan, "train.trace_file": args.trace_file,
+        "train.resume": True if args.resume_or_start else args.resume,
+        "train.resume_or_start": args.resume_or_start, "train.plan": args.plan,
+        "train.trace_file": args.trace_file,
     }
 
 
 def _fail(msg: str) -> int:
-    print(f"{_PROG}: error: {msg}", file=sys.stderr)
+    """Print the one-line error; under MPI (once MPI is started) end every rank of the job."""
+    print(f"{_PROG}: error: {msg}", file=sys.stderr, flush=True)
+    if "mpi4py.MPI" in sys.modules:
+        from mpi4py import MPI
+        if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
+            time.sleep(1.0)  # let mpiexec forward the message before the abort ends the job
+            MPI.COMM_WORLD.Abort(EXIT_CONFIG_ERROR)
     return EXIT_CONFIG_ERROR
 
 
@@ -191,7 +203,7 @@ def _mpi_world_size() -> int:
     return 1
 
 
-def _start_mpi(plan_path: str | None, island: str | None, size: int):
+def _start_mpi(plan_path: str | None, island: str | None, size: int, timeout: float = 300.0):
     """Multi-process start-up (DESIGN.md section 3) before any JAX backend starts: find this rank's
     island (``--island``, ``$HETHUB_ISLAND``, else the plan's island of this MPI rank), set its
     platform, split the world by island (``hethub_jax.cluster.start``). Returns the Island.
@@ -210,11 +222,12 @@ def _start_mpi(plan_path: str | None, island: str | None, size: int):
     if plan.world_size != size:
         raise ValueError(f"the plan needs {plan.world_size} MPI ranks (sum of the islands' num_processes), "
                          f"the job has {size}")
-    from mpi4py import MPI
+    with _mpi_init_watchdog():
+        from mpi4py import MPI  # MPI_Init: waits for every rank of the job
 
+        rank = MPI.COMM_WORLD.Get_rank()
     from hethub_jax import cluster
 
-    rank = MPI.COMM_WORLD.Get_rank()
     name = island or os.environ.get(cluster.ENV_ISLAND) or plan.rank_island(rank).name
     if name not in [i.name for i in plan.islands]:
         raise ValueError(f"--island {name!r} is not an island of the plan: {[i.name for i in plan.islands]}")
@@ -223,7 +236,47 @@ def _start_mpi(plan_path: str | None, island: str | None, size: int):
                          f"{plan.rank_island(rank).name!r} (islands take consecutive ranks in plan order; "
                          f"list the mpiexec parts in that order)")
     cluster.install_abort_on_exception(rank=rank, island=name)
-    return cluster.start(island=name, platform=plan.island(name).platform)
+    island_ = cluster.start(island=name, platform=plan.island(name).platform, timeout=timeout)
+    # one line per rank, so that a launcher's report of a dead pid ("BAD TERMINATION ... PID 4852")
+    # names the rank and island
+    import socket
+    print(f"rank {rank} (island {name}): pid {os.getpid()} on host {socket.gethostname()}",
+          file=sys.stderr, flush=True)
+    return island_
+
+
+#: seconds a rank waits for every rank to start MPI (``$HETHUB_MPI_INIT_TIMEOUT_S``)
+MPI_INIT_TIMEOUT_S = 120.0
+
+
+class _mpi_init_watchdog:
+    """While MPI starts: if it has not started within ``$HETHUB_MPI_INIT_TIMEOUT_S`` seconds (another
+    rank failed before starting MPI, e.g. a config error on that rank only), print one line and exit
+    with status 1. A timer thread prints the line; should ``MPI_Init`` hold the interpreter lock,
+    ``faulthandler``'s watchdog (a C thread) dumps the stack and exits 5 s later instead."""
+
+    def __enter__(self):
+        import faulthandler
+        import threading
+        t = float(os.environ.get("HETHUB_MPI_INIT_TIMEOUT_S", MPI_INIT_TIMEOUT_S))
+
+        def expire():
+            print(f"{_PROG}: error: MPI did not start within {t:g} s ($HETHUB_MPI_INIT_TIMEOUT_S): "
+                  f"another rank of the job probably failed before starting MPI (see its error)",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
+
+        self.timer = threading.Timer(t, expire)
+        self.timer.daemon = True
+        self.timer.start()
+        faulthandler.dump_traceback_later(t + 5.0, exit=True, file=sys.stderr)
+        return self
+
+    def __exit__(self, *exc):
+        import faulthandler
+        self.timer.cancel()
+        faulthandler.cancel_dump_traceback_later()
+        return False
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -309,6 +362,9 @@ class _Run:
     start_step: int = 0
     prediction: Any = None  # train_predict.RunPrediction of the plan (PREDICTED), or None
     prediction_note: str = ""  # why there is none
+    locks: list = dataclasses.field(default_factory=list)
+    saver: Any = None
+    resumed_from: dict | None = None
 
 
 def _load_config(args: argparse.Namespace):
@@ -331,7 +387,7 @@ def _start_processes(cfg, args: argparse.Namespace):
     if size <= 1:
         return None, 0, 1, None
     try:
-        island = _start_mpi(cfg.train.plan, args.island, size)
+        island = _start_mpi(cfg.train.plan, args.island, size, timeout=cfg.train.message_timeout_s)
     except ValueError as e:
         raise _ConfigError(str(e)) from None
     return island.world, island.world.rank, island.world.size, island
@@ -379,8 +435,64 @@ def _check_launch(run: _Run) -> None:
 
         from hethub_jax import cluster
         digest = cluster.config_hash(run.cfg.to_dict(), plan.to_dict())
-        cluster.handshake(run.comm, cluster.handshake_record(digest, run.island.name, run.island.platform,
-                                                             jax.local_device_count()))
+        try:
+            cluster.handshake(run.comm, cluster.handshake_record(
+                digest, run.island.name, run.island.platform, jax.local_device_count(),
+                config={"config": run.cfg.to_dict(), "plan": plan.to_dict()}),
+                timeout=run.cfg.train.message_timeout_s)
+        except cluster.HandshakeError as e:
+            raise _ConfigError(str(e)) from None
+    _check_devices(run)
+
+
+def _check_devices(run: _Run) -> None:
+    """The islands this process runs (all of them without MPI) have their platform here and no more
+    devices per process than this process has."""
+    import jax
+
+    islands = [run.plan.island(run.island.name)] if run.island is not None else list(run.plan.islands)
+    for isl in islands:
+        try:
+            devs = jax.devices(isl.platform) if run.island is None else jax.local_devices()
+        except RuntimeError:
+            raise _ConfigError(f"island {isl.name!r} has platform {isl.platform!r}, which this machine does not "
+                               f"have (JAX backend: {jax.default_backend()})") from None
+        if isl.devices_per_process > len(devs):
+            raise _ConfigError(f"island {isl.name!r} needs devices_per_process={isl.devices_per_process} "
+                               f"{isl.platform} devices, this process has {len(devs)}")
+
+
+def _check_outputs(run: _Run) -> None:
+    """Before anything is compiled: the logging rank locks the output directories (checkpoint
+    directory; the metrics file's directory) against a second run (``checkpoint.DirLock``); every rank
+    probes that the checkpoint directory is writable with free space (``checkpoint.probe_writable``);
+    ``--resume`` (without ``--resume-or-start``) needs a complete checkpoint."""
+    from hethub_jax import checkpoint as ckpt
+
+    t = run.cfg.train
+    outputs = [("train.checkpoint_dir", t.checkpoint_dir, os.path.join(t.checkpoint_dir or "", ".lock")),
+               ("train.metrics_file", t.metrics_file and os.path.dirname(os.path.abspath(t.metrics_file)),
+                os.path.abspath(t.metrics_file or "") + ".lock")]
+    for field, directory, lock in outputs:
+        if directory is None:
+            continue
+        try:
+            ckpt.probe_writable(directory, nbytes=(1 << 20) if field == "train.checkpoint_dir" else 4096)
+            if run.rank == 0:
+                run.locks.append(ckpt.DirLock(lock))
+        except (OSError, ckpt.CheckpointError) as e:
+            raise _ConfigError(f"{field}: {e}") from None
+    steps = ckpt.complete_steps(t.checkpoint_dir, run.cfg.model.num_hidden_layers) if t.resume else []
+    if t.resume and not t.resume_or_start and not steps:
+        raise _ConfigError(f"train.resume: no complete checkpoint in {t.checkpoint_dir} to resume from "
+                           f"(use --resume-or-start / train.resume_or_start to start from step 0 then)")
+    try:
+        if steps:
+            where = f"checkpoint {ckpt.step_dir(t.checkpoint_dir, steps[0])}"
+            ckpt.check_compatible(ckpt.read_meta(t.checkpoint_dir, steps[0]), run.cfg.to_dict(),
+                                  run.plan.global_batch_size, where=where)
+    except (ckpt.CheckpointMismatch, ckpt.CheckpointError) as e:
+        raise _ConfigError(f"train.resume: {e}") from None
 
 
 def _set_up(args: argparse.Namespace) -> _Run:
@@ -399,9 +511,11 @@ def _set_up(args: argparse.Namespace) -> _Run:
     run = _Run(args=args, cfg=cfg, plan=plan, plan_notes=notes, comm=comm, rank=rank,
                world_size=world_size, island=island, train_ds=train_ds, val_ds=val_ds)
     _check_launch(run)
+    _check_outputs(run)
     from hethub_jax.parallel.runtime import PipelineRuntime
     try:
-        run.rt = PipelineRuntime(plan, cfg.model, cfg.optim, seed=cfg.train.seed, comm=comm, rank=rank)
+        run.rt = PipelineRuntime(plan, cfg.model, cfg.optim, seed=cfg.train.seed, comm=comm, rank=rank,
+                                 timeout_s=cfg.train.message_timeout_s)
     except ValueError as e:
         raise _ConfigError(str(e)) from None
     run.log = run.rt.is_logging_rank
@@ -495,30 +609,64 @@ def _warm_up_batch_shares(run: _Run) -> None:
               + f" -> batch shares {rt.shares}", flush=True)
 
 
+def _plan_brief(plan: dict) -> str:
+    """One line for a plan dict (``Plan.to_dict()``): islands and each replica's layer split."""
+    try:
+        isl = ", ".join(f"{i['name']} ({i.get('platform')} "
+                        f"x{i.get('num_processes', 1) * i.get('devices_per_process', 1)})" for i in plan["islands"])
+        reps = "; ".join(", ".join(f"layers {s['first_layer']}-{s['last_layer']} on {s['island']} "
+                                   f"(dp {s.get('dp', 1)} tp {s.get('tp', 1)})" for s in r["stages"])
+                         for r in plan["replicas"])
+        return f"islands {isl}; {reps}"
+    except (KeyError, TypeError):
+        return "unknown plan"
+
+
 def _resume(run: _Run) -> None:
-    """With ``train.resume``: restore the newest complete checkpoint (if any) into the runtime and
-    set ``run.start_step`` to its step."""
+    """With ``train.resume``: restore the newest complete, intact checkpoint into the runtime (under
+    this run's plan, whatever plan wrote it) and set ``run.start_step`` to its step. Without one,
+    ``train.resume_or_start`` starts from step 0 (set-up already refused it otherwise).
+
+    Raises:
+      _ConfigError: the checkpoint is of another model / data set-up, or every checkpoint is corrupt."""
     from hethub_jax import checkpoint as ckpt
 
     t = run.cfg.train
-    latest = ckpt.latest_step(t.checkpoint_dir, run.plan.world_size)
-    if latest is not None:
-        state = ckpt.restore(t.checkpoint_dir, latest, run.rank, run.rt.checkpoint_state())
-        run.rt.restore_checkpoint_state(state)
-        run.start_step = latest
+    say = (lambda m: print(m, file=sys.stderr, flush=True)) if run.log else (lambda m: None)
+    try:
+        got = ckpt.restore_latest(run.rt, t.checkpoint_dir, run.cfg.to_dict(), run.plan.global_batch_size,
+                                  warn=say)
+    except (ckpt.CheckpointMismatch, ckpt.CheckpointCorrupt) as e:
+        raise _ConfigError(f"train.resume: {e}") from None
+    if got is None:
+        if run.log:
+            print(f"resume: no complete checkpoint in {t.checkpoint_dir}; starting from step 0", flush=True)
+        return
+    run.start_step, meta = got
+    run.resumed_from = {"step": run.start_step, "plan": meta.get("plan"), "plan_file": meta.get("plan_file")}
+    if run.log:
+        print(f"resume: step {run.start_step} of {t.checkpoint_dir}, written under plan "
+              f"{meta.get('plan_file') or 'built-in'}: {_plan_brief(meta.get('plan') or {})}", flush=True)
 
 
 def _save_checkpoint(run: _Run, step: int):
-    """Save this rank's state at ``step``; the logging rank also writes the step's ``meta.json``.
-    Returns the step's checkpoint directory."""
+    """Save this rank's units at ``step`` (asynchronously, ``checkpoint.AsyncSaver``); the logging
+    rank also writes the step's ``meta.json``. Returns the step's checkpoint directory."""
     from hethub_jax import checkpoint as ckpt
 
     t = run.cfg.train
-    path = ckpt.save(t.checkpoint_dir, step, run.rank, run.rt.checkpoint_state())
+    if run.saver is None:
+        run.saver = ckpt.AsyncSaver(t.checkpoint_dir, run.cfg.model.num_hidden_layers, t.keep_checkpoints)
+    meta = None
     if run.log:
-        ckpt.write_meta(t.checkpoint_dir, step, {"step": step, "world_size": run.plan.world_size,
-                                                  "config": run.cfg.to_dict(), "plan": run.plan.to_dict()})
-    return path.parent
+        meta = {"step": step, "world_size": run.plan.world_size, "config": run.cfg.to_dict(),
+                "plan": run.plan.to_dict(), "plan_file": t.plan, "time_unix": time.time(),
+                "data": {"next_step": step + 1, "samples_consumed": step * run.plan.global_batch_size,
+                         "global_batch_size": run.plan.global_batch_size, "seed": run.cfg.data.seed},
+                "random_state": {"train.seed": t.seed, "data.seed": run.cfg.data.seed,
+                                 "note": "no other random state: no dropout; the data order is a "
+                                         "function of data.seed and the step"}}
+    return run.saver.save(step, ckpt.runtime_units(run.rt), meta)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -570,7 +718,8 @@ def _run_record(run: _Run) -> dict[str, Any]:
 
     plan = run.plan
     return {
-        "kind": "run", "start_step": run.start_step, "time_unix": time.time(), "config": run.cfg.to_dict(),
+        "kind": "run", "start_step": run.start_step, "resumed_from": run.resumed_from,
+        "time_unix": time.time(), "config": run.cfg.to_dict(),
         "plan": plan.to_dict(), "plan_file": run.cfg.train.plan, "batch_shares": list(run.rt.shares),
         "batch_shares_source": run.share_source,
         "num_params": run.cfg.model.num_params(),
@@ -589,9 +738,34 @@ def _run_record(run: _Run) -> dict[str, Any]:
 def _open_metrics(run: _Run) -> MetricsWriter:
     """The metrics file (the logging rank's; appended to when resuming), its ``run`` record written."""
     t = run.cfg.train
-    metrics = MetricsWriter(t.metrics_file if run.log else None, append=run.start_step > 0)
+    path = t.metrics_file if run.log else None
+    if path is not None and t.resume and os.path.exists(path):
+        _supersede_metrics(path, run.start_step)
+    metrics = MetricsWriter(path, append=bool(t.resume))
     metrics.write(_run_record(run))
     return metrics
+
+
+def _supersede_metrics(path: str, start_step: int) -> None:
+    """Resuming at ``start_step``: the records of later steps (written by the interrupted run after
+    its last checkpoint) become ``{"kind": "superseded", "record": ...}``, so that the file never holds
+    two ``step`` records of one step and loses nothing. Rewritten atomically."""
+    import json
+    out, changed = [], False
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:  # a line cut by a crash
+                continue
+            if rec.get("kind") in ("step", "eval") and rec.get("step", 0) > start_step:
+                rec, changed = {"kind": "superseded", "resumed_at_step": start_step, "record": rec}, True
+            out.append(json.dumps(rec))
+    if changed:
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write("".join(line + "\n" for line in out))
+        os.replace(tmp, path)
 
 
 def _build_hooks(run: _Run, metrics: MetricsWriter, console: Console) -> list[Hook]:
@@ -605,7 +779,8 @@ def _build_hooks(run: _Run, metrics: MetricsWriter, console: Console) -> list[Ho
     val_batches = run.val_ds.batches(run.plan.global_batch_size, max_batches=t.eval_batches)
     hooks: list[Hook] = [EvalHook(run.rt.eval_loss, val_batches, t.eval_every, t.eval_at_start)]
     if t.checkpoint_dir is not None:
-        hooks.append(CheckpointHook(lambda step: _save_checkpoint(run, step), t.checkpoint_every))
+        hooks.append(CheckpointHook(lambda step: _save_checkpoint(run, step), t.checkpoint_every,
+                                    wait=lambda: run.saver and run.saver.wait()))
     predicted = (lambda t0: run.prediction.records(run.cfg.model, run.plan, t0)) if run.prediction else None
     if run.comm is not None and (t.trace_file is not None or run.args.timeline_png):
         from hethub_jax.train_insight import GatherRecordsHook
@@ -661,7 +836,11 @@ def _train_loop(run: _Run, hooks: list[Hook], console: Console) -> TrainState:
             for hook in hooks:
                 hook.on_step(state)
             if not state.finite:
-                console.say(f"step {step}: loss is {state.loss}; stopping")
+                if t.on_nonfinite_loss == "skip":
+                    console.say(f"step {step}: loss is {state.loss}; update skipped "
+                                f"(train.on_nonfinite_loss: skip)")
+                    continue
+                console.say(f"step {step}: loss is {state.loss}; stopping (the update was not applied)")
                 state.status = 1
                 break
     finally:
@@ -682,6 +861,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = _set_up(args)
     except _ConfigError as e:
         return _fail(str(e))
+    try:
+        return _main(run, args)
+    except _ConfigError as e:
+        return _fail(str(e))
+    finally:
+        for lock in run.locks:
+            lock.release()
+
+
+def _main(run: _Run, args: argparse.Namespace) -> int:
+    """Warm-up, resume, banner, hooks and the loop of ``main``."""
     _warm_up_batch_shares(run)
     t = run.cfg.train
     if t.resume:

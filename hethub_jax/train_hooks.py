@@ -233,10 +233,11 @@ class CheckpointHook(_NoOp):
 
     Args:
       save: ``step -> directory of the checkpoint`` (``hethub_jax.train._save_checkpoint``).
+      wait: called at the end, after the final save: waits for asynchronous saves to be on disk.
     """
 
-    def __init__(self, save: Callable[[int], Any], every: int | None):
-        self.save, self.every = save, every
+    def __init__(self, save: Callable[[int], Any], every: int | None, wait: Callable[[], Any] | None = None):
+        self.save, self.every, self.wait = save, every, wait
 
     def on_step(self, state: TrainState) -> None:
         if state.finite and self.every and state.step % self.every == 0 and state.step != state.total_steps:
@@ -245,6 +246,8 @@ class CheckpointHook(_NoOp):
     def on_end(self, state: TrainState) -> None:
         if state.status == 0:
             state.checkpoint_path = self.save(state.total_steps)
+        if self.wait is not None:
+            self.wait()  # asynchronous saves: finished (or their error raised) before the run ends
 
 
 class TraceHook(_NoOp):

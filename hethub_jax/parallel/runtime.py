@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -349,7 +350,22 @@ class PipelineRuntime:
         return tuple(sorted({r for k in holders for r in self.owners[k]}))
 
     def _allreduce_world(self, x: np.ndarray) -> np.ndarray:
-        return x if self.comm is None else np.asarray(self.comm.allreduce(x, op="sum"))
+        if self.comm is None:
+            return x
+        with self._naming_peers(range(self.comm.size)):
+            return np.asarray(self.comm.allreduce(x, op="sum"))
+
+    @contextmanager
+    def _naming_peers(self, ranks):
+        """A collective over ``ranks`` that times out raises TimeoutError naming the other ranks and
+        their islands (one of them stopped responding) and ``train.message_timeout_s``."""
+        from hethub_jax.comm.base import CommTimeoutError
+        try:
+            yield
+        except CommTimeoutError as e:
+            peers = ", ".join(f"rank {r} (island {self.plan.rank_island(r).name})" for r in ranks if r != self.rank)
+            raise TimeoutError(f"rank {self.rank}: {e}; waiting on {peers} (train.message_timeout_s "
+                               f"{self.timeout_s:g} s)") from None
 
     def _reduce_shared(self, acc: dict[StageKey, Any]) -> dict[StageKey, Any]:
         """Sums the gradients of parameters held by several stages and gives every holder the sum."""
@@ -376,7 +392,8 @@ class PipelineRuntime:
                 counts = all(self._counts(k) for k in self.local_keys)
                 host = {n: mp.host_copy(v).astype(np.float32) for n, v in local_sum.items()}
                 host = host if counts else {n: np.zeros_like(v) for n, v in host.items()}
-                local_sum = sub.allreduce_tree(host, op="sum")  # one all-reduce for all of them
+                with self._naming_peers(group):
+                    local_sum = sub.allreduce_tree(host, op="sum")  # one all-reduce for all of them
             for name, total in local_sum.items():
                 for k in self.shared[name]:
                     if k in new:
@@ -600,9 +617,19 @@ class _StepExecutor:
             raise RuntimeError(f"pipeline deadlock: every stage waits on a message: {self._stuck()}")
         deadline = deadline or time.monotonic() + rt.timeout_s
         if time.monotonic() > deadline:
-            raise TimeoutError(f"rank {rt.rank}: no message for {rt.timeout_s:.0f} s; waiting on {self._stuck()}")
+            raise TimeoutError(f"rank {rt.rank}: no message for {rt.timeout_s:g} s (train.message_timeout_s) "
+                               f"from {self._peers()}; waiting on {self._stuck()}")
         time.sleep(0.0002)
         return deadline
+
+    def _peers(self) -> str:
+        """The ranks and islands that the stuck receives wait on, e.g. ``rank 1 (island slow)``."""
+        peers = set()
+        for k in self.rt.local_keys:
+            if self.ptr[k] < len(self.lists[k]) and self.lists[k][self.ptr[k]].is_recv:
+                src = (k[0], self.lists[k][self.ptr[k]].peer)
+                peers.add((self.rt.owner[src], self.rt.plan.stage(*src).island))
+        return ", ".join(f"rank {r} (island {i})" for r, i in sorted(peers)) or "no peer"
 
     def _stuck(self) -> dict:
         return {k: str(self.lists[k][self.ptr[k]]) for k in self.rt.local_keys if self.ptr[k] < len(self.lists[k])}

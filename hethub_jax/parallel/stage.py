@@ -196,11 +196,16 @@ class PipelineStage:
 
     def _update(self, params: Params, opt_state: Any, grads: Params, inv_tokens: jax.Array,
                 global_norm: jax.Array) -> tuple[Params, Any]:
-        """grads: token-summed; divided by the global token count, clipped by the global norm."""
+        """grads: token-summed; divided by the global token count, clipped by the global norm.
+        A non-finite global norm (NaN/inf loss or gradients) leaves params and opt_state unchanged
+        (``train.on_nonfinite_loss`` then stops or skips the step)."""
         grads = jax.tree.map(lambda g: g * inv_tokens.astype(g.dtype), grads)
         grads = clip_by_norm(grads, global_norm, self._clip_norm)
-        updates, opt_state = self.optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        updates, new_state = self.optimizer.update(grads, opt_state, params)
+        ok = jnp.isfinite(global_norm)
+        keep = lambda new, old: jnp.where(ok, new, old)
+        return (jax.tree.map(keep, optax.apply_updates(params, updates), params),
+                jax.tree.map(keep, new_state, opt_state))
 
     def _forward_backward_update(self, params: Params, opt_state: Any, inputs: StageInputs,
                                  acc: Params | None, first: jax.Array, inv_tokens: jax.Array):

@@ -1,0 +1,54 @@
+"""Small pieces of issue 16 without training: the output-directory lock is not left stuck by a dead
+holder; the handshake names the first config field that differs between ranks; the unit of every
+parameter name; the probe of an unwritable directory."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hethub_jax import checkpoint as ckpt
+from hethub_jax.cluster import compare_records, handshake_record
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_lock_of_a_live_holder_is_refused_and_of_a_killed_one_is_taken(tmp_path):
+    lock = tmp_path / "ckpt" / ".lock"
+    code = (f"import sys, time; sys.path.insert(0, {str(ROOT)!r}); from hethub_jax.checkpoint import DirLock; "
+            f"held = DirLock({str(lock)!r}); print('locked', flush=True); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        with pytest.raises(ckpt.CheckpointError, match=rf"in use by another run \(pid {proc.pid} on host"):
+            ckpt.DirLock(lock)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    ckpt.DirLock(lock).release()  # the dead holder's lock is gone with it
+
+
+def test_handshake_names_the_first_differing_field():
+    recs = [handshake_record(h, "a", "cpu", 1, versions={}, config={"config": {"train": {"steps": s, "seed": 0}}})
+            for h, s in (("x", 5), ("y", 6))]
+    (problem,) = compare_records(recs)
+    assert problem == "ranks run different configs/plans: config.train.steps: ranks [0] have 5; ranks [1] have 6"
+
+
+def test_units_of_parameter_names():
+    assert [ckpt.unit_of(n) for n in ("embed_tokens", "layers.12.mlp.up_proj", "norm", "lm_head")] == \
+        ["embed", "layers.12", "head", "head"]
+    assert ckpt.model_units(2) == ["embed", "layers.0", "layers.1", "head"]
+
+
+def test_probe_of_an_unwritable_directory_names_it(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(OSError, match=r"f/ckpt is not writable"):
+        ckpt.probe_writable(tmp_path / "f" / "ckpt")
+    ckpt.probe_writable(tmp_path / "ok")
+    assert list((tmp_path / "ok").iterdir()) == []
