@@ -458,14 +458,14 @@ def _run_mpi(args: argparse.Namespace, plan: Any, config: Any, piece: str | None
     inputs to each piece; every island sends its outputs to rank 0, which reports; all ranks return
     rank 0's status."""
     from hethub_jax import cluster
-    from hethub_jax.train import _start_mpi
+    from hethub_jax.train import start_mpi
 
     multi = [i.name for i in plan.islands if i.num_processes > 1]
     if multi:
         return _fail(f"islands {multi} have num_processes > 1: the numerics check runs one process per "
                      f"island (set num_processes to 1, or run without mpiexec)")
     try:
-        island = _start_mpi(args.plan, args.island, size)
+        island = start_mpi(args.plan, args.island, size)
     except ValueError as e:
         return _fail(str(e))
     import jax
@@ -524,9 +524,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan, config, piece = _load(args)
     except (ValueError, OSError) as e:
         return _fail(str(e))
-    from hethub_jax.train import _mpi_world_size
+    from hethub_jax.train import mpi_world_size
 
-    size = _mpi_world_size()
+    size = mpi_world_size()
     if size > 1:
         return _run_mpi(args, plan, config, piece, size)
     if args.island is not None:

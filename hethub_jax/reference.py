@@ -66,9 +66,9 @@ class ReferenceTrainer:
         return self._flat(self.params)
 
     def _flat(self, tree: Any) -> dict[str, np.ndarray]:
-        from hethub_jax.parallel.stage import _flat_name
+        from hethub_jax.parallel.stage import flat_name
 
-        return {_flat_name(p, 0): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(tree)}
+        return {flat_name(p, 0): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def _as_jnp(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:

@@ -194,7 +194,7 @@ def _prepare_devices(plan_path: str | None, island: str | None) -> None:
                                    f" --xla_force_host_platform_device_count={max(cpu)}").strip()
 
 
-def _mpi_world_size() -> int:
+def mpi_world_size() -> int:
     """Ranks of the MPI job this process was launched in (1 without ``mpiexec``), read from the
     launcher's environment so that MPI is not initialised for single-process runs."""
     for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"):
@@ -203,7 +203,7 @@ def _mpi_world_size() -> int:
     return 1
 
 
-def _start_mpi(plan_path: str | None, island: str | None, size: int, timeout: float = 300.0):
+def start_mpi(plan_path: str | None, island: str | None, size: int, timeout: float = 300.0):
     """Multi-process start-up (DESIGN.md section 3) before any JAX backend starts: find this rank's
     island (``--island``, ``$HETHUB_ISLAND``, else the plan's island of this MPI rank), set its
     platform, split the world by island (``hethub_jax.cluster.start``). Returns the Island.
@@ -382,12 +382,12 @@ def _load_config(args: argparse.Namespace):
 
 def _start_processes(cfg, args: argparse.Namespace):
     """``(comm, rank, world_size, island)``: under ``mpiexec`` this rank's island is started
-    (``_start_mpi``, before JAX is imported); a single process gets ``(None, 0, 1, None)``."""
-    size = _mpi_world_size()
+    (``start_mpi``, before JAX is imported); a single process gets ``(None, 0, 1, None)``."""
+    size = mpi_world_size()
     if size <= 1:
         return None, 0, 1, None
     try:
-        island = _start_mpi(cfg.train.plan, args.island, size, timeout=cfg.train.message_timeout_s)
+        island = start_mpi(cfg.train.plan, args.island, size, timeout=cfg.train.message_timeout_s)
     except ValueError as e:
         raise _ConfigError(str(e)) from None
     return island.world, island.world.rank, island.world.size, island
@@ -533,7 +533,7 @@ def _plan_from_cluster(args: argparse.Namespace, cfg):
 
     if cfg.train.plan is not None:
         raise _ConfigError("--cluster plans the run itself: give --cluster or --plan (train.plan), not both")
-    size = _mpi_world_size()
+    size = mpi_world_size()
     rank = 0
     if size > 1:
         from mpi4py import MPI

@@ -80,7 +80,7 @@ def logical_rules(config: LlamaConfig, tp: int) -> dict[str, str | None]:
     }
 
 
-def _flat_name(path: tuple, first_layer: int) -> str:
+def flat_name(path: tuple, first_layer: int) -> str:
     """nnx pure-dict path -> global flat name as `Llama.param_table` ("layers.7.mlp.up_proj")."""
     keys = [getattr(p, "key", getattr(p, "idx", p)) for p in path]
     if keys[0] == "layers":
@@ -277,11 +277,11 @@ class PipelineStage:
         """Global flat names (as `Llama.param_table`) -> arrays, for params or a gradient tree."""
         tree = self.params if tree is None else tree
         leaves = jax.tree_util.tree_leaves_with_path(tree)
-        return {_flat_name(path, self.first_layer): leaf for path, leaf in leaves}
+        return {flat_name(path, self.first_layer): leaf for path, leaf in leaves}
 
     def unflat(self, flat: dict[str, Any], like: Params | None = None) -> Params:
         """Inverse of `flat` (same tree structure as `like`, default the params)."""
         like = self.params if like is None else like
         paths = jax.tree_util.tree_leaves_with_path(like)
         treedef = jax.tree.structure(like)
-        return jax.tree.unflatten(treedef, [flat[_flat_name(p, self.first_layer)] for p, _ in paths])
+        return jax.tree.unflatten(treedef, [flat[flat_name(p, self.first_layer)] for p, _ in paths])
