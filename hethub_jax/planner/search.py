@@ -37,7 +37,8 @@ from hethub_jax.planner.cluster import ClusterSpec, islands_of, load_cluster
 from hethub_jax.planner.pipeline_time import makespan
 
 __all__ = ["SearchOptions", "Skeleton", "Candidate", "SearchResult", "PlanningError", "search",
-           "exhaustive_search", "min_bottleneck_split", "greedy_bottleneck_split", "group_costs", "bridge_for", "valid_tp_degrees"]
+           "exhaustive_search", "min_bottleneck_split", "greedy_bottleneck_split", "group_costs", "bridge_for", "valid_tp_degrees",
+           "island_bound"]
 
 #: relative slack on lower bounds: the planner's linear stage-time formulas and ``predict`` may round the
 #: last bit differently; a bound is trusted to prune only when it exceeds the incumbent by this much
@@ -305,6 +306,32 @@ def _largest_divisor_at_most(n: int, cap: int) -> int:
     return max((d for d in _divisors(n) if d <= cap), default=0)
 
 
+def island_bound(stages: Sequence[int], M: int, fw: Sequence[float], bw: Sequence[float],
+                 act: Sequence[float], grad: Sequence[float]) -> float:
+    """Lower bound of the pipeline makespan when each group (island) runs its ``stages[j]`` consecutive
+    stages one action at a time (``predict(concurrency="runtime")``), for GPipe and 1F1B.
+
+    Island ``j`` with first stage ``f`` is busy ``M * sum_{s in j} (F_s + B_s)`` (``fw``/``bw``: seconds per
+    microbatch with the host copies of the stage's SEND/RECV actions). Its first action cannot start
+    before a microbatch has passed the forwards of stages ``0..f-1`` and the ``f`` activation deliveries
+    (``head = sum_{s<f} F_s + act_s``): every action of the island depends on stage ``f``'s first RECV.
+    Its last action is stage ``f``'s last backward and SEND_GRAD (every other action of the island
+    precedes it through the backward chain of the last microbatch), after which that microbatch's
+    backwards of stages ``f-1..0`` and the gradient deliveries still run (``tail = sum_{s<f} B_s +
+    grad_s``). Hence ``makespan >= max_j (head_j + load_j + tail_j)``; the first island's head and tail
+    are 0. ``act``/``grad``: per stage boundary, delivery seconds (``S - 1`` entries)."""
+    best, s0, head, tail = 0.0, 0, 0.0, 0.0
+    for k in stages:
+        load = M * sum(fw[s] + bw[s] for s in range(s0, s0 + k))
+        best = max(best, head + load + tail)
+        for s in range(s0, s0 + k):
+            if s < len(act):
+                head += fw[s] + act[s]
+                tail += bw[s] + grad[s]
+        s0 += k
+    return best
+
+
 # ---------------------------------------------------------------------------------------------------
 # the search
 
@@ -407,11 +434,24 @@ class _Planner:
         return self._fused[key]
 
     def step_lb(self, sk: Skeleton, counts: Sequence[int]) -> float:
-        """A lower bound of ``predict``'s step time for ``sk`` split as ``counts``: the makespan
-        (:func:`pipeline_time.makespan`) with every action at most as long as ``predict`` makes it (no
-        message or copy times), plus, for S >= 2 stages, the optimizer updates (the busiest island's
-        sum over its stages, as ``predict`` adds them). The makespan is nondecreasing in every action
-        time, and an island that runs several stages one action at a time only delays actions."""
+        """A lower bound of ``predict``'s step time for ``sk`` split as ``counts``: the larger of the
+        makespan (:func:`pipeline_time.makespan`) with every action at most as long as ``predict`` makes
+        it and :func:`island_bound` (each island runs its stages one action at a time: its load plus the
+        pipeline fill before and the drain after it), plus, for S >= 2 stages, the optimizer updates (the
+        busiest island's sum over its stages, as ``predict`` adds them). The makespan is nondecreasing in
+        every action time, and an island that runs several stages one action at a time only delays
+        actions. The island bound (closed form) is computed first; the makespan only when it may matter."""
+        M, S = self.gbs // sk.microbatch_size, len(counts)
+        fw, bw, act, grad, upd = self.action_times(sk, counts)
+        lb = island_bound(sk.stages, M, fw, bw, act, grad) + (upd if S > 1 else 0.0)
+        if self.prunes(lb):
+            return lb
+        return max(lb, makespan(sk.schedule, M, fw, bw, act, grad) + (upd if S > 1 else 0.0))
+
+    def action_times(self, sk: Skeleton, counts: Sequence[int]):
+        """``(fw, bw, act, grad, update)``: per stage, seconds of one microbatch's F and B with the host
+        copies around them (:meth:`message_times`), per boundary the activation and gradient delivery
+        seconds, and the busiest island's optimizer update seconds (lower bounds of ``predict``'s)."""
         sg, S, M = sk.stage_group(), len(counts), self.gbs // sk.microbatch_size
         fu = self.fused(sk.schedule, S, M)
         fw, bw, upd = [], [], {}
@@ -424,11 +464,7 @@ class _Planner:
             bw.append(ba + (n - 1) * bs)
             upd[g] = upd.get(g, 0.0) + self.update_s(g, sk.tp[j], n, first, last)
         act, grad = self.message_times(sk, counts, fw, bw)
-        lb = makespan(sk.schedule, M, fw, bw, act, grad)
-        load: Dict[int, float] = {}
-        for s in range(S):  # an island runs its stages one action at a time
-            load[sg[s]] = load.get(sg[s], 0.0) + M * (fw[s] + bw[s])
-        return max(lb, max(load.values())) + (max(upd.values()) if S > 1 else 0.0)
+        return fw, bw, act, grad, max(upd.values())
 
     def message_times(self, sk: Skeleton, counts: Sequence[int], fw: List[float], bw: List[float]):
         """Adds to ``fw``/``bw`` (in place) the host copies ``predict`` charges around each compute action
