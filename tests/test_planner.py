@@ -116,7 +116,8 @@ def test_step_bound_never_exceeds_predict():
 
 
 def test_island_bound_never_exceeds_predicts_pipeline_and_is_tighter_than_the_load():
-    """The closed-form island bound (load + pipeline fill before + drain after each island) against
+    """The closed-form island bound (load + pipeline fill before + drain after each island) and the
+    configuration bound's chain term (microbatch 0's compute and bridge crossings) against
     ``predict``'s pipeline seconds (the process simulator, the independent reference) on random plans of
     three islands holding 1-2 stages each; and it is strictly above the islands' bare load on some plans
     (else it would add nothing)."""
@@ -143,6 +144,9 @@ def test_island_bound_never_exceeds_predicts_pipeline_and_is_tighter_than_the_lo
         ib = island_bound(sk.stages, M, fw, bw, act, grad)
         assert ib <= pred.pipeline_s * (1 + 1e-9)
         assert p.step_lb(sk, counts) <= pred.step_time_s * (1 + 1e-9)
+        # the configuration bound's chain term: microbatch 0's compute and bridge crossings
+        chain = 6 * min(p.layer_lb(g, 1, 1, mbs, sk.recompute) for g in order) + p.round_trip_lb(mbs)
+        assert 0 < p.round_trip_lb(mbs) and chain <= pred.pipeline_s * (1 + 1e-9)
         sg, load = sk.stage_group(), [0.0, 0.0, 0.0]
         for s in range(sk.num_stages):
             load[sg[s]] += M * (fw[s] + bw[s])

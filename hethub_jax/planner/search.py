@@ -578,7 +578,7 @@ class _Planner:
                 if any(not cs for cs in per):
                     continue
                 sid = len(streams)
-                streams.append((mbs, rec, M, per))
+                streams.append((mbs, rec, M, per, self.round_trip_lb(mbs)))
                 idx = (0,) * len(names)
                 heapq.heappush(heap, (self._lb0(streams[sid], idx), sid, idx))
         seen = set()
@@ -587,7 +587,7 @@ class _Planner:
             if (sid, idx) in seen:
                 continue
             seen.add((sid, idx))
-            mbs, rec, M, per = streams[sid]
+            mbs, rec, M, per, _ = streams[sid]
             combo = tuple(per[j][i][1] for j, i in enumerate(idx))
             if self.combo_capacity(mbs, rec, combo) >= self.L:
                 yield lb0, mbs, rec, combo
@@ -606,11 +606,32 @@ class _Planner:
                    for g, (k, tp, dp) in zip(self.groups, combo))
 
     def _lb0(self, stream, idx) -> float:
-        """``max(M L / sum_g 1/w_g, L min_g w_g)``: the busiest island bound, and microbatch 0 passing
-        every stage forward and backward (``sum_s t_s >= sum_g n_g w_g >= L min_g w_g``)."""
-        mbs, rec, M, per = stream
+        """``max(M L / sum_g 1/w_g, L min_g w_g + R)``: the busiest island bound, and microbatch 0 passing
+        every stage forward and backward (``sum_s t_s >= sum_g n_g w_g >= L min_g w_g``) and every bridge
+        crossing on the way (``R``: :meth:`round_trip_lb`, constant per stream, so the keys still grow
+        along the heap's successors)."""
+        mbs, rec, M, per, rt = stream
         inv = [per[j][i][0] for j, i in enumerate(idx)]
-        return max(M * self.L / sum(inv), self.L / max(inv))
+        return max(M * self.L / sum(inv), self.L / max(inv) + rt)
+
+    def round_trip_lb(self, mbs: int) -> float:
+        """Lower bound of the message seconds on microbatch 0's forward-and-backward chain in any pipeline
+        plan of microbatch size ``mbs``: a pipeline uses all ``G`` groups, each its own island, so at
+        least ``G - 1`` stage boundaries cross the bridge, each crossed by the activation and the gradient
+        (``microbatch x seq_len x hidden`` in the compute dtype), each crossing costing a delivery over the
+        plan's bridge (some group pair's link: at least the fastest pair's ``LinkModel.time_s``) and two
+        host copies (the SEND's on the sender, the RECV's on the receiver: at least the cheapest group's
+        ``host_copy_s``), as ``predict`` charges them. 0 for one group."""
+        from hethub_jax.planner import analytic
+        from hethub_jax.planner.costs import LinkModel
+        names = list(self.groups)
+        if len(names) < 2:
+            return 0.0
+        nbytes = mbs * self.seq * self.cfg.hidden_size * analytic.dtype_bytes(self.cfg.dtype)
+        links = [self.cluster.link(a, b) for a, b in itertools.combinations(names, 2)]
+        d = min(LinkModel(lat, bw).time_s(nbytes) for bw, lat in links)
+        c = min(self.costs[g].host_copy_s(nbytes) for g in names)
+        return 2 * (len(names) - 1) * (d + 2 * c)
 
     def twin_class(self, g: str) -> Any:
         """Groups of one class are interchangeable: same fields but the name, and no explicit link names
@@ -673,6 +694,10 @@ class _Planner:
         self.evaluate(sk, _stage_counts(sk, per_group))
         cur: List[int] = []
         first_stage = [sum(sk.stages[:j]) for j in range(G)]
+        # seconds of one bridge crossing there and back (round_trip_lb per crossing): the prefix counts
+        # the crossings before group j, so prefix + M t_b and prefix + M x (island load) stay lower bounds
+        # (island_bound's fill and drain)
+        cross = self.round_trip_lb(sk.microbatch_size) / (G - 1) if G > 1 else 0.0
 
         def dfs(j: int, left: int, prefix: float) -> None:
             ub = self.ub() * (1 + LB_SLACK)
@@ -680,7 +705,7 @@ class _Planner:
             hi = left if j == G - 1 else left - need
             lo = left if j == G - 1 else sk.stages[j]
             for n in range(hi, lo - 1, -1):
-                if gt[j][n] == math.inf or not M * gt[j][n] <= ub:  # inf: a stage exceeds memory
+                if gt[j][n] == math.inf or not M * gt[j][n] + prefix <= ub:  # inf: a stage exceeds memory
                     continue
                 ts = [times[first_stage[j] + i][c] for i, c in enumerate(balanced(n, sk.stages[j]))]
                 p, ok = prefix, True
@@ -695,7 +720,7 @@ class _Planner:
                 if j == G - 1:
                     self.evaluate(sk, _stage_counts(sk, cur))
                 else:
-                    dfs(j + 1, left - n, p)
+                    dfs(j + 1, left - n, p + cross)
                 cur.pop()
                 ub = self.ub() * (1 + LB_SLACK)
 
@@ -894,7 +919,10 @@ def search(cfg: Any, cluster: Any, global_batch: int, seq_len: int, *, costs: Op
         if p.prunes(lb0):
             break
         for sk in p.skeletons_of(mbs, rec, combo):
-            p.expand(sk)
+            if not p.prunes(lb0):  # the k-th best may have improved since
+                p.expand(sk)
+            else:
+                p.skeletons += 1
     if p.opt.hetero_dp and len(p.groups) > 1:
         p.hetero()
     if not p.top:
