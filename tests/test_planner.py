@@ -154,6 +154,23 @@ def test_island_bound_never_exceeds_predicts_pipeline_and_is_tighter_than_the_lo
     assert tighter > 0
 
 
+def test_round_trip_bound_is_tight_when_the_bridge_dominates():
+    """One microbatch (M = 1) over a slow bridge: predict's pipeline is microbatch 0's chain, so the chain
+    bound must come within a small factor of it (a bound that over- or under-counts the crossings fails
+    one of the two assertions)."""
+    from hethub_jax.planner.predictor import predict
+    from hethub_jax.planner.search import Skeleton, bridge_for
+    cfg = small_model(layers=4)
+    groups = [{"name": f"g{i}", "device": "cpu", "nodes": 1, "devices_per_node": 1} for i in range(3)]
+    cluster = cluster_from_dict({"groups": groups, "default_link": {"bandwidth": 1e6, "latency_s": 1e-3}})
+    p = _setup(cfg, cluster, 4, 16, None, SearchOptions(), None)
+    sk = Skeleton(4, "1f1b", "none", ("g0", "g1", "g2"), (1, 1, 1), (1, 1, 1), (1, 1, 1))
+    pred = predict(cfg, p.pipeline_plan(sk, (1, 2, 1)), p.costs, seq_len=16,
+                   bridge=bridge_for(p.cluster, [("g0", "g1"), ("g1", "g2")]))
+    chain = 4 * min(p.layer_lb(g, 1, 1, 4, "none") for g in sk.groups) + p.round_trip_lb(4)
+    assert 0.9 * pred.pipeline_s <= chain <= pred.pipeline_s * (1 + 1e-9)
+
+
 # ---- exactness against exhaustive search ------------------------------------------------------------
 
 @st.composite
