@@ -354,6 +354,7 @@ class _Planner:
         self._bridges: Dict[tuple, Any] = {}
         self.dedupe = True
         self._caps: Dict[tuple, int] = {}
+        self._capped: Dict[tuple, List[float]] = {}
         self._preds: Dict[str, Any] = {}
         self.top: List[Tuple[float, str, Candidate]] = []
         self.skeletons = self.expanded = self.evaluated = 0
@@ -533,9 +534,13 @@ class _Planner:
             j, first, last = sg[s], s == 0, s == S - 1
             args = (sk.groups[j], sk.tp[j], sk.dp[j], sk.microbatch_size, sk.recompute, first, last)
             inflight = 0 if (last and sk.schedule == "1f1b") else in_flight_bound(sk.schedule, S, s, M)
-            cap = self.stage_cap(*args, inflight)
-            t = self.stage_times(*args, (last_fused or self.fused(sk.schedule, S, M)) if last else "none")
-            out.append(t if cap >= self.L else t[:cap + 1] + [math.inf] * (self.L - cap))
+            fu = (last_fused or self.fused(sk.schedule, S, M)) if last else "none"
+            key = args + (inflight, fu)
+            if key not in self._capped:  # shared across pipeline orders and configurations: read only
+                cap = self.stage_cap(*args, inflight)
+                t = self.stage_times(*args, fu)
+                self._capped[key] = t if cap >= self.L else t[:cap + 1] + [math.inf] * (self.L - cap)
+            out.append(self._capped[key])
         return out
 
     # ---- configurations --------------------------------------------------------------------------
