@@ -15,7 +15,9 @@ Search space (for a model, a cluster spec and a global batch size):
 Every candidate is ranked by ``predictor.predict(...).step_time_s`` and must fit memory
 (``Prediction.fits``). Pipeline plans are found by branch and bound: ``predict``'s step time is at
 least the pipeline makespan, which is at least ``max_b(M t_b + sum_{s<b} t_s)`` and ``M x`` the busiest
-island's per-microbatch compute (``planner.pipeline_time``); a configuration or a partial split whose
+island's per-microbatch compute (``planner.pipeline_time``), both plus the bridge crossings before them, and
+at least microbatch 0's chain through every stage and crossing (:func:`island_bound`, ``round_trip_lb``);
+a configuration or a partial split whose
 bound is not below the k-th best step time found so far cannot enter the top k and is skipped. All other
 splits are evaluated with ``predict``: the result equals exhaustive enumeration (``exhaustive_search``).
 
