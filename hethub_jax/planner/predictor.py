@@ -206,6 +206,7 @@ class _StageCtx:
     t_b: float             # B action
     t_fused: float         # fused F+B of the last stage
     n_params: float        # per device
+    is_last: bool = False  # spec.is_last, read once (a pydantic property; _fused asks per action)
 
 
 def _stage_ctx(cfg: Any, plan: Any, r: int, s: int, costs: Mapping[str, DeviceCosts], seq_len: int) -> _StageCtx:
@@ -219,7 +220,8 @@ def _stage_ctx(cfg: Any, plan: Any, r: int, s: int, costs: Mapping[str, DeviceCo
     f_phase, b_phase = ("F", "B") if plan.recompute == "none" else ("F_nosave", "B_recompute")
     n = analytic.stage_params_per_device(cfg, spec.first_layer, spec.last_layer, spec.is_first, spec.is_last, spec.tp)
     return _StageCtx((r, s), spec, isl, c, factor, tokens, factor * stage_compute_s(*args, f_phase),
-                     factor * stage_compute_s(*args, b_phase), factor * stage_compute_s(*args, "B_recompute"), n)
+                     factor * stage_compute_s(*args, b_phase), factor * stage_compute_s(*args, "B_recompute"), n,
+                     bool(spec.is_last))
 
 
 @lru_cache(maxsize=8)
@@ -242,7 +244,7 @@ def _replica_lists(plan: Any):
 def _fused(ctx: _StageCtx, acts: Sequence[Action], i: int) -> bool:
     """The runtime fuses a last stage's F with the directly following B of the same microbatch."""
     a = acts[i]
-    return (ctx.spec.is_last and a.kind == ActionKind.F and i + 1 < len(acts)
+    return (ctx.is_last and a.kind == ActionKind.F and i + 1 < len(acts)
             and acts[i + 1].kind == ActionKind.B and acts[i + 1].microbatch == a.microbatch)
 
 
