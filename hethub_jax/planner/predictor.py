@@ -23,9 +23,10 @@ How a prediction is made (DESIGN.md section 7; details and formulas in ``docs/pr
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from hethub_jax.parallel.schedule import Action, ActionKind, max_in_flight
+from hethub_jax.parallel.schedule import Action, ActionKind, get_schedule, max_in_flight
 from hethub_jax.parallel.trace import ActionRecord
 from hethub_jax.planner import analytic
 from hethub_jax.planner.costs import DeviceCosts, LinkModel
@@ -205,6 +206,7 @@ class _StageCtx:
     t_b: float             # B action
     t_fused: float         # fused F+B of the last stage
     n_params: float        # per device
+    is_last: bool = False  # spec.is_last, read once (a pydantic property; _fused asks per action)
 
 
 def _stage_ctx(cfg: Any, plan: Any, r: int, s: int, costs: Mapping[str, DeviceCosts], seq_len: int) -> _StageCtx:
@@ -218,13 +220,31 @@ def _stage_ctx(cfg: Any, plan: Any, r: int, s: int, costs: Mapping[str, DeviceCo
     f_phase, b_phase = ("F", "B") if plan.recompute == "none" else ("F_nosave", "B_recompute")
     n = analytic.stage_params_per_device(cfg, spec.first_layer, spec.last_layer, spec.is_first, spec.is_last, spec.tp)
     return _StageCtx((r, s), spec, isl, c, factor, tokens, factor * stage_compute_s(*args, f_phase),
-                     factor * stage_compute_s(*args, b_phase), factor * stage_compute_s(*args, "B_recompute"), n)
+                     factor * stage_compute_s(*args, b_phase), factor * stage_compute_s(*args, "B_recompute"), n,
+                     bool(spec.is_last))
+
+
+@lru_cache(maxsize=8)
+def _schedule_lists(schedule: str, num_stages: int, num_microbatches: int):
+    """``(lists, labels)``: the action lists ``get_schedule(schedule)(num_stages, num_microbatches)`` as
+    tuples (shared between calls: read only) and ``str(action)`` per ``id(action)``. Cached: a search
+    predicts many plans of the same (schedule, stages, microbatches), and building the lists and their
+    labels is most of a prediction's time at thousands of microbatches."""
+    lists = tuple(tuple(acts) for acts in get_schedule(schedule)(num_stages, num_microbatches))
+    return lists, {id(a): str(a) for acts in lists for a in acts}
+
+
+def _replica_lists(plan: Any):
+    """Per replica index, :func:`_schedule_lists` of its (schedule, stages, microbatches): the same
+    actions as ``plan.actions(r)``, built once per replica."""
+    return {r: _schedule_lists(plan.schedule, plan.num_stages(r), plan.num_microbatches(r))
+            for r in range(plan.num_replicas)}
 
 
 def _fused(ctx: _StageCtx, acts: Sequence[Action], i: int) -> bool:
     """The runtime fuses a last stage's F with the directly following B of the same microbatch."""
     a = acts[i]
-    return (ctx.spec.is_last and a.kind == ActionKind.F and i + 1 < len(acts)
+    return (ctx.is_last and a.kind == ActionKind.F and i + 1 < len(acts)
             and acts[i + 1].kind == ActionKind.B and acts[i + 1].microbatch == a.microbatch)
 
 
@@ -253,10 +273,10 @@ def _action_times(ctx: _StageCtx, acts: Sequence[Action], msg_bytes: float, cros
 
 
 def _pipeline(cfg: Any, plan: Any, ctxs: Dict[Tuple[int, int], _StageCtx], bridge: LinkModel, seq_len: int,
-              fused_update_s: float, proc_of):
-    """(events as (key, action, start, end), busy seconds per key) of the step's pipelines."""
+              fused_update_s: float, proc_of, per_replica):
+    """(events as (key, action, start, end), busy seconds per key) of the step's pipelines;
+    ``per_replica``: the action lists of each replica (:func:`_replica_lists`)."""
     msg_bytes = plan.microbatch_size * seq_len * cfg.hidden_size * analytic.dtype_bytes(cfg.dtype)
-    per_replica = {r: plan.actions(r) for r in range(plan.num_replicas)}
     lists = {k: per_replica[k[0]][k[1]] for k in ctxs}
     times: Dict[Tuple[int, int], List[float]] = {}
     for k, ctx in ctxs.items():
@@ -346,12 +366,13 @@ def _reduction_s(cfg: Any, plan: Any, ctxs, bridge: LinkModel) -> float:
     return isl_s + cross + (bridge.alpha_s if len(plan.islands) > 1 else 0.0)
 
 
-def _update_fusable(plan: Any, cfg: Any) -> bool:
+def _update_fusable(plan: Any, cfg: Any, per_replica=None) -> bool:
     """The runtime's ``_update_fusable``: one replica of one stage (nothing shared) whose last
     backward directly follows the forward of the same microbatch."""
     if plan.num_replicas != 1 or plan.replicas[0].num_stages != 1:
         return False
-    acts = [a for a in plan.actions(0)[0] if a.is_compute]
+    lists = per_replica[0][0] if per_replica is not None else plan.actions(0)
+    acts = [a for a in lists[0] if a.is_compute]
     return (len(acts) >= 2 and acts[-1].kind == ActionKind.B and acts[-2].kind == ActionKind.F
             and acts[-1].microbatch == acts[-2].microbatch)
 
@@ -386,11 +407,13 @@ def predict(cfg: Any, plan: Any, costs: Mapping[str, DeviceCosts], *, seq_len: i
     keys = [(r, s) for r in range(plan.num_replicas) for s in range(plan.replicas[r].num_stages)]
     ctxs = {k: _stage_ctx(cfg, plan, k[0], k[1], costs, seq_len) for k in keys}
     pb = analytic.dtype_bytes(cfg.param_dtype)
-    fuse = _update_fusable(plan, cfg)
+    lists = _replica_lists(plan)
+    fuse = _update_fusable(plan, cfg, lists)
     upd = {k: c.factor * c.costs.update_time_s(c.n_params, pb) for k, c in ctxs.items()}
     fused_update_s = upd[(0, 0)] * (1 + 1 / 7) if fuse else 0.0
     proc_of = (lambda k: ctxs[k].spec.island) if concurrency == "runtime" else (lambda k: k)
-    events, busy = _pipeline(cfg, plan, ctxs, bridge, seq_len, fused_update_s, proc_of)
+    events, busy = _pipeline(cfg, plan, ctxs, bridge, seq_len, fused_update_s, proc_of,
+                             {r: v[0] for r, v in lists.items()})
     pipeline_s = max((t1 for _, _, _, t1 in events), default=0.0)
     reduce_s = 0.0 if fuse else _reduction_s(cfg, plan, ctxs, bridge)
     per_island: Dict[str, float] = {}
@@ -398,10 +421,10 @@ def predict(cfg: Any, plan: Any, costs: Mapping[str, DeviceCosts], *, seq_len: i
         per_island[ctxs[k].spec.island] = per_island.get(ctxs[k].spec.island, 0.0) + t
     update_s = 0.0 if fuse else max(per_island.values())
     step = pipeline_s + reduce_s + update_s
-    acts = {r: plan.actions(r) for r in range(plan.num_replicas)}
-    stages = tuple(_stage_prediction(cfg, plan, ctxs[k], acts[k[0]][k[1]], busy[k], pipeline_s, seq_len)
+    stages = tuple(_stage_prediction(cfg, plan, ctxs[k], lists[k[0]][0][k[1]], busy[k], pipeline_s, seq_len)
                    for k in keys)
-    timeline = tuple(ActionRecord(k[1], str(a), t0, t1, ctxs[k].spec.island, k[0]) for k, a, t0, t1 in events)
+    timeline = tuple(ActionRecord(k[1], lists[k[0]][1][id(a)], t0, t1, ctxs[k].spec.island, k[0])
+                     for k, a, t0, t1 in events)
     crit = _critical_path(events, ctxs, pipeline_s, reduce_s, update_s, proc_of)
     return Prediction(step, plan.global_batch_size * seq_len / step if step > 0 else float("inf"), stages,
                       pipeline_s, reduce_s, update_s, crit, timeline, all(s.fits for s in stages))

@@ -15,7 +15,9 @@ Search space (for a model, a cluster spec and a global batch size):
 Every candidate is ranked by ``predictor.predict(...).step_time_s`` and must fit memory
 (``Prediction.fits``). Pipeline plans are found by branch and bound: ``predict``'s step time is at
 least the pipeline makespan, which is at least ``max_b(M t_b + sum_{s<b} t_s)`` and ``M x`` the busiest
-island's per-microbatch compute (``planner.pipeline_time``); a configuration or a partial split whose
+island's per-microbatch compute (``planner.pipeline_time``), both plus the bridge crossings before them, and
+at least microbatch 0's chain through every stage and crossing (:func:`island_bound`, ``round_trip_lb``);
+a configuration or a partial split whose
 bound is not below the k-th best step time found so far cannot enter the top k and is skipped. All other
 splits are evaluated with ``predict``: the result equals exhaustive enumeration (``exhaustive_search``).
 
@@ -37,7 +39,8 @@ from hethub_jax.planner.cluster import ClusterSpec, islands_of, load_cluster
 from hethub_jax.planner.pipeline_time import makespan
 
 __all__ = ["SearchOptions", "Skeleton", "Candidate", "SearchResult", "PlanningError", "search",
-           "exhaustive_search", "min_bottleneck_split", "greedy_bottleneck_split", "group_costs", "bridge_for", "valid_tp_degrees"]
+           "exhaustive_search", "min_bottleneck_split", "greedy_bottleneck_split", "group_costs", "bridge_for", "valid_tp_degrees",
+           "island_bound"]
 
 #: relative slack on lower bounds: the planner's linear stage-time formulas and ``predict`` may round the
 #: last bit differently; a bound is trusted to prune only when it exceeds the incumbent by this much
@@ -305,6 +308,32 @@ def _largest_divisor_at_most(n: int, cap: int) -> int:
     return max((d for d in _divisors(n) if d <= cap), default=0)
 
 
+def island_bound(stages: Sequence[int], M: int, fw: Sequence[float], bw: Sequence[float],
+                 act: Sequence[float], grad: Sequence[float]) -> float:
+    """Lower bound of the pipeline makespan when each group (island) runs its ``stages[j]`` consecutive
+    stages one action at a time (``predict(concurrency="runtime")``), for GPipe and 1F1B.
+
+    Island ``j`` with first stage ``f`` is busy ``M * sum_{s in j} (F_s + B_s)`` (``fw``/``bw``: seconds per
+    microbatch with the host copies of the stage's SEND/RECV actions). Its first action cannot start
+    before a microbatch has passed the forwards of stages ``0..f-1`` and the ``f`` activation deliveries
+    (``head = sum_{s<f} F_s + act_s``): every action of the island depends on stage ``f``'s first RECV.
+    Its last action is stage ``f``'s last backward and SEND_GRAD (every other action of the island
+    precedes it through the backward chain of the last microbatch), after which that microbatch's
+    backwards of stages ``f-1..0`` and the gradient deliveries still run (``tail = sum_{s<f} B_s +
+    grad_s``). Hence ``makespan >= max_j (head_j + load_j + tail_j)``; the first island's head and tail
+    are 0. ``act``/``grad``: per stage boundary, delivery seconds (``S - 1`` entries)."""
+    best, s0, head, tail = 0.0, 0, 0.0, 0.0
+    for k in stages:
+        load = M * sum(fw[s] + bw[s] for s in range(s0, s0 + k))
+        best = max(best, head + load + tail)
+        for s in range(s0, s0 + k):
+            if s < len(act):
+                head += fw[s] + act[s]
+                tail += bw[s] + grad[s]
+        s0 += k
+    return best
+
+
 # ---------------------------------------------------------------------------------------------------
 # the search
 
@@ -327,6 +356,7 @@ class _Planner:
         self._bridges: Dict[tuple, Any] = {}
         self.dedupe = True
         self._caps: Dict[tuple, int] = {}
+        self._capped: Dict[tuple, List[float]] = {}
         self._preds: Dict[str, Any] = {}
         self.top: List[Tuple[float, str, Candidate]] = []
         self.skeletons = self.expanded = self.evaluated = 0
@@ -407,11 +437,24 @@ class _Planner:
         return self._fused[key]
 
     def step_lb(self, sk: Skeleton, counts: Sequence[int]) -> float:
-        """A lower bound of ``predict``'s step time for ``sk`` split as ``counts``: the makespan
-        (:func:`pipeline_time.makespan`) with every action at most as long as ``predict`` makes it (no
-        message or copy times), plus, for S >= 2 stages, the optimizer updates (the busiest island's
-        sum over its stages, as ``predict`` adds them). The makespan is nondecreasing in every action
-        time, and an island that runs several stages one action at a time only delays actions."""
+        """A lower bound of ``predict``'s step time for ``sk`` split as ``counts``: the larger of the
+        makespan (:func:`pipeline_time.makespan`) with every action at most as long as ``predict`` makes
+        it and :func:`island_bound` (each island runs its stages one action at a time: its load plus the
+        pipeline fill before and the drain after it), plus, for S >= 2 stages, the optimizer updates (the
+        busiest island's sum over its stages, as ``predict`` adds them). The makespan is nondecreasing in
+        every action time, and an island that runs several stages one action at a time only delays
+        actions. The island bound (closed form) is computed first; the makespan only when it may matter."""
+        M, S = self.gbs // sk.microbatch_size, len(counts)
+        fw, bw, act, grad, upd = self.action_times(sk, counts)
+        lb = island_bound(sk.stages, M, fw, bw, act, grad) + (upd if S > 1 else 0.0)
+        if self.prunes(lb):
+            return lb
+        return max(lb, makespan(sk.schedule, M, fw, bw, act, grad) + (upd if S > 1 else 0.0))
+
+    def action_times(self, sk: Skeleton, counts: Sequence[int]):
+        """``(fw, bw, act, grad, update)``: per stage, seconds of one microbatch's F and B with the host
+        copies around them (:meth:`message_times`), per boundary the activation and gradient delivery
+        seconds, and the busiest island's optimizer update seconds (lower bounds of ``predict``'s)."""
         sg, S, M = sk.stage_group(), len(counts), self.gbs // sk.microbatch_size
         fu = self.fused(sk.schedule, S, M)
         fw, bw, upd = [], [], {}
@@ -424,11 +467,7 @@ class _Planner:
             bw.append(ba + (n - 1) * bs)
             upd[g] = upd.get(g, 0.0) + self.update_s(g, sk.tp[j], n, first, last)
         act, grad = self.message_times(sk, counts, fw, bw)
-        lb = makespan(sk.schedule, M, fw, bw, act, grad)
-        load: Dict[int, float] = {}
-        for s in range(S):  # an island runs its stages one action at a time
-            load[sg[s]] = load.get(sg[s], 0.0) + M * (fw[s] + bw[s])
-        return max(lb, max(load.values())) + (max(upd.values()) if S > 1 else 0.0)
+        return fw, bw, act, grad, max(upd.values())
 
     def message_times(self, sk: Skeleton, counts: Sequence[int], fw: List[float], bw: List[float]):
         """Adds to ``fw``/``bw`` (in place) the host copies ``predict`` charges around each compute action
@@ -497,9 +536,13 @@ class _Planner:
             j, first, last = sg[s], s == 0, s == S - 1
             args = (sk.groups[j], sk.tp[j], sk.dp[j], sk.microbatch_size, sk.recompute, first, last)
             inflight = 0 if (last and sk.schedule == "1f1b") else in_flight_bound(sk.schedule, S, s, M)
-            cap = self.stage_cap(*args, inflight)
-            t = self.stage_times(*args, (last_fused or self.fused(sk.schedule, S, M)) if last else "none")
-            out.append(t if cap >= self.L else t[:cap + 1] + [math.inf] * (self.L - cap))
+            fu = (last_fused or self.fused(sk.schedule, S, M)) if last else "none"
+            key = args + (inflight, fu)
+            if key not in self._capped:  # shared across pipeline orders and configurations: read only
+                cap = self.stage_cap(*args, inflight)
+                t = self.stage_times(*args, fu)
+                self._capped[key] = t if cap >= self.L else t[:cap + 1] + [math.inf] * (self.L - cap)
+            out.append(self._capped[key])
         return out
 
     # ---- configurations --------------------------------------------------------------------------
@@ -542,7 +585,7 @@ class _Planner:
                 if any(not cs for cs in per):
                     continue
                 sid = len(streams)
-                streams.append((mbs, rec, M, per))
+                streams.append((mbs, rec, M, per, self.round_trip_lb(mbs)))
                 idx = (0,) * len(names)
                 heapq.heappush(heap, (self._lb0(streams[sid], idx), sid, idx))
         seen = set()
@@ -551,7 +594,7 @@ class _Planner:
             if (sid, idx) in seen:
                 continue
             seen.add((sid, idx))
-            mbs, rec, M, per = streams[sid]
+            mbs, rec, M, per, _ = streams[sid]
             combo = tuple(per[j][i][1] for j, i in enumerate(idx))
             if self.combo_capacity(mbs, rec, combo) >= self.L:
                 yield lb0, mbs, rec, combo
@@ -570,11 +613,32 @@ class _Planner:
                    for g, (k, tp, dp) in zip(self.groups, combo))
 
     def _lb0(self, stream, idx) -> float:
-        """``max(M L / sum_g 1/w_g, L min_g w_g)``: the busiest island bound, and microbatch 0 passing
-        every stage forward and backward (``sum_s t_s >= sum_g n_g w_g >= L min_g w_g``)."""
-        mbs, rec, M, per = stream
+        """``max(M L / sum_g 1/w_g, L min_g w_g + R)``: the busiest island bound, and microbatch 0 passing
+        every stage forward and backward (``sum_s t_s >= sum_g n_g w_g >= L min_g w_g``) and every bridge
+        crossing on the way (``R``: :meth:`round_trip_lb`, constant per stream, so the keys still grow
+        along the heap's successors)."""
+        mbs, rec, M, per, rt = stream
         inv = [per[j][i][0] for j, i in enumerate(idx)]
-        return max(M * self.L / sum(inv), self.L / max(inv))
+        return max(M * self.L / sum(inv), self.L / max(inv) + rt)
+
+    def round_trip_lb(self, mbs: int) -> float:
+        """Lower bound of the message seconds on microbatch 0's forward-and-backward chain in any pipeline
+        plan of microbatch size ``mbs``: a pipeline uses all ``G`` groups, each its own island, so at
+        least ``G - 1`` stage boundaries cross the bridge, each crossed by the activation and the gradient
+        (``microbatch x seq_len x hidden`` in the compute dtype), each crossing costing a delivery over the
+        plan's bridge (some group pair's link: at least the fastest pair's ``LinkModel.time_s``) and two
+        host copies (the SEND's on the sender, the RECV's on the receiver: at least the cheapest group's
+        ``host_copy_s``), as ``predict`` charges them. 0 for one group."""
+        from hethub_jax.planner import analytic
+        from hethub_jax.planner.costs import LinkModel
+        names = list(self.groups)
+        if len(names) < 2:
+            return 0.0
+        nbytes = mbs * self.seq * self.cfg.hidden_size * analytic.dtype_bytes(self.cfg.dtype)
+        links = [self.cluster.link(a, b) for a, b in itertools.combinations(names, 2)]
+        d = min(LinkModel(lat, bw).time_s(nbytes) for bw, lat in links)
+        c = min(self.costs[g].host_copy_s(nbytes) for g in names)
+        return 2 * (len(names) - 1) * (d + 2 * c)
 
     def twin_class(self, g: str) -> Any:
         """Groups of one class are interchangeable: same fields but the name, and no explicit link names
@@ -637,6 +701,10 @@ class _Planner:
         self.evaluate(sk, _stage_counts(sk, per_group))
         cur: List[int] = []
         first_stage = [sum(sk.stages[:j]) for j in range(G)]
+        # seconds of one bridge crossing there and back (round_trip_lb per crossing): the prefix counts
+        # the crossings before group j, so prefix + M t_b and prefix + M x (island load) stay lower bounds
+        # (island_bound's fill and drain)
+        cross = self.round_trip_lb(sk.microbatch_size) / (G - 1) if G > 1 else 0.0
 
         def dfs(j: int, left: int, prefix: float) -> None:
             ub = self.ub() * (1 + LB_SLACK)
@@ -644,7 +712,7 @@ class _Planner:
             hi = left if j == G - 1 else left - need
             lo = left if j == G - 1 else sk.stages[j]
             for n in range(hi, lo - 1, -1):
-                if gt[j][n] == math.inf or not M * gt[j][n] <= ub:  # inf: a stage exceeds memory
+                if gt[j][n] == math.inf or not M * gt[j][n] + prefix <= ub:  # inf: a stage exceeds memory
                     continue
                 ts = [times[first_stage[j] + i][c] for i, c in enumerate(balanced(n, sk.stages[j]))]
                 p, ok = prefix, True
@@ -659,7 +727,7 @@ class _Planner:
                 if j == G - 1:
                     self.evaluate(sk, _stage_counts(sk, cur))
                 else:
-                    dfs(j + 1, left - n, p)
+                    dfs(j + 1, left - n, p + cross)
                 cur.pop()
                 ub = self.ub() * (1 + LB_SLACK)
 
@@ -858,7 +926,10 @@ def search(cfg: Any, cluster: Any, global_batch: int, seq_len: int, *, costs: Op
         if p.prunes(lb0):
             break
         for sk in p.skeletons_of(mbs, rec, combo):
-            p.expand(sk)
+            if not p.prunes(lb0):  # the k-th best may have improved since
+                p.expand(sk)
+            else:
+                p.skeletons += 1
     if p.opt.hetero_dp and len(p.groups) > 1:
         p.hetero()
     if not p.top:
