@@ -82,6 +82,39 @@ def relaunch_under_mpiexec(script: str, argv: list[str], n: int = 2) -> None:
     os.execve(exe, [exe, "-n", str(n), sys.executable, os.path.abspath(script), *argv], env)
 
 
+XLA_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false"
+
+
+
+
+
+
+def pin_and_limit_threads(rank: int) -> int | None:
+    """Pins this process to core `rank` and asks XLA/OpenMP/BLAS for one thread (before JAX starts)."""
+    core = None
+    if hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        core = cpus[rank % len(cpus)]
+        os.sched_setaffinity(0, {core})
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_cpu_multi_thread_eigen" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " " + XLA_ONE_THREAD).strip()
+    for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(k, "1")
+    return core
+
+
+def start_pinned_rank(script: str, n: int = 2) -> tuple[int, int | None]:
+    """Run by hand: relaunches ``script`` (with this process's arguments) under ``mpiexec -n n``.
+    Under mpiexec: pins this rank to its own core (:func:`pin_and_limit_threads`) and returns
+    ``(rank, core)``. Call before JAX is imported."""
+    rank = mpi_rank_from_env()
+    if os.environ.get(CHILD_ENV) is None and rank is None:
+        relaunch_under_mpiexec(script, sys.argv[1:], n=n)
+    rank = rank or 0
+    return rank, pin_and_limit_threads(rank)
+
+
 def training_parser(doc: str, *, batch: int, warmup: int, json_help: str = "output path"
                     ) -> argparse.ArgumentParser:
     """Argument parser with the flags every training benchmark shares: --json, --preset, --batch

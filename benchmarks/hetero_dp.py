@@ -28,30 +28,7 @@ import sys
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
-from benchmarks.common import (CHILD_ENV, mpi_rank_from_env, relaunch_under_mpiexec,  # noqa: E402
-                               training_parser)
-
-XLA_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false"
-
-
-
-
-
-
-def pin_and_limit_threads(rank: int) -> int | None:
-    """Pins this process to core `rank` and asks XLA/OpenMP/BLAS for one thread (before JAX starts)."""
-    core = None
-    if hasattr(os, "sched_setaffinity"):
-        cpus = sorted(os.sched_getaffinity(0))
-        core = cpus[rank % len(cpus)]
-        os.sched_setaffinity(0, {core})
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_cpu_multi_thread_eigen" not in flags:
-        os.environ["XLA_FLAGS"] = (flags + " " + XLA_ONE_THREAD).strip()
-    for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ.setdefault(k, "1")
-    return core
-
+from benchmarks.common import start_pinned_rank, training_parser  # noqa: E402
 
 ISLANDS = [{"name": "fast", "platform": "cpu", "num_processes": 1, "devices_per_process": 1, "slowdown": 1.0},
            {"name": "slow", "platform": "cpu", "num_processes": 1, "devices_per_process": 1}]
@@ -80,11 +57,7 @@ def main() -> None:
     ap.add_argument("--slowdown", type=float, default=3.0, help="EMULATED slowdown of the slow island")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per configuration")
     args = ap.parse_args()
-    rank = mpi_rank_from_env()
-    if os.environ.get(CHILD_ENV) is None and rank is None:
-        relaunch_under_mpiexec(__file__, sys.argv[1:])
-    rank = rank or 0
-    core = pin_and_limit_threads(rank)
+    rank, core = start_pinned_rank(__file__)
 
     import time
 

@@ -30,8 +30,7 @@ import sys
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
-from benchmarks.common import CHILD_ENV, mpi_rank_from_env, relaunch_under_mpiexec, training_parser  # noqa: E402
-from benchmarks.hetero_dp import pin_and_limit_threads  # noqa: E402
+from benchmarks.common import start_pinned_rank, training_parser  # noqa: E402
 
 MODEL = {"vocab_size": 32000, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 8,
          "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 512,
@@ -77,11 +76,7 @@ def main() -> None:
     ap.add_argument("--profiles", default=None, help="directory with cpu.json (python -m hethub_jax.profile)")
     ap.add_argument("--timeline-png", default=None, help="Gantt chart of the planned plan's last step")
     args = ap.parse_args()
-    rank = mpi_rank_from_env()
-    if os.environ.get(CHILD_ENV) is None and rank is None:
-        relaunch_under_mpiexec(__file__, sys.argv[1:])
-    rank = rank or 0
-    core = pin_and_limit_threads(rank)
+    rank, core = start_pinned_rank(__file__)
     import jax  # noqa: F401  (JAX starts here, after the pinning)
     from mpi4py import MPI
 
