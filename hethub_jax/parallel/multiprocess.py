@@ -115,3 +115,30 @@ class PartsReceive:
         for h in self.handles:
             h.wait(timeout) if timeout is not None else h.wait()
         return self.buf
+
+
+def warm_up_collectives(mesh: Any) -> None:
+    """Create now the CPU collectives' (gloo) communicators of a stage mesh that spans processes.
+
+    Gloo makes the communicator of a group of devices at the group's first collective and waits at
+    most 30 s for every process of the group to arrive there (the key-value lookup in XLA's gloo
+    collectives; JAX 0.10 exposes no setting for it). Inside a training step the processes of an
+    island can reach that first collective far apart: each waits for its own pipeline input, and on
+    a busy machine compiles at its own pace. Every process of the island therefore runs this small
+    program right after building its stages (same order on all of them, SPMD; the caller puts a
+    barrier before it): a sum over the whole ``(dp, tp)`` mesh and one over ``dp`` alone, so that
+    the groups the stage programs use exist before the first step. XLA reuses a communicator for the
+    same group of devices in later programs.
+
+    Args:
+      mesh: the stage's ``Mesh(('dp', 'tp'))``.
+    """
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    dp, tp = mesh.devices.shape
+    x = jax.make_array_from_callback((dp, tp), NamedSharding(mesh, P("dp", "tp")),
+                                     lambda index: np.ones((1, 1), np.float32))
+    sums = jax.jit(lambda a: (a.sum(), a.sum(axis=0)),
+                   out_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P("tp"))))
+    jax.block_until_ready(sums(x))
+

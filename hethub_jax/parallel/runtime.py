@@ -149,6 +149,7 @@ class PipelineRuntime:
         self._group_comms: dict[tuple[int, ...], Any] = {}
         if comm is not None:
             self._make_group_comms()
+            self._warm_up_collectives()
         self.step = 0
         # Last stage: a forward immediately followed by the backward of the same microbatch (1F1B,
         # one-stage replicas) runs as one jitted forward+backward (no vjp residuals leave the jit).
@@ -335,6 +336,16 @@ class PipelineRuntime:
         return mp.place_rows(x, lo, (self.plan.microbatch_size,) + tuple(x.shape[1:]), st.act_sharding)
 
     # ---- cross-stage reductions ----------------------------------------------------------------
+    def _warm_up_collectives(self) -> None:
+        """Every rank: a barrier, then the gloo communicators of each local stage mesh that spans
+        processes (``multiprocess.warm_up_collectives``), so none is first made inside a step."""
+        spanning = [k for k in self.local_keys if mp.spans_processes(list(self.stages[k].mesh.devices.flat))]
+        if not any(len(o) > 1 for o in self.owners.values()):
+            return  # no island of several processes in this plan: nothing to warm up, no barrier
+        self.comm.barrier(timeout=self.timeout_s)
+        for k in spanning:
+            mp.warm_up_collectives(self.stages[k].mesh)
+
     def _make_group_comms(self) -> None:
         """One sub-communicator per set of ranks that share parameters (created on every rank)."""
         groups = sorted({self._holder_ranks(h) for h in self.shared.values()})
