@@ -37,6 +37,7 @@ from hethub_jax.parallel.plan import Plan, proportional_shares
 from hethub_jax.parallel.schedule import get_schedule, in_flight_bound
 from hethub_jax.planner.cluster import ClusterSpec, islands_of, load_cluster
 from hethub_jax.planner.pipeline_time import makespan
+from hethub_jax.planner.search_bounds import SplitBounds, cycle_bound
 
 __all__ = ["SearchOptions", "Skeleton", "Candidate", "SearchResult", "PlanningError", "search",
            "exhaustive_search", "min_bottleneck_split", "greedy_bottleneck_split", "group_costs", "bridge_for", "valid_tp_degrees",
@@ -443,12 +444,17 @@ class _Planner:
         pipeline fill before and the drain after it), plus, for S >= 2 stages, the optimizer updates (the
         busiest island's sum over its stages, as ``predict`` adds them). The makespan is nondecreasing in
         every action time, and an island that runs several stages one action at a time only delays
-        actions. The island bound (closed form) is computed first; the makespan only when it may matter."""
+        actions. The island bound and, for 1F1B, :func:`search_bounds.cycle_bound` (closed forms) are computed
+        first; the makespan only when they cannot prune."""
         M, S = self.gbs // sk.microbatch_size, len(counts)
         fw, bw, act, grad, upd = self.action_times(sk, counts)
         lb = island_bound(sk.stages, M, fw, bw, act, grad) + (upd if S > 1 else 0.0)
         if self.prunes(lb):
             return lb
+        if sk.schedule == "1f1b":
+            lb = max(lb, cycle_bound(M, fw, bw, act, grad) + (upd if S > 1 else 0.0))
+            if self.prunes(lb):
+                return lb
         return max(lb, makespan(sk.schedule, M, fw, bw, act, grad) + (upd if S > 1 else 0.0))
 
     def action_times(self, sk: Skeleton, counts: Sequence[int]):
@@ -563,63 +569,75 @@ class _Planner:
                 out.append((k, tp, dp))
         return out
 
-    def combo_streams(self) -> Iterator[Tuple[float, int, str, Tuple[Tuple[int, int, int], ...]]]:
-        """``(LB0, mbs, recompute, per-group choices in cluster order)`` in ascending LB0, with
-        ``LB0 >= M * L / sum_g 1/w_g`` (``w_g``: the group's per-layer lower bound), a bound of the step
-        time of every pipeline of those choices, whatever the order and split: the busiest island
-        computes at least ``M * n_g * w_g`` with ``sum_g n_g = L``; with a second bound (:meth:`_lb0`). Both
-        grow along the heap's successors (each group's choices are sorted by ``1/w`` descending), so the
-        keys come out nondecreasing and the caller may stop at the first key above the k-th best."""
+    def combo_streams(self) -> Iterator[Tuple[float, int, str, str, Tuple[Tuple[int, int, int], ...]]]:
+        """``(LB0, mbs, recompute, schedule, per-group choices in cluster order)`` in ascending LB0, a lower
+        bound of the step time of every pipeline of those choices, whatever the order and split
+        (:meth:`_lb0`). One stream per (microbatch size, recompute, schedule, stage count per group): inside
+        it each group's choices are sorted by ``1/w`` descending (``w``: :meth:`layer_lb`), so the keys grow
+        along the heap's successors and the caller may stop at the first key above the k-th best."""
         names = list(self.groups)
         heap: list = []
-        streams = []
+        self._streams = []
         for mbs in self.microbatch_sizes():
-            M = self.gbs // mbs
             for rec in self.opt.recompute:
-                per = []
-                for g in names:
-                    cs = [(1.0 / self.layer_lb(g, tp, dp, mbs, rec), c) for c in self.choices(g, mbs)
-                          for (k, tp, dp) in [c]]
-                    cs.sort(key=lambda x: (-x[0], x[1]))
-                    per.append(cs)
-                if any(not cs for cs in per):
+                per = [self._choices_by_k(g, mbs, rec) for g in names]
+                if any(not by for by in per):
                     continue
-                sid = len(streams)
-                streams.append((mbs, rec, M, per, self.round_trip_lb(mbs)))
-                idx = (0,) * len(names)
-                heapq.heappush(heap, (self._lb0(streams[sid], idx), sid, idx))
+                for sched in self.opt.schedules:
+                    for ks in itertools.product(*(sorted(by) for by in per)):
+                        self._push_stream(heap, (mbs, rec, sched, self.gbs // mbs,
+                                                 [by[k] for by, k in zip(per, ks)], self.round_trip_lb(mbs)))
         seen = set()
         while heap:
             lb0, sid, idx = heapq.heappop(heap)
             if (sid, idx) in seen:
                 continue
             seen.add((sid, idx))
-            mbs, rec, M, per, _ = streams[sid]
+            mbs, rec, sched, M, per, _ = self._streams[sid]
             combo = tuple(per[j][i][1] for j, i in enumerate(idx))
-            if self.combo_capacity(mbs, rec, combo) >= self.L:
-                yield lb0, mbs, rec, combo
+            if self.combo_capacity(mbs, rec, combo, M if sched == "gpipe" else 0) >= self.L:
+                yield lb0, mbs, rec, sched, combo
             else:
                 self.skeletons += 1
             for j in range(len(idx)):
                 if idx[j] + 1 < len(per[j]):
                     nxt = idx[:j] + (idx[j] + 1,) + idx[j + 1:]
                     if (sid, nxt) not in seen:
-                        heapq.heappush(heap, (self._lb0(streams[sid], nxt), sid, nxt))
+                        heapq.heappush(heap, (self._lb0(self._streams[sid], nxt), sid, nxt))
 
-    def combo_capacity(self, mbs: int, rec: str, combo) -> int:
+    def _push_stream(self, heap: list, stream: tuple) -> None:
+        self._streams.append(stream)
+        idx = (0,) * len(stream[4])
+        heapq.heappush(heap, (self._lb0(stream, idx), len(self._streams) - 1, idx))
+
+    def _choices_by_k(self, g: str, mbs: int, rec: str) -> Dict[int, List[Tuple[float, Tuple[int, int, int]]]]:
+        """Group ``g``'s choices by stage count ``k``: ``k -> [(1 / w, (k, tp, dp))]`` sorted by ``1/w``
+        descending (``w``: :meth:`layer_lb`; ``1/w = inf`` when a profile measures a layer as 0 s)."""
+        out: Dict[int, list] = {}
+        for c in self.choices(g, mbs):
+            w = self.layer_lb(g, c[1], c[2], mbs, rec)
+            out.setdefault(c[0], []).append((1.0 / w if w > 0 else math.inf, c))
+        for cs in out.values():
+            cs.sort(key=lambda x: (-x[0], x[1]))
+        return out
+
+    def combo_capacity(self, mbs: int, rec: str, combo, in_flight: int = 0) -> int:
         """An upper bound of the layers one choice per group can hold in memory: per group, its stages x
-        the layers a middle stage holds with no microbatch in flight (memory grows with both)."""
-        return sum(k * self.stage_cap(g, tp, dp, mbs, rec, False, False, 0)
+        the layers a middle stage holds with ``in_flight`` microbatches in flight (memory grows with both;
+        every stage holds at least ``in_flight_bound``'s count: GPipe M, 1F1B 0 for the fused last stage)."""
+        return sum(k * self.stage_cap(g, tp, dp, mbs, rec, False, False, in_flight)
                    for g, (k, tp, dp) in zip(self.groups, combo))
 
     def _lb0(self, stream, idx) -> float:
-        """``max(M L / sum_g 1/w_g, L min_g w_g + R)``: the busiest island bound, and microbatch 0 passing
-        every stage forward and backward (``sum_s t_s >= sum_g n_g w_g >= L min_g w_g``) and every bridge
-        crossing on the way (``R``: :meth:`round_trip_lb`, constant per stream, so the keys still grow
-        along the heap's successors)."""
-        mbs, rec, M, per, rt = stream
+        """``max(M L / sum_g 1/w_g, c (L min_g w_g + R))``: the busiest island bound, and microbatch 0
+        passing every stage forward and backward (``sum_s t_s >= sum_g n_g w_g >= L min_g w_g``) and every
+        bridge crossing on the way (``R``: :meth:`round_trip_lb`); for 1F1B ``c = ceil(M / S)`` (S: the
+        stream's stage count), :func:`search_bounds.cycle_bound` at stage 0, else 1. ``c`` and ``R`` are
+        constant per stream, so the keys still grow along the heap's successors."""
+        mbs, rec, sched, M, per, rt = stream
         inv = [per[j][i][0] for j, i in enumerate(idx)]
-        return max(M * self.L / sum(inv), self.L / max(inv) + rt)
+        c = -(-M // sum(per[j][0][1][0] for j in range(len(per)))) if sched == "1f1b" else 1
+        return max(M * self.L / sum(inv), c * (self.L / max(inv) + rt))
 
     def round_trip_lb(self, mbs: int) -> float:
         """Lower bound of the message seconds on microbatch 0's forward-and-backward chain in any pipeline
@@ -648,12 +666,13 @@ class _Planner:
             return g
         return json.dumps(self.groups[g].model_dump(exclude={"name"}), sort_keys=True)
 
-    def skeletons_of(self, mbs: int, rec: str, combo) -> Iterator[Skeleton]:
-        """Every pipeline order and schedule for one choice per group (``combo`` in cluster order), except
-        those equal to one already given up to swapping interchangeable groups (:meth:`twin_class`)."""
+    def skeletons_of(self, mbs: int, rec: str, combo, schedules: Optional[Sequence[str]] = None) -> Iterator[Skeleton]:
+        """Every pipeline order and schedule (``schedules``, default all) for one choice per group
+        (``combo`` in cluster order), except those equal to one already given up to swapping
+        interchangeable groups (:meth:`twin_class`)."""
         names = list(self.groups)
         cls = [self.twin_class(g) for g in names]
-        for sched in self.opt.schedules:
+        for sched in schedules or self.opt.schedules:
             for perm in itertools.permutations(range(len(names))):
                 if self.opt.last_group is not None and names[perm[-1]] != self.opt.last_group:
                     continue
@@ -699,39 +718,41 @@ class _Planner:
             return
         self.expanded += 1
         self.evaluate(sk, _stage_counts(sk, per_group))
-        cur: List[int] = []
-        first_stage = [sum(sk.stages[:j]) for j in range(G)]
-        # seconds of one bridge crossing there and back (round_trip_lb per crossing): the prefix counts
-        # the crossings before group j, so prefix + M t_b and prefix + M x (island load) stay lower bounds
-        # (island_bound's fill and drain)
-        cross = self.round_trip_lb(sk.microbatch_size) / (G - 1) if G > 1 else 0.0
+        self._dfs(sk, times, gt, self.split_bounds(sk, times), 0, L, 0.0, [])
 
-        def dfs(j: int, left: int, prefix: float) -> None:
+    def split_bounds(self, sk: Skeleton, times: List[List[float]]) -> SplitBounds:
+        """:class:`search_bounds.SplitBounds` of ``sk``: the host copies and deliveries ``predict`` charges
+        (:meth:`message_times`, independent of the split) and each stage's compute line from ``times``."""
+        S, M = sk.num_stages, self.gbs // sk.microbatch_size
+        fw, bw = [0.0] * S, [0.0] * S
+        act, _ = self.message_times(sk, [1] * S, fw, bw)
+        one = [t[1] for t in times]
+        slope = [t[2] - t[1] if self.L >= 2 and t[2] < math.inf else 0.0 for t in times]
+        return SplitBounds(sk.stages, M, [f + b for f, b in zip(fw, bw)], act, one, slope, sk.schedule == "1f1b")
+
+    def _dfs(self, sk: Skeleton, times, gt, bounds: SplitBounds, j: int, left: int, head: float,
+             cur: List[int]) -> None:
+        """Depth-first over group ``j``'s layer count (most first), the groups before it holding ``cur``;
+        a prefix is dropped when a :class:`SplitBounds` bound exceeds the k-th best (module docstring)."""
+        G, M = len(sk.groups), self.gbs // sk.microbatch_size
+        need = sum(sk.stages[j + 1:])
+        hi = left if j == G - 1 else left - need
+        lo = left if j == G - 1 else sk.stages[j]
+        b0 = bounds.first[j]
+        for n in range(hi, lo - 1, -1):
             ub = self.ub() * (1 + LB_SLACK)
-            need = sum(sk.stages[j + 1:])
-            hi = left if j == G - 1 else left - need
-            lo = left if j == G - 1 else sk.stages[j]
-            for n in range(hi, lo - 1, -1):
-                if gt[j][n] == math.inf or not M * gt[j][n] + prefix <= ub:  # inf: a stage exceeds memory
-                    continue
-                ts = [times[first_stage[j] + i][c] for i, c in enumerate(balanced(n, sk.stages[j]))]
-                p, ok = prefix, True
-                for t in ts:  # makespan >= M t_b + sum_{s<b} t_s (pipeline_time.makespan_lower_bound)
-                    if M * t + p > ub:
-                        ok = False
-                        break
-                    p += t
-                if not ok:
-                    continue
-                cur.append(n)
-                if j == G - 1:
-                    self.evaluate(sk, _stage_counts(sk, cur))
-                else:
-                    dfs(j + 1, left - n, p + cross)
-                cur.pop()
-                ub = self.ub() * (1 + LB_SLACK)
-
-        dfs(0, L, 0.0)
+            if gt[j][n] == math.inf or not M * gt[j][n] + head <= ub:  # inf: a stage exceeds memory
+                continue
+            ts = [times[b0 + i][c] for i, c in enumerate(balanced(n, sk.stages[j]))]
+            nxt = bounds.group(j, head, ts, left - n, ub)
+            if nxt == math.inf:
+                continue
+            cur.append(n)
+            if j == G - 1:
+                self.evaluate(sk, _stage_counts(sk, cur))
+            else:
+                self._dfs(sk, times, gt, bounds, j + 1, left - n, nxt, cur)
+            cur.pop()
 
     # ---- evaluation ------------------------------------------------------------------------------
     def pipeline_plan(self, sk: Skeleton, counts: Sequence[int]) -> Plan:
@@ -922,10 +943,10 @@ def search(cfg: Any, cluster: Any, global_batch: int, seq_len: int, *, costs: Op
     """
     t0 = time.perf_counter()
     p = _setup(cfg, cluster, global_batch, seq_len, costs, options, profiles_dir)
-    for lb0, mbs, rec, combo in p.combo_streams():
+    for lb0, mbs, rec, sched, combo in p.combo_streams():
         if p.prunes(lb0):
             break
-        for sk in p.skeletons_of(mbs, rec, combo):
+        for sk in p.skeletons_of(mbs, rec, combo, (sched,)):
             if not p.prunes(lb0):  # the k-th best may have improved since
                 p.expand(sk)
             else:
