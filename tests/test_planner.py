@@ -439,3 +439,61 @@ def test_split_bounds_never_exceed_predicts_pipeline():
             head = sb.group(j, head, comp, sum(counts[s0 + kk:]), pred.pipeline_s * (1 + 1e-9))
             assert head < math.inf, (sk, counts, pred.pipeline_s)
             s0 += kk
+
+
+def test_water_fill_is_the_relaxed_minimax_split():
+    """``water_fill`` against brute force over integer splits: never above the integer optimum (a lower
+    bound) and within one layer's seconds of it (a miscounted fill is far off), ``inf`` when the caps
+    cannot hold the layers or a group holds none."""
+    import numpy as np
+    from hethub_jax.planner.search_configs import water_fill
+    rnd = random.Random(11)
+    for _ in range(200):
+        G, L = rnd.randint(1, 3), rnd.randint(3, 9)
+        K = [rnd.uniform(0.0, 2.0) for _ in range(G)]
+        w = [rnd.choice([0.0, rnd.uniform(0.05, 1.0)]) for _ in range(G)]
+        cap = [rnd.randint(0, L) for _ in range(G)]
+        best = min((max(K[g] + n[g] * w[g] for g in range(G)) for n in itertools.product(range(1, L + 1), repeat=G)
+                    if sum(n) == L and all(n[g] <= cap[g] for g in range(G))), default=math.inf)
+        got = float(water_fill(np.array([K]), np.array([w]), np.array([cap]), L)[0])
+        if min(cap) < 1 or best == math.inf:
+            assert got == math.inf
+            continue
+        assert got <= best * (1 + 1e-12)
+        assert got >= best - max(w) - 1e-9
+
+
+def test_configuration_bound_never_exceeds_predict():
+    """The vectorised configuration bound (island loads by water filling with stage constants, host copies
+    and memory caps; microbatch 0's chain, x ceil(M / S) under 1F1B) of a configuration, against
+    ``predict``'s step time of random pipelines of it (any order, any split): the independent reference."""
+    from hethub_jax.planner.predictor import predict
+    from hethub_jax.planner.search import Skeleton, bridge_for
+    from hethub_jax.planner.search_configs import configuration_bounds
+    cfg = small_model(layers=6)
+    cluster = cluster_from_dict({"groups": [{"name": f"g{i}", "device": "cpu", "nodes": 1, "devices_per_node": 2,
+                                             "slowdown": sd} for i, sd in enumerate((1.0, 2.0, 3.5))],
+                                 "default_link": {"bandwidth": 5e6, "latency_s": 1e-4}})
+    p = _setup(cfg, cluster, 8, 16, None, SearchOptions(), None)
+    rnd, tight = random.Random(5), 0
+    for _ in range(30):
+        mbs, rec, sched = rnd.choice([1, 2, 4]), rnd.choice(["none", "full"]), rnd.choice(["1f1b", "gpipe"])
+        M = 8 // mbs
+        combo = [rnd.choice(p.choices(g, mbs)) for g in p.groups]
+        figs = [p.choice_figures(g, [c], mbs, rec, M if sched == "gpipe" else 0, True) for g, c in zip(p.groups, combo)]
+        lb = float(configuration_bounds(figs, 6, M, sched, p.delivery_lb(mbs))[0])
+        perm = rnd.sample(range(3), 3)
+        order = tuple(list(p.groups)[j] for j in perm)
+        sk = Skeleton(mbs, sched, rec, order, tuple(combo[j][0] for j in perm), tuple(combo[j][1] for j in perm),
+                      tuple(combo[j][2] for j in perm))
+        if sk.num_stages > 6:
+            continue
+        per_group = list(sk.stages)
+        for _ in range(6 - sum(per_group)):
+            per_group[rnd.randrange(3)] += 1
+        counts = tuple(c for n, k in zip(per_group, sk.stages) for c in balanced(n, k))
+        pred = predict(cfg, p.pipeline_plan(sk, counts), p.costs, seq_len=16,
+                       bridge=bridge_for(p.cluster, list(zip(order, order[1:]))))
+        assert lb <= pred.step_time_s * (1 + 1e-9), (sk, counts)
+        tight += lb >= 0.5 * pred.step_time_s
+    assert tight > 0

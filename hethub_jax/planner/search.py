@@ -357,6 +357,7 @@ class _Planner:
         self._bridges: Dict[tuple, Any] = {}
         self.dedupe = True
         self._caps: Dict[tuple, int] = {}
+        self._const: Dict[tuple, float] = {}
         self._capped: Dict[tuple, List[float]] = {}
         self._preds: Dict[str, Any] = {}
         self.top: List[Tuple[float, str, Candidate]] = []
@@ -570,74 +571,81 @@ class _Planner:
         return out
 
     def combo_streams(self) -> Iterator[Tuple[float, int, str, str, Tuple[Tuple[int, int, int], ...]]]:
-        """``(LB0, mbs, recompute, schedule, per-group choices in cluster order)`` in ascending LB0, a lower
-        bound of the step time of every pipeline of those choices, whatever the order and split
-        (:meth:`_lb0`). One stream per (microbatch size, recompute, schedule, stage count per group): inside
-        it each group's choices are sorted by ``1/w`` descending (``w``: :meth:`layer_lb`), so the keys grow
-        along the heap's successors and the caller may stop at the first key above the k-th best."""
-        names = list(self.groups)
-        heap: list = []
-        self._streams = []
+        """``(LB0, mbs, recompute, schedule, per-group choices in cluster order)`` in ascending LB0 (ties in
+        a fixed order), LB0 a lower bound of the step time of every pipeline of those choices, whatever
+        the order and split (:func:`search_configs.configuration_bounds`, numpy over all configurations of
+        one (microbatch size, recompute, schedule) at once); the caller may stop at the first LB0 above
+        the k-th best. Configurations whose groups cannot hold the layers in memory are left out."""
+        import numpy as np
+
+        from hethub_jax.planner.search_configs import configuration_bounds
+        names, keys, rows = list(self.groups), [], []
         for mbs in self.microbatch_sizes():
+            M = self.gbs // mbs
             for rec in self.opt.recompute:
-                per = [self._choices_by_k(g, mbs, rec) for g in names]
-                if any(not by for by in per):
+                choices = [self.choices(g, mbs) for g in names]
+                if any(not cs for cs in choices):
                     continue
                 for sched in self.opt.schedules:
-                    for ks in itertools.product(*(sorted(by) for by in per)):
-                        self._push_stream(heap, (mbs, rec, sched, self.gbs // mbs,
-                                                 [by[k] for by, k in zip(per, ks)], self.round_trip_lb(mbs)))
-        seen = set()
-        while heap:
-            lb0, sid, idx = heapq.heappop(heap)
-            if (sid, idx) in seen:
-                continue
-            seen.add((sid, idx))
-            mbs, rec, sched, M, per, _ = self._streams[sid]
-            combo = tuple(per[j][i][1] for j, i in enumerate(idx))
-            if self.combo_capacity(mbs, rec, combo, M if sched == "gpipe" else 0) >= self.L:
-                yield lb0, mbs, rec, sched, combo
-            else:
-                self.skeletons += 1
-            for j in range(len(idx)):
-                if idx[j] + 1 < len(per[j]):
-                    nxt = idx[:j] + (idx[j] + 1,) + idx[j + 1:]
-                    if (sid, nxt) not in seen:
-                        heapq.heappush(heap, (self._lb0(self._streams[sid], nxt), sid, nxt))
+                    per = [self.choice_figures(g, cs, mbs, rec, M if sched == "gpipe" else 0, len(names) > 1)
+                           for g, cs in zip(names, choices)]
+                    lb = configuration_bounds(per, self.L, M, sched, self.delivery_lb(mbs))
+                    keep = np.nonzero(np.isfinite(lb))[0]
+                    self.skeletons += int(lb.size - keep.size)
+                    rows.append((mbs, rec, sched, choices, keep))
+                    keys.append(np.stack([lb[keep], np.full(keep.size, len(rows) - 1), keep], axis=1))
+        if not keys:
+            return
+        allk = np.concatenate(keys)
+        for i in np.lexsort((allk[:, 2], allk[:, 1], allk[:, 0])):
+            lb0, r, flat = allk[i]
+            mbs, rec, sched, choices, _ = rows[int(r)]
+            idx = np.unravel_index(int(flat), [len(cs) for cs in choices])
+            yield float(lb0), mbs, rec, sched, tuple(cs[int(x)] for cs, x in zip(choices, idx))
 
-    def _push_stream(self, heap: list, stream: tuple) -> None:
-        self._streams.append(stream)
-        idx = (0,) * len(stream[4])
-        heapq.heappush(heap, (self._lb0(stream, idx), len(self._streams) - 1, idx))
-
-    def _choices_by_k(self, g: str, mbs: int, rec: str) -> Dict[int, List[Tuple[float, Tuple[int, int, int]]]]:
-        """Group ``g``'s choices by stage count ``k``: ``k -> [(1 / w, (k, tp, dp))]`` sorted by ``1/w``
-        descending (``w``: :meth:`layer_lb`; ``1/w = inf`` when a profile measures a layer as 0 s)."""
-        out: Dict[int, list] = {}
-        for c in self.choices(g, mbs):
-            w = self.layer_lb(g, c[1], c[2], mbs, rec)
-            out.setdefault(c[0], []).append((1.0 / w if w > 0 else math.inf, c))
-        for cs in out.values():
-            cs.sort(key=lambda x: (-x[0], x[1]))
+    def choice_figures(self, g: str, choices, mbs: int, rec: str, in_flight: int, copies: bool) -> dict:
+        """Per choice ``(k, tp, dp)`` of group ``g``: ``k``; ``w`` (:meth:`layer_lb`); ``K``, the island's
+        per-microbatch seconds that do not grow with its layers, at least ``k`` x the least stage constant
+        (:meth:`stage_constant`) plus, in a pipeline of >= 2 islands, ``2 k`` host copies (each stage
+        RECVs at least once, each island SENDs across at least once; ``message_times``); ``cap``: ``k`` x
+        the layers a middle stage holds with ``in_flight`` microbatches (:meth:`stage_cap`)."""
+        from hethub_jax.planner import analytic
+        nbytes = mbs * self.seq * self.cfg.hidden_size * analytic.dtype_bytes(self.cfg.dtype)
+        c = self.costs[g].host_copy_s(nbytes) if copies else 0.0
+        out: Dict[str, list] = {"k": [], "w": [], "K": [], "cap": []}
+        for k, tp, dp in choices:
+            out["k"].append(k)
+            out["w"].append(self.layer_lb(g, tp, dp, mbs, rec))
+            out["K"].append(k * (self.stage_constant(g, tp, dp, mbs, rec) + 2 * c))
+            out["cap"].append(k * self.stage_cap(g, tp, dp, mbs, rec, False, False, in_flight))
         return out
 
-    def combo_capacity(self, mbs: int, rec: str, combo, in_flight: int = 0) -> int:
-        """An upper bound of the layers one choice per group can hold in memory: per group, its stages x
-        the layers a middle stage holds with ``in_flight`` microbatches in flight (memory grows with both;
-        every stage holds at least ``in_flight_bound``'s count: GPipe M, 1F1B 0 for the fused last stage)."""
-        return sum(k * self.stage_cap(g, tp, dp, mbs, rec, False, False, in_flight)
-                   for g, (k, tp, dp) in zip(self.groups, combo))
+    def stage_constant(self, g: str, tp: int, dp: int, mbs: int, rec: str) -> float:
+        """``min_v (a_v - s_v)`` over the stage variants of :meth:`stage_lines` (F + B at ``n`` layers ``=
+        a_v + (n - 1) s_v`` with ``s_v >=`` :meth:`layer_lb`): a stage of ``n`` layers takes at least this
+        plus ``n`` x ``layer_lb`` seconds per microbatch (no host copies). The variants: a middle stage, a
+        last stage fused or partly fused; the first stage's embedding and an unfused last stage's head
+        only add seconds (``predictor.stage_compute_s``: non-negative terms)."""
+        key = (g, tp, dp, mbs, rec)
+        if key not in self._const:
+            out = math.inf
+            for last, fused in ((False, "none"), (True, "all"), (True, "some")):
+                (fa, fs), (ba, bs) = self.stage_lines(g, tp, dp, mbs, rec, False, last, fused)
+                out = min(out, fa + ba - fs - bs)
+            self._const[key] = out
+        return self._const[key]
 
-    def _lb0(self, stream, idx) -> float:
-        """``max(M L / sum_g 1/w_g, c (L min_g w_g + R))``: the busiest island bound, and microbatch 0
-        passing every stage forward and backward (``sum_s t_s >= sum_g n_g w_g >= L min_g w_g``) and every
-        bridge crossing on the way (``R``: :meth:`round_trip_lb`); for 1F1B ``c = ceil(M / S)`` (S: the
-        stream's stage count), :func:`search_bounds.cycle_bound` at stage 0, else 1. ``c`` and ``R`` are
-        constant per stream, so the keys still grow along the heap's successors."""
-        mbs, rec, sched, M, per, rt = stream
-        inv = [per[j][i][0] for j, i in enumerate(idx)]
-        c = -(-M // sum(per[j][0][1][0] for j in range(len(per)))) if sched == "1f1b" else 1
-        return max(M * self.L / sum(inv), c * (self.L / max(inv) + rt))
+    def delivery_lb(self, mbs: int) -> float:
+        """Bridge delivery seconds on microbatch 0's round trip in any pipeline of ``G`` groups: ``2 (G -
+        1)`` crossings over at least the fastest group pair's link (:meth:`round_trip_lb` without copies)."""
+        from hethub_jax.planner import analytic
+        from hethub_jax.planner.costs import LinkModel
+        names = list(self.groups)
+        if len(names) < 2:
+            return 0.0
+        nbytes = mbs * self.seq * self.cfg.hidden_size * analytic.dtype_bytes(self.cfg.dtype)
+        links = [self.cluster.link(a, b) for a, b in itertools.combinations(names, 2)]
+        return 2 * (len(names) - 1) * min(LinkModel(lat, bw).time_s(nbytes) for bw, lat in links)
 
     def round_trip_lb(self, mbs: int) -> float:
         """Lower bound of the message seconds on microbatch 0's forward-and-backward chain in any pipeline
