@@ -257,30 +257,34 @@ def run_processes(procs: Sequence[Sequence[int]], lo: Sequence[int], hi: Sequenc
         while r:
             if j < nk:  # the sweep: run list keys[j]'s next actions while they are ready
                 k = keys[j]
-                g = ptr[k]
-                if g < hi[k]:
+                g, h, y = ptr[k], hi[k], False
+                while g < h:
                     m = recv_msg[g]
-                    if m < 0 or dlv[m] <= c:
-                        st[g] = c
-                        c += t[g]
-                        en[g] = c
-                        prev[g] = lg
-                        lg = g
-                        rec(g)
-                        ptr[k] = g + 1
-                        r -= 1
-                        m = send_msg[g]
-                        if m >= 0:
-                            dlv[m] = c + dt[g]
-                            if blocked:  # a new message may unblock waiting processes
-                                for q in blocked:
-                                    push(heap, (clock[q], q))
-                                blocked = []
-                                hc, hn = heap[0]
-                        if r and c >= hc and (c > hc or p > hn):  # another process is earlier
-                            push(heap, (c, p))
-                            break
-                        continue
+                    if m >= 0 and dlv[m] > c:
+                        break
+                    st[g] = c
+                    c += t[g]
+                    en[g] = c
+                    prev[g] = lg
+                    lg = g
+                    rec(g)
+                    r -= 1
+                    m = send_msg[g]
+                    g += 1
+                    if m >= 0:
+                        dlv[m] = c + dt[g - 1]
+                        if blocked:  # a new message may unblock waiting processes
+                            for q in blocked:
+                                push(heap, (clock[q], q))
+                            blocked = []
+                            hc, hn = heap[0]
+                    if c >= hc and r and (c > hc or p > hn):  # another process is earlier: it runs next
+                        y = True
+                        break
+                ptr[k] = g
+                if y:
+                    push(heap, (c, p))
+                    break
                 j += 1
                 continue
             j = 0
