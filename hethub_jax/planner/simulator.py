@@ -116,6 +116,7 @@ def _checked(t: float, name: str, stage: int, a: Action) -> float:
 #: integer code of each action kind in :class:`ScheduleArrays` (codes < 2: compute, 2-3: SEND, 4-5: RECV)
 KIND_CODE = {ActionKind.F: 0, ActionKind.B: 1, ActionKind.SEND_ACT: 2, ActionKind.SEND_GRAD: 3,
              ActionKind.RECV_ACT: 4, ActionKind.RECV_GRAD: 5}
+_CODE_OF_ID = {id(k): c for k, c in KIND_CODE.items()}  # Enum hashing is slow; the members are singletons
 
 
 def _flatten(groups: Sequence[Tuple[int, int, Sequence[Action]]]):
@@ -130,12 +131,13 @@ def _flatten(groups: Sequence[Tuple[int, int, Sequence[Action]]]):
     smsg: List[int] = []
     sender: List[int] = []
     offsets = [0]
+    code_of = _CODE_OF_ID
     for r, s, acts in groups:
         for a in acts:
-            c = KIND_CODE[a.kind]
+            c = code_of[id(a.kind)]
             m = -1
-            if c >= 2:
-                key = (r,) + message_key(s, a)
+            if c >= 2:  # (replica, ACT 0 / GRAD 1, source stage, destination stage, microbatch): message_key
+                key = (r, c & 1, s, a.peer, a.microbatch) if c < 4 else (r, c & 1, a.peer, s, a.microbatch)
                 m = ids.get(key, -1)
                 if m < 0:
                     m = ids[key] = len(ids)
@@ -175,7 +177,6 @@ class ScheduleArrays:
          self.offsets) = _flatten([(0, s, a) for s, a in enumerate(self.lists)])
         o = self.offsets
         self.stage_codes = [self.code[o[s]:o[s + 1]] for s in range(len(self.lists))]
-        self.exec_order = [o[s] + i for s, i in execution_order(self.lists)]
         self.stage_of = [s for s, acts in enumerate(self.lists) for _ in acts]
         self.compute, self.compute_get, self.prev_recv, self.next_send = [], [], [], []
         self.fused_f, self.last_fused_f, self.all_fused, self.in_flight = [], [], [], []
@@ -193,6 +194,15 @@ class ScheduleArrays:
             self.all_fused.append(len(fused) == sum(c == 0 for c in codes))
             self.in_flight.append(max_in_flight(acts))
         self._labels: Optional[List[str]] = None
+        self._exec_order: Optional[List[int]] = None
+
+    @property
+    def exec_order(self) -> List[int]:
+        """Flat indices in :func:`~hethub_jax.parallel.schedule.execution_order` (built on first use)."""
+        if self._exec_order is None:
+            o = self.offsets
+            self._exec_order = [o[s] + i for s, i in execution_order(self.lists)]
+        return self._exec_order
 
     @property
     def labels(self) -> List[str]:
