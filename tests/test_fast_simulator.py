@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 
 import sim_reference as ref
 from hethub_jax.parallel.plan import Plan
-from hethub_jax.parallel.schedule import Action, ScheduleDeadlock, get_schedule
+from hethub_jax.parallel.schedule import Action, ScheduleDeadlock, execution_order, get_schedule, max_in_flight
 from hethub_jax.planner.costs import PROFILE_FORMAT, DeviceCosts, LinkModel
 from hethub_jax.planner.predictor import LazyRecords, predict, predicted_records
-from hethub_jax.planner.simulator import schedule_arrays, simulate_processes
+from hethub_jax.planner.simulator import ScheduleArrays, schedule_arrays, simulate_processes
 
 
 class Cfg:
@@ -127,6 +127,24 @@ def test_bad_callback_time_is_an_error():
     with pytest.raises(ValueError, match="action_time"):
         simulate_processes({(0, 0): acts[0], (0, 1): acts[1]}, {(0, 0): 0, (0, 1): 0},
                            lambda k, i: -1.0, lambda k, a: 0.0)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_schedule_arrays_without_actions_equal_those_of_the_action_lists(name):
+    """The integer form built without Action objects equals the one read off get_schedule's lists."""
+    fields = ["code", "recv_msg", "send_msg", "sender", "num_messages", "offsets", "stage_codes", "stage_of",
+              "compute", "prev_recv", "next_send", "fused_f", "last_fused_f", "all_fused", "in_flight"]
+    for S in range(1, 7):
+        for M in range(1, 11):
+            acts = get_schedule(name)(S, M)
+            fast, slow = schedule_arrays(name, S, M), ScheduleArrays.from_lists(acts)
+            for f in fields:
+                assert getattr(fast, f) == getattr(slow, f), (S, M, f)
+            assert fast.in_flight == [max_in_flight(a) for a in acts]
+            assert fast.exec_order == [slow.offsets[s] + i for s, i in execution_order(acts)] == slow.exec_order
+            assert fast.lists == tuple(tuple(a) for a in acts) and fast.labels == slow.labels
+    with pytest.raises(ValueError, match="num_microbatches"):
+        schedule_arrays(name, 2, 0)
 
 
 def test_schedule_arrays_match_the_action_lists():

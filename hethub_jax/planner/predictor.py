@@ -510,7 +510,8 @@ def predict(cfg: Any, plan: Any, costs: Mapping[str, DeviceCosts], *, seq_len: i
     pb = analytic.dtype_bytes(cfg.param_dtype)
     arrays = {r: schedule_arrays(plan.schedule, plan.num_stages(r), plan.num_microbatches(r))
               for r in range(plan.num_replicas)}
-    fuse = _update_fusable(plan, cfg, {0: (arrays[0].lists,)})
+    fuse = (plan.num_replicas == 1 and plan.num_stages(0) == 1  # else no Action lists are needed
+            and _update_fusable(plan, cfg, {0: (arrays[0].lists,)}))
     upd = {k: c.factor * c.costs.update_time_s(c.n_params, pb) for k, c in ctxs.items()}
     fused_update_s = upd[(0, 0)] * (1 + 1 / 7) if fuse else 0.0
     proc_of = (lambda k: ctxs[k].spec.island) if concurrency == "runtime" else (lambda k: k)
@@ -522,7 +523,7 @@ def predict(cfg: Any, plan: Any, costs: Mapping[str, DeviceCosts], *, seq_len: i
         per_island[ctxs[k].spec.island] = per_island.get(ctxs[k].spec.island, 0.0) + t
     update_s = 0.0 if fuse else max(per_island.values())
     step = pipeline_s + reduce_s + update_s
-    stages = tuple(_stage_prediction(cfg, plan, ctxs[k], arrays[k[0]].lists[k[1]], pl.busy[j], pipeline_s, seq_len,
+    stages = tuple(_stage_prediction(cfg, plan, ctxs[k], None, pl.busy[j], pipeline_s, seq_len,
                                      in_flight=_in_flight(ctxs[k], arrays[k[0]], k[1]))
                    for j, k in enumerate(keys))
     crit = _critical_path(pl, ctxs, pipeline_s, reduce_s, update_s)
@@ -538,8 +539,9 @@ def _in_flight(ctx: _StageCtx, arr: ScheduleArrays, s: int) -> int:
     return 0 if ctx.is_last and arr.all_fused[s] else arr.in_flight[s]
 
 
-def _stage_prediction(cfg, plan, ctx: _StageCtx, acts: Sequence[Action], busy: float, pipeline_s: float,
+def _stage_prediction(cfg, plan, ctx: _StageCtx, acts: Optional[Sequence[Action]], busy: float, pipeline_s: float,
                       seq_len: int, in_flight: Optional[int] = None) -> StagePrediction:
+    """The stage's figures; ``in_flight`` (microbatches in flight) is counted on ``acts`` when not given."""
     r, s = ctx.key
     spec = ctx.spec
     if in_flight is None:  # microbatches in flight on the list (see _in_flight)

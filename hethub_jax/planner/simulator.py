@@ -21,7 +21,7 @@ from operator import itemgetter
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from hethub_jax.parallel.schedule import (Action, ActionKind, ScheduleDeadlock, execution_order, get_schedule,
-                                          max_in_flight, message_key)
+                                          message_key)
 from hethub_jax.parallel.trace import ActionRecord
 
 __all__ = ["Timeline", "simulate", "simulate_processes", "ScheduleArrays", "schedule_arrays", "run_processes",
@@ -120,24 +120,30 @@ _CODE_OF_ID = {id(k): c for k, c in KIND_CODE.items()}  # Enum hashing is slow; 
 
 
 def _flatten(groups: Sequence[Tuple[int, int, Sequence[Action]]]):
-    """``(code, recv_msg, send_msg, sender, num_messages, offsets)`` of the lists ``(replica, stage,
-    actions)`` laid end to end (flat index = position in that concatenation). A message id numbers each
-    distinct ``(replica,) + message_key`` (first seen first); ``recv_msg`` / ``send_msg`` give per flat
-    action the id it waits for / delivers (-1 for other actions), ``sender[id]`` the flat index of the
-    SEND (-1 if none), ``offsets[n]`` the flat start of group ``n`` (one more entry: the total)."""
+    """:func:`_flatten_codes` of ``(replica, stage, actions)`` lists."""
+    code_of = _CODE_OF_ID
+    return _flatten_codes([(r, s, [code_of[id(a.kind)] for a in acts], [a.microbatch for a in acts],
+                            [a.peer for a in acts]) for r, s, acts in groups])
+
+
+def _flatten_codes(groups: Sequence[Tuple[int, int, Sequence[int], Sequence[int], Sequence[Optional[int]]]]):
+    """``(code, recv_msg, send_msg, sender, num_messages, offsets)`` of the lists ``(replica, stage, kind
+    codes, microbatches, peers)`` laid end to end (flat index = position in that concatenation). A
+    message id numbers each distinct ``(replica,) + message_key`` (first seen first); ``recv_msg`` /
+    ``send_msg`` give per flat action the id it waits for / delivers (-1 for other actions),
+    ``sender[id]`` the flat index of the SEND (-1 if none), ``offsets[n]`` the flat start of group ``n``
+    (one more entry: the total)."""
     ids: Dict[tuple, int] = {}
     code: List[int] = []
     rmsg: List[int] = []
     smsg: List[int] = []
     sender: List[int] = []
     offsets = [0]
-    code_of = _CODE_OF_ID
-    for r, s, acts in groups:
-        for a in acts:
-            c = code_of[id(a.kind)]
+    for r, s, codes, mbs, peers in groups:
+        for c, mb, peer in zip(codes, mbs, peers):
             m = -1
             if c >= 2:  # (replica, ACT 0 / GRAD 1, source stage, destination stage, microbatch): message_key
-                key = (r, c & 1, s, a.peer, a.microbatch) if c < 4 else (r, c & 1, a.peer, s, a.microbatch)
+                key = (r, c & 1, s, peer, mb) if c < 4 else (r, c & 1, peer, s, mb)
                 m = ids.get(key, -1)
                 if m < 0:
                     m = ids[key] = len(ids)
@@ -151,13 +157,45 @@ def _flatten(groups: Sequence[Tuple[int, int, Sequence[Action]]]):
     return code, rmsg, smsg, sender, len(ids), offsets
 
 
+def _slot_codes(schedule: str, S: int, M: int) -> Optional[List[Tuple[List[int], List[int], List[Optional[int]]]]]:
+    """Per stage ``(kind codes, microbatches, peers)`` of ``get_schedule(schedule)(S, M)`` without building
+    its Action objects, for the built-in ``gpipe`` and ``1f1b`` (the slot orders and the slot layout of
+    ``hethub_jax.parallel.schedule``; ``tests/test_fast_simulator.py`` checks them against the lists);
+    ``None`` for any other schedule."""
+    if schedule not in ("gpipe", "1f1b"):
+        return None
+    out = []
+    for s in range(S):
+        if schedule == "gpipe":
+            slots = [(0, m) for m in range(M)] + [(1, m) for m in range(M)]
+        else:  # 1F1B: warm-up forwards, steady (F, B) pairs, cool-down backwards
+            w = min(S - s - 1, M)
+            slots = [(0, m) for m in range(w)]
+            for i in range(M - w):
+                slots += [(0, w + i), (1, i)]
+            slots += [(1, m) for m in range(M - w, M)]
+        codes: List[int] = []
+        mbs: List[int] = []
+        peers: List[Optional[int]] = []
+        fwd = ([(4, s - 1)] if s > 0 else []) + [(0, None)] + ([(2, s + 1)] if s < S - 1 else [])
+        bwd = ([(5, s + 1)] if s < S - 1 else []) + [(1, None)] + ([(3, s - 1)] if s > 0 else [])
+        for b, m in slots:
+            for c, peer in (bwd if b else fwd):
+                codes.append(c)
+                mbs.append(m)
+                peers.append(peer)
+        out.append((codes, mbs, peers))
+    return out
+
+
 class ScheduleArrays:
     """One schedule's action lists for ``S`` stages and ``M`` microbatches as flat integer lists, built
     once (:func:`schedule_arrays` caches them; read only). Flat index ``offsets[s] + i`` is
     ``lists[s][i]``.
 
     Attributes:
-      lists: per stage its actions (tuples of :class:`Action`, ``get_schedule(name)(S, M)``).
+      lists: per stage its actions (tuples of :class:`Action`, ``get_schedule(name)(S, M)``), built on
+        first use.
       offsets: ``S + 1`` flat starts; code, recv_msg, send_msg, sender, num_messages: see ``_flatten``.
       stage_codes: per stage its slice of ``code``.
       exec_order: flat indices in :func:`~hethub_jax.parallel.schedule.execution_order`.
@@ -169,40 +207,76 @@ class ScheduleArrays:
         runtime fuses them on a last stage); last_fused_f: the one of them followed by the stage's last
         B, or -1; all_fused: every F of the stage is such an F.
       in_flight: per stage :func:`~hethub_jax.parallel.schedule.max_in_flight` of its list.
+      labels: ``str(action)`` per flat index, built on first use.
     """
 
-    def __init__(self, lists: Sequence[Sequence[Action]]):
-        self.lists = tuple(tuple(a) for a in lists)
+    def __init__(self, stages: Sequence[Tuple[Sequence[int], Sequence[int], Sequence[Optional[int]]]],
+                 lists: Callable[[], Sequence[Sequence[Action]]]):
+        """``stages``: per stage ``(kind codes, microbatches, peers)`` of its actions; ``lists``: returns
+        the action lists themselves (called on first use of :attr:`lists`)."""
+        self._lists_fn, self._lists = lists, None
         (self.code, self.recv_msg, self.send_msg, self.sender, self.num_messages,
-         self.offsets) = _flatten([(0, s, a) for s, a in enumerate(self.lists)])
-        o = self.offsets
-        self.stage_codes = [self.code[o[s]:o[s + 1]] for s in range(len(self.lists))]
-        self.stage_of = [s for s, acts in enumerate(self.lists) for _ in acts]
+         self.offsets) = _flatten_codes([(0, s, c, m, p) for s, (c, m, p) in enumerate(stages)])
+        self.stage_codes = [list(c) for c, _, _ in stages]
+        self.stage_of = [s for s, (c, _, _) in enumerate(stages) for _ in c]
         self.compute, self.compute_get, self.prev_recv, self.next_send = [], [], [], []
         self.fused_f, self.last_fused_f, self.all_fused, self.in_flight = [], [], [], []
-        for codes, acts in zip(self.stage_codes, self.lists):
+        for codes, mbs, _ in stages:
             comp = [i for i, c in enumerate(codes) if c < 2]
             self.compute.append(comp)
             self.compute_get.append(_getter(comp))
             self.prev_recv.append([i > 0 and codes[i - 1] >= 4 for i in comp])
             self.next_send.append([i + 1 < len(codes) and 2 <= codes[i + 1] < 4 for i in comp])
             fused = [i for i in comp if codes[i] == 0 and i + 1 < len(codes) and codes[i + 1] == 1
-                     and acts[i + 1].microbatch == acts[i].microbatch]
+                     and mbs[i + 1] == mbs[i]]
             last_b = max((i for i in comp if codes[i] == 1), default=-1)
             self.fused_f.append(fused)
             self.last_fused_f.append(last_b - 1 if last_b - 1 in set(fused) else -1)
             self.all_fused.append(len(fused) == sum(c == 0 for c in codes))
-            self.in_flight.append(max_in_flight(acts))
+            self.in_flight.append(_max_in_flight(codes, mbs))
         self._labels: Optional[List[str]] = None
         self._exec_order: Optional[List[int]] = None
+
+    @classmethod
+    def from_lists(cls, lists: Sequence[Sequence[Action]]) -> "ScheduleArrays":
+        """From the action lists themselves."""
+        lists = tuple(tuple(a) for a in lists)
+        code_of = _CODE_OF_ID
+        return cls([([code_of[id(a.kind)] for a in acts], [a.microbatch for a in acts], [a.peer for a in acts])
+                    for acts in lists], lambda: lists)
+
+    @property
+    def lists(self) -> Tuple[Tuple[Action, ...], ...]:
+        """Per stage its actions (tuples of :class:`Action`; built on first use)."""
+        if self._lists is None:
+            self._lists = tuple(tuple(a) for a in self._lists_fn())
+        return self._lists
 
     @property
     def exec_order(self) -> List[int]:
         """Flat indices in :func:`~hethub_jax.parallel.schedule.execution_order` (built on first use)."""
         if self._exec_order is None:
-            o = self.offsets
-            self._exec_order = [o[s] + i for s, i in execution_order(self.lists)]
+            self._exec_order = self._sweep()
         return self._exec_order
+
+    def _sweep(self) -> List[int]:
+        """``execution_order``'s sweep over the flat lists: stages in index order, each running its next
+        actions while they are ready (a RECV once its SEND ran), until all ran."""
+        o, rmsg, smsg = self.offsets, self.recv_msg, self.send_msg
+        nxt, sent, order = list(o[:-1]), [False] * self.num_messages, []
+        while len(order) < len(self.code):
+            done = len(order)
+            for s in range(len(nxt)):
+                g, h = nxt[s], o[s + 1]
+                while g < h and (rmsg[g] < 0 or sent[rmsg[g]]):
+                    if smsg[g] >= 0:
+                        sent[smsg[g]] = True
+                    order.append(g)
+                    g += 1
+                nxt[s] = g
+            if len(order) == done:
+                execution_order(self.lists)  # raises ScheduleDeadlock naming the stuck actions
+        return order
 
     @property
     def labels(self) -> List[str]:
@@ -219,15 +293,35 @@ def _getter(idx: Sequence[int]) -> Callable[[Sequence[Any]], Tuple[Any, ...]]:
     return itemgetter(*idx) if idx else (lambda xs: ())
 
 
+def _max_in_flight(codes: Sequence[int], mbs: Sequence[int]) -> int:
+    """:func:`~hethub_jax.parallel.schedule.max_in_flight` over kind codes and microbatches."""
+    live, peak = set(), 0
+    for c, m in zip(codes, mbs):
+        if c == 0:
+            live.add(m)
+            if len(live) > peak:
+                peak = len(live)
+        elif c == 1:
+            live.discard(m)
+    return peak
+
+
 @lru_cache(maxsize=16)
 def schedule_arrays(schedule: str, num_stages: int, num_microbatches: int) -> ScheduleArrays:
     """:class:`ScheduleArrays` of ``get_schedule(schedule)(num_stages, num_microbatches)``, cached (a
-    search predicts many plans of the same schedule, stages and microbatches).
+    search predicts many plans of the same schedule, stages and microbatches); for ``gpipe`` and
+    ``1f1b`` built without the Action objects (those only on first use of ``lists``).
 
     Raises:
       ValueError: for an unknown schedule or sizes < 1.
     """
-    return ScheduleArrays(get_schedule(schedule)(num_stages, num_microbatches))
+    make = get_schedule(schedule)
+    if num_stages < 1 or num_microbatches < 1:
+        make(num_stages, num_microbatches)  # raises, naming the size
+    stages = _slot_codes(schedule, num_stages, num_microbatches)
+    if stages is None:
+        return ScheduleArrays.from_lists(make(num_stages, num_microbatches))
+    return ScheduleArrays(stages, lambda: make(num_stages, num_microbatches))
 
 
 # ---- processes that run several stages one action at a time --------------------------------------------
