@@ -176,3 +176,16 @@ def test_timeline_is_lazy_but_behaves_as_a_tuple():
     assert [r.start_s for r in predicted_records(Cfg, plan, costs, seq_len=8, prediction=p)] == \
         [r.start_s for r in want]
     assert p.to_dict()["timeline"][-1]["action"] == want[-1].action
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_pipeline_time_compute_order_equals_the_action_lists_order(name):
+    """``pipeline_time.compute_order`` (built from the integer form) against the compute actions of
+    ``execution_order`` over get_schedule's lists."""
+    from hethub_jax.planner.pipeline_time import compute_order
+    for S in range(1, 8):
+        for M in range(1, 12):
+            acts = get_schedule(name)(S, M)
+            want = tuple((s, acts[s][i].kind == "B", acts[s][i].microbatch) for s, i in execution_order(acts)
+                         if acts[s][i].is_compute)
+            assert compute_order.__wrapped__(name, S, M) == want

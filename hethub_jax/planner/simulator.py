@@ -260,22 +260,9 @@ class ScheduleArrays:
         return self._exec_order
 
     def _sweep(self) -> List[int]:
-        """``execution_order``'s sweep over the flat lists: stages in index order, each running its next
-        actions while they are ready (a RECV once its SEND ran), until all ran."""
-        o, rmsg, smsg = self.offsets, self.recv_msg, self.send_msg
-        nxt, sent, order = list(o[:-1]), [False] * self.num_messages, []
-        while len(order) < len(self.code):
-            done = len(order)
-            for s in range(len(nxt)):
-                g, h = nxt[s], o[s + 1]
-                while g < h and (rmsg[g] < 0 or sent[rmsg[g]]):
-                    if smsg[g] >= 0:
-                        sent[smsg[g]] = True
-                    order.append(g)
-                    g += 1
-                nxt[s] = g
-            if len(order) == done:
-                execution_order(self.lists)  # raises ScheduleDeadlock naming the stuck actions
+        order = sweep_order(self.offsets, self.recv_msg, self.send_msg, self.num_messages)
+        if order is None:
+            execution_order(self.lists)  # raises ScheduleDeadlock naming the stuck actions
         return order
 
     @property
@@ -291,6 +278,27 @@ def _getter(idx: Sequence[int]) -> Callable[[Sequence[Any]], Tuple[Any, ...]]:
     if len(idx) == 1:
         return lambda xs: (xs[idx[0]],)
     return itemgetter(*idx) if idx else (lambda xs: ())
+
+
+def sweep_order(offsets: Sequence[int], recv_msg: Sequence[int], send_msg: Sequence[int],
+                num_messages: int) -> Optional[List[int]]:
+    """:func:`~hethub_jax.parallel.schedule.execution_order`'s sweep over flat lists (``_flatten_codes``):
+    stages in index order, each running its next actions while they are ready (a RECV once its SEND
+    ran), until all ran. Returns the flat indices in that order, or ``None`` if the lists deadlock."""
+    nxt, sent, order = list(offsets[:-1]), [False] * num_messages, []
+    while len(order) < offsets[-1]:
+        done = len(order)
+        for s in range(len(nxt)):
+            g, h = nxt[s], offsets[s + 1]
+            while g < h and (recv_msg[g] < 0 or sent[recv_msg[g]]):
+                if send_msg[g] >= 0:
+                    sent[send_msg[g]] = True
+                order.append(g)
+                g += 1
+            nxt[s] = g
+        if len(order) == done:
+            return None
+    return order
 
 
 def _max_in_flight(codes: Sequence[int], mbs: Sequence[int]) -> int:
