@@ -358,6 +358,7 @@ class _Planner:
         self.dedupe = True
         self._caps: Dict[tuple, int] = {}
         self._const: Dict[tuple, float] = {}
+        self._layer_lb: Dict[tuple, float] = {}
         self._capped: Dict[tuple, List[float]] = {}
         self._preds: Dict[str, Any] = {}
         self.top: List[Tuple[float, str, Candidate]] = []
@@ -382,11 +383,14 @@ class _Planner:
     # ---- per-stage costs (the same calls predict makes) -----------------------------------------
     def layer_lb(self, g: str, tp: int, dp: int, mbs: int, rec: str) -> float:
         """Lower bound of one layer's F + B seconds per microbatch on a stage of group ``g``
-        (slowdown included; the last stage's fused F+B counted as its cheaper alternative)."""
-        c, tokens = self.costs[g], mbs // dp * self.seq
-        lt = lambda ph: c.layer_time_s(self.cfg, tokens, self.seq, tp, ph)
-        fb = lt("F") + lt("B") if rec == "none" else lt("F_nosave") + lt("B_recompute")
-        return self.factor[g] * min(fb, lt("B_recompute"))
+        (slowdown included; the last stage's fused F+B counted as its cheaper alternative). Cached."""
+        key = (g, tp, dp, mbs, rec)
+        if key not in self._layer_lb:
+            c, tokens = self.costs[g], mbs // dp * self.seq
+            lt = lambda ph: c.layer_time_s(self.cfg, tokens, self.seq, tp, ph)
+            fb = lt("F") + lt("B") if rec == "none" else lt("F_nosave") + lt("B_recompute")
+            self._layer_lb[key] = self.factor[g] * min(fb, lt("B_recompute"))
+        return self._layer_lb[key]
 
     def stage_lines(self, g: str, tp: int, dp: int, mbs: int, rec: str, first: bool, last: bool, fused: str):
         """``(F, B)`` seconds of one microbatch's actions on a stage of group ``g`` as lines ``(time at 1
@@ -835,6 +839,8 @@ class _Planner:
             for sched in self.opt.schedules:
                 for rec in self.opt.recompute:
                     self.skeletons += 1
+                    if self.prunes(self.hetero_lb(mbs, rec, M)):
+                        continue
                     reps = [self.replica_of(g, mbs, sched, rec, M) for g in names]
                     if any(r is None for r in reps):
                         continue
@@ -847,6 +853,18 @@ class _Planner:
                     self.expanded += 1
                     self.consider(self.hetero_plan(reps, units, mbs, sched, rec), "hetero-dp",
                                   [r[2] for r in reps], list(itertools.combinations(names, 2)))
+
+    def hetero_lb(self, mbs: int, rec: str, M: int) -> float:
+        """Lower bound of every hetero-DP plan's step time for one microbatch size and recompute policy
+        (any schedule): replica ``r`` computes its ``u_r`` microbatches (``sum_r u_r = M``) on its island, at
+        least ``c_r`` seconds each, ``c_r`` the least over the group's choices of ``k x``
+        :meth:`stage_constant` ``+ L x`` :meth:`layer_lb`; so the step takes at least ``M / sum_r 1/c_r``."""
+        inv = 0.0
+        for g in self.groups:
+            c = min((k * self.stage_constant(g, tp, dp, mbs, rec) + self.L * self.layer_lb(g, tp, dp, mbs, rec)
+                     for k, tp, dp in self.choices(g, mbs)), default=math.inf)
+            inv += 1.0 / c if c > 0 else math.inf
+        return M / inv if inv > 0 else math.inf
 
     def hetero_plan(self, reps, units, mbs: int, sched: str, rec: str) -> Plan:
         replicas = []
