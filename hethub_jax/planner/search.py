@@ -17,11 +17,13 @@ Every candidate is ranked by ``predictor.predict(...).step_time_s`` and must fit
 least the pipeline makespan, which is at least ``max_b(M t_b + sum_{s<b} t_s)`` and ``M x`` the busiest
 island's per-microbatch compute (``planner.pipeline_time``), both plus the bridge crossings before them, and
 at least microbatch 0's chain through every stage and crossing (:func:`island_bound`, ``round_trip_lb``);
-a configuration or a partial split whose
-bound is not below the k-th best step time found so far cannot enter the top k and is skipped. All other
-splits are evaluated with ``predict``: the result equals exhaustive enumeration (``exhaustive_search``).
+under 1F1B at least the cycle bound (every ``S - b`` microbatches wait one round trip from stage ``b``:
+``search_bounds``). Configurations are bounded all at once with numpy (``search_configs``) and visited in
+increasing bound order; a configuration or a partial split whose bound is not below the k-th best step
+time found so far cannot enter the top k and is skipped. All other splits are evaluated with ``predict``:
+the result equals exhaustive enumeration (``exhaustive_search``).
 
-Pure Python: no JAX import.
+Python and numpy: no JAX import.
 """
 from __future__ import annotations
 
