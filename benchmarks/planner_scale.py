@@ -12,31 +12,54 @@ Rows:
     ``exhaustive_search`` (the baseline in the same run: the same space, every split evaluated with predict).
 Figures: ``search_s_768``, ``search_s_16384`` (wall seconds, one process), ``optimality_min`` (min over the
 small cases of best exhaustive step time / best planner step time; 1.0 = optimal), candidates evaluated
-(predict calls). Every step time is PREDICTED. Goals: <= 1 s, <= 10 s, 1.0.
+(predict calls), ``cpu_s_*`` (CPU seconds of the process: less sensitive to a shared machine's load; the
+load average is recorded per row). Every step time is PREDICTED. Goals: <= 1 s, <= 10 s, 1.0.
+``--limit S`` stops a big case after S wall seconds and records it as not finished.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
+import signal
 import sys
 import time
 
 from hethub_jax.planner import SearchOptions, cluster_from_dict, exhaustive_search, load_model, search
 
 
-def big_case(name: str, model: str, cluster: str, gbs: int, seq: int, stages: int) -> dict:
-    t0 = time.perf_counter()
-    r = search(load_model(model), cluster, gbs, seq, options=SearchOptions(max_stages_per_group=stages))
-    wall = time.perf_counter() - t0
+class _Limit(Exception):
+    pass
+
+
+def _on_alarm(*_):
+    raise _Limit()
+
+
+def big_case(name: str, model: str, cluster: str, gbs: int, seq: int, stages: int, limit_s: int = 0) -> dict:
+    t0, c0 = time.perf_counter(), time.process_time()
+    if limit_s:
+        signal.signal(signal.SIGALRM, _on_alarm)
+        signal.alarm(limit_s)
+    try:
+        r = search(load_model(model), cluster, gbs, seq, options=SearchOptions(max_stages_per_group=stages))
+    except _Limit:
+        print(f"{name:>8}: NOT FINISHED within --limit {limit_s} s (cpu {time.process_time() - c0:.1f} s)")
+        return {"case": name, "model": model, "cluster": cluster, "search_s": None, "cpu_s": None,
+                "not_finished_within_s": limit_s, "load_average": os.getloadavg()}
+    finally:
+        signal.alarm(0)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     b = r.best
     row = {"case": name, "model": model, "cluster": cluster, "global_batch": gbs, "seq_len": seq,
-           "search_s": wall, "configurations": r.skeletons, "expanded": r.expanded, "evaluated": r.evaluated,
+           "search_s": wall, "cpu_s": cpu, "load_average": os.getloadavg(),
+           "configurations": r.skeletons, "expanded": r.expanded, "evaluated": r.evaluated,
            "best_kind": b.kind, "best_step_s_predicted": b.step_time_s, "best_tokens_per_s_predicted": b.tokens_per_s,
            "best_layers": [list(x) for x in b.layers], "best_mfu_predicted": b.mfu,
            "best_stages": [(s.island, s.dp, s.tp) for s in b.plan.replicas[0].stages]}
-    print(f"{name:>8}: search {wall:7.2f} s, {r.skeletons} configurations, {r.evaluated} predictions; best "
+    print(f"{name:>8}: search {wall:7.2f} s (cpu {cpu:.2f} s, load {os.getloadavg()[0]:.1f}), {r.skeletons} configurations, {r.evaluated} predictions; best "
           f"{b.kind} step {b.step_time_s:.4g} s PREDICTED, layers {row['best_layers']}")
     return row
 
@@ -71,14 +94,19 @@ def main(argv=None) -> int:
     ap.add_argument("--small", type=int, default=5, help="small exactness cases")
     ap.add_argument("--skip-16k", action="store_true", help="skip the 16,384-device case")
     ap.add_argument("--skip-768", action="store_true", help="skip the 768-device case")
+    ap.add_argument("--limit", type=int, default=0, help="stop a big case after this many wall seconds "
+                    "(reported as not finished); 0: no limit")
     a = ap.parse_args(argv)
-    rows = [] if a.skip_768 else [big_case("768", "llama-140b", "configs/clusters/hethub_768.yaml", 1536, 4096, 8)]
+    rows = [] if a.skip_768 else [big_case("768", "llama-140b", "configs/clusters/hethub_768.yaml", 1536, 4096, 8,
+                                           a.limit)]
     if not a.skip_16k:
-        rows.append(big_case("16384", "llama3-70b", "configs/clusters/four_types_16k.yaml", 4096, 4096, 4))
+        rows.append(big_case("16384", "llama3-70b", "configs/clusters/four_types_16k.yaml", 4096, 4096, 4, a.limit))
     small = [small_case(i) for i in range(a.small)]
     by = {r["case"]: r for r in rows}
     figures = {"search_s_768": by.get("768", {}).get("search_s"),
                "search_s_16384": by.get("16384", {}).get("search_s"),
+               "cpu_s_768": by.get("768", {}).get("cpu_s"),
+               "cpu_s_16384": by.get("16384", {}).get("cpu_s"),
                "evaluated_768": by.get("768", {}).get("evaluated"),
                "evaluated_16384": by.get("16384", {}).get("evaluated"),
                "optimality_min": min(r["optimality"] for r in small) if small else None}

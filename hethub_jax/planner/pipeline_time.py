@@ -21,6 +21,7 @@ from functools import lru_cache
 from typing import Sequence, Tuple
 
 from hethub_jax.parallel.schedule import execution_order, get_schedule
+from hethub_jax.planner.simulator import _flatten_codes, _slot_codes, sweep_order
 
 __all__ = ["compute_order", "makespan", "makespan_lower_bound"]
 
@@ -29,12 +30,23 @@ __all__ = ["compute_order", "makespan", "makespan_lower_bound"]
 def compute_order(schedule: str, num_stages: int, num_microbatches: int) -> Tuple[Tuple[int, bool, int], ...]:
     """The compute actions of ``schedule`` as ``(stage, is_backward, microbatch)`` in the deterministic
     execution order of :func:`hethub_jax.parallel.schedule.execution_order` (a valid topological order:
-    every action comes after the actions it waits for). Cached per argument triple.
+    every action comes after the actions it waits for). Cached per argument triple; GPipe and 1F1B are
+    read off the simulator's integer form (``simulator._slot_codes``, ``sweep_order``) without building
+    Action objects.
 
     Raises:
       ValueError: for an unknown schedule or sizes < 1.
     """
-    acts = get_schedule(schedule)(num_stages, num_microbatches)
+    make = get_schedule(schedule)
+    stages = _slot_codes(schedule, num_stages, num_microbatches) if num_stages > 0 and num_microbatches > 0 else None
+    if stages is not None:  # gpipe / 1f1b: the same order from the integer form, without Action objects
+        code, rmsg, smsg, _, nmsg, off = _flatten_codes([(0, s, c, m, p) for s, (c, m, p) in enumerate(stages)])
+        order = sweep_order(off, rmsg, smsg, nmsg)
+        if order is not None:
+            mb = [x for _, m, _ in stages for x in m]
+            stage_of = [s for s, (c, _, _) in enumerate(stages) for _ in c]
+            return tuple((stage_of[g], code[g] == 1, mb[g]) for g in order if code[g] < 2)
+    acts = make(num_stages, num_microbatches)
     out = []
     for s, i in execution_order(acts):
         a = acts[s][i]

@@ -22,15 +22,17 @@ How a prediction is made (DESIGN.md section 7; details and formulas in ``docs/pr
 """
 from __future__ import annotations
 
+from collections.abc import Sequence as _Seq
+from functools import reduce
+import operator
 from dataclasses import asdict, dataclass
-from functools import lru_cache
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from hethub_jax.parallel.schedule import Action, ActionKind, get_schedule, max_in_flight
+from hethub_jax.parallel.schedule import Action, ActionKind, ScheduleDeadlock, max_in_flight
 from hethub_jax.parallel.trace import ActionRecord
 from hethub_jax.planner import analytic
 from hethub_jax.planner.costs import DeviceCosts, LinkModel
-from hethub_jax.planner.simulator import simulate, simulate_processes
+from hethub_jax.planner.simulator import ScheduleArrays, _checked, run_processes, run_stages, schedule_arrays
 
 __all__ = ["MemoryBreakdown", "StagePrediction", "Prediction", "stage_compute_s", "stage_memory_bytes",
            "predict", "DEFAULT_BRIDGE", "predicted_records", "compare_step", "PREDICTED_LABEL", "costs_for_plan"]
@@ -94,6 +96,46 @@ class StagePrediction:
         return d
 
 
+class LazyRecords(_Seq):
+    """A read-only sequence of :class:`ActionRecord` s built on first use (``Prediction.timeline``: a
+    search predicts thousands of plans and reads few timelines). Behaves as the tuple of its records:
+    ``len``, indexing, iteration, ``==`` with a tuple or another LazyRecords, ``hash``; pickles and
+    copies as that tuple."""
+
+    __slots__ = ("_build", "_items")
+
+    def __init__(self, build):
+        self._build, self._items = build, None
+
+    def _get(self) -> Tuple[ActionRecord, ...]:
+        if self._items is None:
+            self._items, self._build = tuple(self._build()), None
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __getitem__(self, i):
+        return self._get()[i]
+
+    def __iter__(self):
+        return iter(self._get())
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, LazyRecords):
+            other = other._get()
+        return self._get() == other if isinstance(other, tuple) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._get())
+
+    def __repr__(self) -> str:
+        return repr(self._get())
+
+    def __reduce__(self):
+        return (tuple, (self._get(),))
+
+
 @dataclass(frozen=True)
 class Prediction:
     """Predicted step of a plan (every figure PREDICTED, not measured).
@@ -106,8 +148,9 @@ class Prediction:
       allreduce_s: seconds of the gradient sums across stages/replicas and the global norm.
       update_s: seconds of the optimizer updates (the slowest island's).
       critical_path: a readable summary of what bounds the step.
-      timeline: the predicted actions as ActionRecords (``island`` names the island, labelled
-        predicted by :func:`predicted_records`).
+      timeline: the predicted actions as ActionRecords, in the order they ran (``island`` names the
+        island, labelled predicted by :func:`predicted_records`); a :class:`LazyRecords`, built on
+        first use.
       fits: every stage fits its device memory.
     """
 
@@ -118,7 +161,7 @@ class Prediction:
     allreduce_s: float
     update_s: float
     critical_path: str
-    timeline: Tuple[ActionRecord, ...]
+    timeline: Sequence[ActionRecord]
     fits: bool
 
     def to_dict(self) -> Dict[str, Any]:
@@ -224,23 +267,6 @@ def _stage_ctx(cfg: Any, plan: Any, r: int, s: int, costs: Mapping[str, DeviceCo
                      bool(spec.is_last))
 
 
-@lru_cache(maxsize=8)
-def _schedule_lists(schedule: str, num_stages: int, num_microbatches: int):
-    """``(lists, labels)``: the action lists ``get_schedule(schedule)(num_stages, num_microbatches)`` as
-    tuples (shared between calls: read only) and ``str(action)`` per ``id(action)``. Cached: a search
-    predicts many plans of the same (schedule, stages, microbatches), and building the lists and their
-    labels is most of a prediction's time at thousands of microbatches."""
-    lists = tuple(tuple(acts) for acts in get_schedule(schedule)(num_stages, num_microbatches))
-    return lists, {id(a): str(a) for acts in lists for a in acts}
-
-
-def _replica_lists(plan: Any):
-    """Per replica index, :func:`_schedule_lists` of its (schedule, stages, microbatches): the same
-    actions as ``plan.actions(r)``, built once per replica."""
-    return {r: _schedule_lists(plan.schedule, plan.num_stages(r), plan.num_microbatches(r))
-            for r in range(plan.num_replicas)}
-
-
 def _fused(ctx: _StageCtx, acts: Sequence[Action], i: int) -> bool:
     """The runtime fuses a last stage's F with the directly following B of the same microbatch."""
     a = acts[i]
@@ -248,77 +274,152 @@ def _fused(ctx: _StageCtx, acts: Sequence[Action], i: int) -> bool:
             and acts[i + 1].kind == ActionKind.B and acts[i + 1].microbatch == a.microbatch)
 
 
-def _action_times(ctx: _StageCtx, acts: Sequence[Action], msg_bytes: float, cross: Mapping[int, bool],
-                  fused_update_s: float) -> List[float]:
-    """Seconds the stage's process is busy with each action: F/B compute; SEND: the sender's copy to
-    the host when the peer is on another island (else 0); RECV: the copy onto the stage's devices."""
-    out = []
-    num_b = sum(a.kind == ActionKind.B for a in acts)
-    b_seen = 0
-    for i, a in enumerate(acts):
-        if a.kind == ActionKind.F:
-            if _fused(ctx, acts, i):
-                last = b_seen == num_b - 1
-                out.append(ctx.t_fused + (fused_update_s if last else 0.0))
-            else:
-                out.append(ctx.t_f)
-        elif a.kind == ActionKind.B:
-            b_seen += 1
-            out.append(0.0 if i > 0 and _fused(ctx, acts, i - 1) else ctx.t_b)
-        elif a.is_send:
-            out.append(ctx.costs.host_copy_s(msg_bytes) if cross[a.peer] else 0.0)
-        else:
-            out.append(ctx.costs.host_copy_s(msg_bytes))
-    return out
+def _stage_times(ctx: _StageCtx, arr: ScheduleArrays, s: int, host_s: float, bridge_s: float, cross_prev: bool,
+                 cross_next: bool, fused_update_s: float) -> Tuple[List[float], List[float]]:
+    """``(busy, delivery)`` seconds per action of stage ``s`` of ``arr`` (local index): busy: F/B
+    compute (a last stage's F directly followed by its B runs fused: the F costs ``t_fused`` (+ the fused
+    optimizer update before the stage's last B), the B 0 s); SEND: the sender's copy to the host when the
+    peer is on another island (else 0); RECV: the copy onto the stage's devices. delivery (SENDs): the
+    bridge when the peer is on another island, else 0.
+
+    Raises:
+      ValueError: if a time is negative or not finite.
+    """
+    tab = [ctx.t_f, ctx.t_b, host_s if cross_next else 0.0, host_s if cross_prev else 0.0, host_s, host_s]
+    dtab = [0.0, 0.0, bridge_s if cross_next else 0.0, bridge_s if cross_prev else 0.0, 0.0, 0.0]
+    fused = arr.fused_f[s] if ctx.is_last else []
+    last = arr.last_fused_f[s] if ctx.is_last else -1
+    extra = [ctx.t_fused] if fused else []
+    if last >= 0:
+        extra.append(ctx.t_fused + fused_update_s)
+    for name, x in [("action time", x) for x in tab + extra] + [("delivery time", x) for x in dtab]:
+        _checked(x, name, s, f"{ctx.spec.island} stage action")
+    codes = arr.stage_codes[s]
+    t = list(map(tab.__getitem__, codes))
+    for i in fused:
+        t[i], t[i + 1] = ctx.t_fused + 0.0, 0.0
+    if last >= 0:
+        t[last] = ctx.t_fused + fused_update_s
+    return t, list(map(dtab.__getitem__, codes))
+
+
+class _Pipeline:
+    """The step's pipelines over flat lists: flat index ``lo[n] + i`` is action ``i`` of key ``keys[n]``
+    (keys replica by replica, stage by stage); ``start``/``end`` seconds, ``order`` the flat indices in
+    the order they ran, ``prev`` per action the one its process ran before it (-1: none), ``code`` /
+    ``recv_msg`` / ``sender`` as in :class:`ScheduleArrays` (message ids over all replicas), ``busy``
+    per key seconds of F and B, ``pipeline_s`` the end of the last action."""
+
+    def __init__(self, keys, arrays):
+        self.keys, self.arrays = keys, arrays
+        self.lo, self.key_of, self.code, self.recv_msg, self.sender = [], [], [], [], []
+        self.rbase, self.mbase = {}, {}
+        n = m = 0
+        for r in sorted({k[0] for k in keys}):
+            arr = arrays[r]
+            self.rbase[r], self.mbase[r] = n, m
+            self.code += arr.code
+            self.recv_msg += arr.recv_msg if m == 0 else [x + m if x >= 0 else -1 for x in arr.recv_msg]
+            self.sender += arr.sender if n == 0 else [x + n if x >= 0 else -1 for x in arr.sender]
+            n, m = n + len(arr.code), m + arr.num_messages
+        for j, (r, s) in enumerate(keys):
+            o = arrays[r].offsets
+            self.lo.append(self.rbase[r] + o[s])
+            self.key_of += [j] * (o[s + 1] - o[s])
+        self.num_messages = m
+
+    def finish(self, st, en, order, prev) -> None:
+        self.start, self.end, self.order, self.prev = st, en, order, prev
+        self.busy = []  # summed action by action, in list order, from 0.0
+        for (r, s), lo in zip(self.keys, self.lo):
+            get, hi = self.arrays[r].compute_get[s], lo + self.arrays[r].offsets[s + 1] - self.arrays[r].offsets[s]
+            self.busy.append(reduce(operator.add, map(operator.sub, get(en[lo:hi]), get(st[lo:hi])), 0.0))
+        self.pipeline_s = max(en, default=0.0)
+
+    def records(self, ctxs) -> Tuple[ActionRecord, ...]:
+        """The timeline: one ActionRecord per action, in the order they ran."""
+        keys, key_of, st, en = self.keys, self.key_of, self.start, self.end
+        labels = {r: self.arrays[r].labels for r in self.rbase}
+        isl = [ctxs[k].spec.island for k in keys]
+        return tuple(ActionRecord(keys[key_of[g]][1], labels[keys[key_of[g]][0]][g - self.rbase[keys[key_of[g]][0]]],
+                                  st[g], en[g], isl[key_of[g]], keys[key_of[g]][0]) for g in self.order)
 
 
 def _pipeline(cfg: Any, plan: Any, ctxs: Dict[Tuple[int, int], _StageCtx], bridge: LinkModel, seq_len: int,
-              fused_update_s: float, proc_of, per_replica):
-    """(events as (key, action, start, end), busy seconds per key) of the step's pipelines;
-    ``per_replica``: the action lists of each replica (:func:`_replica_lists`)."""
+              fused_update_s: float, proc_of, arrays) -> _Pipeline:
+    """Times the step's pipelines (``arrays``: per replica its :class:`ScheduleArrays`): with one stage per
+    process :func:`_run_replica` per replica, else the process-level simulator
+    (:func:`~hethub_jax.planner.simulator.run_processes`, as ``simulate_processes``)."""
     msg_bytes = plan.microbatch_size * seq_len * cfg.hidden_size * analytic.dtype_bytes(cfg.dtype)
-    lists = {k: per_replica[k[0]][k[1]] for k in ctxs}
-    times: Dict[Tuple[int, int], List[float]] = {}
-    for k, ctx in ctxs.items():
-        cross = {p: ctxs[(k[0], p)].spec.island != ctx.spec.island
-                 for p in range(plan.replicas[k[0]].num_stages)}
-        times[k] = _action_times(ctx, lists[k], msg_bytes, cross, fused_update_s)
-
-    def delivery(k: Tuple[int, int], a: Action) -> float:
-        return bridge.time_s(msg_bytes) if ctxs[(k[0], a.peer)].spec.island != ctxs[k].spec.island else 0.0
-
-    procs = [proc_of(k) for k in ctxs]
-    if len(set(procs)) == len(procs):  # one stage per process: the plain schedule simulator
-        events = []
-        for r in range(plan.num_replicas):
-            keys = [(r, s) for s in range(plan.replicas[r].num_stages)]
-            events += _simulate_replica(r, keys, lists, times, delivery)
+    bridge_s = bridge.time_s(msg_bytes)
+    keys = list(ctxs)
+    pl = _Pipeline(keys, arrays)
+    times, dts = [], []
+    for r, s in keys:
+        ctx, S = ctxs[(r, s)], len(arrays[r].lists)
+        isl = ctx.spec.island
+        t, dt = _stage_times(ctx, arrays[r], s, ctx.costs.host_copy_s(msg_bytes), bridge_s,
+                             s > 0 and ctxs[(r, s - 1)].spec.island != isl,
+                             s < S - 1 and ctxs[(r, s + 1)].spec.island != isl, fused_update_s)
+        times.append(t)
+        dts.append(dt)
+    procs: Dict[Any, List[int]] = {}
+    for j, k in enumerate(keys):
+        procs.setdefault(proc_of(k), []).append(j)
+    if len(procs) == len(keys):  # one stage per process: the plain schedule simulator
+        st, en, order, prev = [], [], [], []
+        for r in sorted(pl.rbase):
+            js = [j for j, k in enumerate(keys) if k[0] == r]
+            a, b, o = _run_replica(arrays[r], [times[j] for j in js], [dts[j] for j in js])
+            st += a
+            en += b
+            order += [g + pl.rbase[r] for g in o]
+        prev = [g - 1 for g in range(len(st))]
+        for lo in pl.lo:
+            prev[lo] = -1
     else:
-        events = list(simulate_processes(lists, {k: proc_of(k) for k in ctxs},
-                                         lambda k, i: times[k][i], delivery))
-    busy = {k: 0.0 for k in ctxs}
-    for k, a, t0, t1 in events:
-        if a.is_compute:
-            busy[k] += t1 - t0
-    return events, busy
+        hi = pl.lo[1:] + [len(pl.code)]
+        st, en, order, prev, blocked, _ = run_processes(list(procs.values()), pl.lo, hi, pl.recv_msg, _send_ids(pl),
+                                                        _concat(times), _concat(dts), pl.num_messages)
+        if blocked:
+            raise ScheduleDeadlock(f"schedule deadlock in the plan's pipelines (processes {blocked} wait forever)")
+    pl.finish(st, en, order, prev)
+    return pl
 
 
-def _simulate_replica(r, keys, lists, times, delivery):
-    """:func:`simulate` over the replica's lists; a SEND's and a RECV's process time is folded into
-    the compute that precedes / follows it (the runtime runs them back to back), so the timeline
-    equals :func:`simulate_processes`' for one stage per process."""
-    fold = {}
-    for k in keys:
-        acts, t = lists[k], times[k]
-        for i, a in enumerate(acts):
-            if a.is_compute:
-                extra = (t[i - 1] if i > 0 and acts[i - 1].is_recv else 0.0)
-                extra += t[i + 1] if i + 1 < len(acts) and acts[i + 1].is_send else 0.0
-                fold[(k[1], a.kind, a.microbatch)] = t[i] + extra
-    tl = simulate([lists[k] for k in keys], lambda s, a: fold[(s, a.kind, a.microbatch)],
-                  lambda s, d, a: delivery((r, s), a))
-    return [((r, s), a, t0, t1) for s, a, t0, t1 in tl.events]
+def _concat(lists: Sequence[List[float]]) -> List[float]:
+    out: List[float] = []
+    for x in lists:
+        out += x
+    return out
 
+
+def _send_ids(pl: _Pipeline) -> List[int]:
+    """Per flat action of ``pl`` the message id its SEND delivers (over all replicas; -1 otherwise)."""
+    out: List[int] = []
+    for r in sorted(pl.rbase):
+        m = pl.mbase[r]
+        sm = pl.arrays[r].send_msg
+        out += sm if m == 0 else [x + m if x >= 0 else -1 for x in sm]
+    return out
+
+
+def _run_replica(arr: ScheduleArrays, times: List[List[float]], dts: List[List[float]]):
+    """``(start, end, order)`` of one replica whose stages each have their own process, as
+    :func:`simulate` times it: a SEND's and a RECV's process time is folded into the compute that
+    precedes / follows it (the runtime runs them back to back), a SEND takes 0 s and a RECV ends at
+    ``max(start, delivery)``; ``order`` is the execution order (flat indices of ``arr``)."""
+    ft, dt = [], []
+    for s, t in enumerate(times):
+        f = list(t)
+        for i, pr, ns in zip(arr.compute[s], arr.prev_recv[s], arr.next_send[s]):
+            extra = t[i - 1] if pr else 0.0
+            extra += t[i + 1] if ns else 0.0
+            f[i] = t[i] + extra
+        ft += f
+        dt += dts[s]
+    st, en = run_stages(arr, ft, dt)
+    return st, en, arr.exec_order
 
 def _shared_groups(cfg: Any, plan: Any) -> List[Tuple[float, int, List[Tuple[int, int]]]]:
     """(parameters, tensors, holders) of every set of parameters held by several stages: the tied
@@ -407,38 +508,46 @@ def predict(cfg: Any, plan: Any, costs: Mapping[str, DeviceCosts], *, seq_len: i
     keys = [(r, s) for r in range(plan.num_replicas) for s in range(plan.replicas[r].num_stages)]
     ctxs = {k: _stage_ctx(cfg, plan, k[0], k[1], costs, seq_len) for k in keys}
     pb = analytic.dtype_bytes(cfg.param_dtype)
-    lists = _replica_lists(plan)
-    fuse = _update_fusable(plan, cfg, lists)
+    arrays = {r: schedule_arrays(plan.schedule, plan.num_stages(r), plan.num_microbatches(r))
+              for r in range(plan.num_replicas)}
+    fuse = (plan.num_replicas == 1 and plan.num_stages(0) == 1  # else no Action lists are needed
+            and _update_fusable(plan, cfg, {0: (arrays[0].lists,)}))
     upd = {k: c.factor * c.costs.update_time_s(c.n_params, pb) for k, c in ctxs.items()}
     fused_update_s = upd[(0, 0)] * (1 + 1 / 7) if fuse else 0.0
     proc_of = (lambda k: ctxs[k].spec.island) if concurrency == "runtime" else (lambda k: k)
-    events, busy = _pipeline(cfg, plan, ctxs, bridge, seq_len, fused_update_s, proc_of,
-                             {r: v[0] for r, v in lists.items()})
-    pipeline_s = max((t1 for _, _, _, t1 in events), default=0.0)
+    pl = _pipeline(cfg, plan, ctxs, bridge, seq_len, fused_update_s, proc_of, arrays)
+    pipeline_s = pl.pipeline_s
     reduce_s = 0.0 if fuse else _reduction_s(cfg, plan, ctxs, bridge)
     per_island: Dict[str, float] = {}
     for k, t in upd.items():
         per_island[ctxs[k].spec.island] = per_island.get(ctxs[k].spec.island, 0.0) + t
     update_s = 0.0 if fuse else max(per_island.values())
     step = pipeline_s + reduce_s + update_s
-    stages = tuple(_stage_prediction(cfg, plan, ctxs[k], lists[k[0]][0][k[1]], busy[k], pipeline_s, seq_len)
-                   for k in keys)
-    timeline = tuple(ActionRecord(k[1], lists[k[0]][1][id(a)], t0, t1, ctxs[k].spec.island, k[0])
-                     for k, a, t0, t1 in events)
-    crit = _critical_path(events, ctxs, pipeline_s, reduce_s, update_s, proc_of)
+    stages = tuple(_stage_prediction(cfg, plan, ctxs[k], None, pl.busy[j], pipeline_s, seq_len,
+                                     in_flight=_in_flight(ctxs[k], arrays[k[0]], k[1]))
+                   for j, k in enumerate(keys))
+    crit = _critical_path(pl, ctxs, pipeline_s, reduce_s, update_s)
     return Prediction(step, plan.global_batch_size * seq_len / step if step > 0 else float("inf"), stages,
-                      pipeline_s, reduce_s, update_s, crit, timeline, all(s.fits for s in stages))
+                      pipeline_s, reduce_s, update_s, crit, LazyRecords(lambda: pl.records(ctxs)),
+                      all(s.fits for s in stages))
 
 
-def _stage_prediction(cfg, plan, ctx: _StageCtx, acts: Sequence[Action], busy: float, pipeline_s: float,
-                      seq_len: int) -> StagePrediction:
+def _in_flight(ctx: _StageCtx, arr: ScheduleArrays, s: int) -> int:
+    """Microbatches in flight on the runtime's list of stage ``s`` (``schedule.max_in_flight``;
+    ``in_flight_bound`` promises the same for GPipe and 1F1B); none when every forward is fused with its
+    backward (a last stage)."""
+    return 0 if ctx.is_last and arr.all_fused[s] else arr.in_flight[s]
+
+
+def _stage_prediction(cfg, plan, ctx: _StageCtx, acts: Optional[Sequence[Action]], busy: float, pipeline_s: float,
+                      seq_len: int, in_flight: Optional[int] = None) -> StagePrediction:
+    """The stage's figures; ``in_flight`` (microbatches in flight) is counted on ``acts`` when not given."""
     r, s = ctx.key
     spec = ctx.spec
-    # microbatches in flight on the runtime's list (schedule.max_in_flight; in_flight_bound promises
-    # the same for GPipe and 1F1B); none when every forward is fused with its backward (last stage)
-    in_flight = max_in_flight(acts)
-    if all(_fused(ctx, acts, i) for i, a in enumerate(acts) if a.kind == ActionKind.F):
-        in_flight = 0
+    if in_flight is None:  # microbatches in flight on the list (see _in_flight)
+        in_flight = max_in_flight(acts)
+        if all(_fused(ctx, acts, i) for i, a in enumerate(acts) if a.kind == ActionKind.F):
+            in_flight = 0
     mem = stage_memory_bytes(cfg, spec.first_layer, spec.last_layer, spec.is_first, spec.is_last,
                              microbatch_size=plan.microbatch_size, seq_len=seq_len, dp=spec.dp, tp=spec.tp,
                              in_flight=in_flight, recompute=plan.recompute)
@@ -447,33 +556,41 @@ def _stage_prediction(cfg, plan, ctx: _StageCtx, acts: Sequence[Action], busy: f
                            mem.total <= ctx.costs.memory_bytes)
 
 
-def _critical_path(events, ctxs, pipeline_s: float, reduce_s: float, update_s: float, proc_of) -> str:
-    """Walks back from the last action: a RECV that waited continues at its SEND, anything else at the
-    previous action of its process. Summarises compute seconds per stage on that path."""
-    if not events:
+def _critical_path(pl: _Pipeline, ctxs, pipeline_s: float, reduce_s: float, update_s: float) -> str:
+    """Walks back from the last action (the first to end last, in run order): a RECV that waited
+    continues at its SEND, anything else at the previous action of its process. Summarises compute
+    seconds per stage on that path."""
+    st, en, prev, code, key_of = pl.start, pl.end, pl.prev, pl.code, pl.key_of
+    if not en:
         return "empty step"
-    by_key: Dict[Any, List[tuple]] = {}
-    send_of = {}
-    for e in sorted(events, key=lambda x: (x[2], x[3])):
-        by_key.setdefault(proc_of(e[0]), []).append(e)
-        if e[1].is_send:
-            send_of[(e[0][0], e[0][1], e[1].peer, e[1].kind, e[1].microbatch)] = e
-    pos = {id(e): i for k, es in by_key.items() for i, e in enumerate(es)}
-    e = max(events, key=lambda x: x[3])
-    on_path: Dict[Tuple[int, int], float] = {}
-    while e is not None:
-        k, a, t0, t1 = e
-        if a.is_compute:
-            on_path[k] = on_path.get(k, 0.0) + t1 - t0
-        i = pos[id(e)]
-        prev = by_key[proc_of(k)][i - 1] if i > 0 else None
-        if a.is_recv and (prev is None or prev[3] < t0 + 1e-15) and t1 > t0:
-            kind = ActionKind.SEND_ACT if a.kind == ActionKind.RECV_ACT else ActionKind.SEND_GRAD
-            snd = send_of.get((k[0], a.peer, k[1], kind, a.microbatch))
-            e = snd if snd is not None else prev
+    top = pl.pipeline_s
+    last = []  # the actions that end last (each stage's end times never decrease along its list)
+    for lo, hi in zip(pl.lo, pl.lo[1:] + [len(en)]):
+        g = hi - 1
+        while g >= lo and en[g] == top:
+            last.append(g)
+            g -= 1
+    g = min(last, key=pl.order.index)
+    on_path: List[Optional[float]] = [None] * len(pl.keys)
+    sender, recv_msg = pl.sender, pl.recv_msg
+    while g >= 0:
+        c = code[g]
+        if c < 2:
+            k = key_of[g]
+            x = on_path[k]
+            on_path[k] = (0.0 if x is None else x) + en[g] - st[g]
+            g = prev[g]
+        elif c < 4:
+            g = prev[g]
         else:
-            e = prev
-    parts = ", ".join(f"r{k[0]}s{k[1]} ({ctxs[k].spec.island}) {t:.4g} s" for k, t in sorted(on_path.items()))
+            p, t0 = prev[g], st[g]
+            if (p < 0 or en[p] < t0 + 1e-15) and en[g] > t0:
+                snd = sender[recv_msg[g]]
+                g = snd if snd >= 0 else p
+            else:
+                g = p
+    parts = ", ".join(f"r{k[0]}s{k[1]} ({ctxs[k].spec.island}) {t:.4g} s"
+                      for k, t in sorted((pl.keys[j], t) for j, t in enumerate(on_path) if t is not None))
     return (f"pipeline {pipeline_s:.4g} s: compute on the critical path {parts}; then gradient "
             f"sums + norm {reduce_s:.4g} s, update {update_s:.4g} s")
 

@@ -17,11 +17,13 @@ Every candidate is ranked by ``predictor.predict(...).step_time_s`` and must fit
 least the pipeline makespan, which is at least ``max_b(M t_b + sum_{s<b} t_s)`` and ``M x`` the busiest
 island's per-microbatch compute (``planner.pipeline_time``), both plus the bridge crossings before them, and
 at least microbatch 0's chain through every stage and crossing (:func:`island_bound`, ``round_trip_lb``);
-a configuration or a partial split whose
-bound is not below the k-th best step time found so far cannot enter the top k and is skipped. All other
-splits are evaluated with ``predict``: the result equals exhaustive enumeration (``exhaustive_search``).
+under 1F1B at least the cycle bound (every ``S - b`` microbatches wait one round trip from stage ``b``:
+``search_bounds``). Configurations are bounded all at once with numpy (``search_configs``) and visited in
+increasing bound order; a configuration or a partial split whose bound is not below the k-th best step
+time found so far cannot enter the top k and is skipped. All other splits are evaluated with ``predict``:
+the result equals exhaustive enumeration (``exhaustive_search``).
 
-Pure Python: no JAX import.
+Python and numpy: no JAX import.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from hethub_jax.parallel.plan import Plan, proportional_shares
 from hethub_jax.parallel.schedule import get_schedule, in_flight_bound
 from hethub_jax.planner.cluster import ClusterSpec, islands_of, load_cluster
 from hethub_jax.planner.pipeline_time import makespan
+from hethub_jax.planner.search_bounds import SplitBounds, cycle_bound
 
 __all__ = ["SearchOptions", "Skeleton", "Candidate", "SearchResult", "PlanningError", "search",
            "exhaustive_search", "min_bottleneck_split", "greedy_bottleneck_split", "group_costs", "bridge_for", "valid_tp_degrees",
@@ -356,6 +359,8 @@ class _Planner:
         self._bridges: Dict[tuple, Any] = {}
         self.dedupe = True
         self._caps: Dict[tuple, int] = {}
+        self._const: Dict[tuple, float] = {}
+        self._layer_lb: Dict[tuple, float] = {}
         self._capped: Dict[tuple, List[float]] = {}
         self._preds: Dict[str, Any] = {}
         self.top: List[Tuple[float, str, Candidate]] = []
@@ -380,11 +385,14 @@ class _Planner:
     # ---- per-stage costs (the same calls predict makes) -----------------------------------------
     def layer_lb(self, g: str, tp: int, dp: int, mbs: int, rec: str) -> float:
         """Lower bound of one layer's F + B seconds per microbatch on a stage of group ``g``
-        (slowdown included; the last stage's fused F+B counted as its cheaper alternative)."""
-        c, tokens = self.costs[g], mbs // dp * self.seq
-        lt = lambda ph: c.layer_time_s(self.cfg, tokens, self.seq, tp, ph)
-        fb = lt("F") + lt("B") if rec == "none" else lt("F_nosave") + lt("B_recompute")
-        return self.factor[g] * min(fb, lt("B_recompute"))
+        (slowdown included; the last stage's fused F+B counted as its cheaper alternative). Cached."""
+        key = (g, tp, dp, mbs, rec)
+        if key not in self._layer_lb:
+            c, tokens = self.costs[g], mbs // dp * self.seq
+            lt = lambda ph: c.layer_time_s(self.cfg, tokens, self.seq, tp, ph)
+            fb = lt("F") + lt("B") if rec == "none" else lt("F_nosave") + lt("B_recompute")
+            self._layer_lb[key] = self.factor[g] * min(fb, lt("B_recompute"))
+        return self._layer_lb[key]
 
     def stage_lines(self, g: str, tp: int, dp: int, mbs: int, rec: str, first: bool, last: bool, fused: str):
         """``(F, B)`` seconds of one microbatch's actions on a stage of group ``g`` as lines ``(time at 1
@@ -443,12 +451,17 @@ class _Planner:
         pipeline fill before and the drain after it), plus, for S >= 2 stages, the optimizer updates (the
         busiest island's sum over its stages, as ``predict`` adds them). The makespan is nondecreasing in
         every action time, and an island that runs several stages one action at a time only delays
-        actions. The island bound (closed form) is computed first; the makespan only when it may matter."""
+        actions. The island bound and, for 1F1B, :func:`search_bounds.cycle_bound` (closed forms) are computed
+        first; the makespan only when they cannot prune."""
         M, S = self.gbs // sk.microbatch_size, len(counts)
         fw, bw, act, grad, upd = self.action_times(sk, counts)
         lb = island_bound(sk.stages, M, fw, bw, act, grad) + (upd if S > 1 else 0.0)
         if self.prunes(lb):
             return lb
+        if sk.schedule == "1f1b":
+            lb = max(lb, cycle_bound(M, fw, bw, act, grad) + (upd if S > 1 else 0.0))
+            if self.prunes(lb):
+                return lb
         return max(lb, makespan(sk.schedule, M, fw, bw, act, grad) + (upd if S > 1 else 0.0))
 
     def action_times(self, sk: Skeleton, counts: Sequence[int]):
@@ -563,63 +576,82 @@ class _Planner:
                 out.append((k, tp, dp))
         return out
 
-    def combo_streams(self) -> Iterator[Tuple[float, int, str, Tuple[Tuple[int, int, int], ...]]]:
-        """``(LB0, mbs, recompute, per-group choices in cluster order)`` in ascending LB0, with
-        ``LB0 >= M * L / sum_g 1/w_g`` (``w_g``: the group's per-layer lower bound), a bound of the step
-        time of every pipeline of those choices, whatever the order and split: the busiest island
-        computes at least ``M * n_g * w_g`` with ``sum_g n_g = L``; with a second bound (:meth:`_lb0`). Both
-        grow along the heap's successors (each group's choices are sorted by ``1/w`` descending), so the
-        keys come out nondecreasing and the caller may stop at the first key above the k-th best."""
-        names = list(self.groups)
-        heap: list = []
-        streams = []
+    def combo_streams(self) -> Iterator[Tuple[float, int, str, str, Tuple[Tuple[int, int, int], ...]]]:
+        """``(LB0, mbs, recompute, schedule, per-group choices in cluster order)`` in ascending LB0 (ties in
+        a fixed order), LB0 a lower bound of the step time of every pipeline of those choices, whatever
+        the order and split (:func:`search_configs.configuration_bounds`, numpy over all configurations of
+        one (microbatch size, recompute, schedule) at once); the caller may stop at the first LB0 above
+        the k-th best. Configurations whose groups cannot hold the layers in memory are left out."""
+        import numpy as np
+
+        from hethub_jax.planner.search_configs import configuration_bounds
+        names, keys, rows = list(self.groups), [], []
         for mbs in self.microbatch_sizes():
             M = self.gbs // mbs
             for rec in self.opt.recompute:
-                per = []
-                for g in names:
-                    cs = [(1.0 / self.layer_lb(g, tp, dp, mbs, rec), c) for c in self.choices(g, mbs)
-                          for (k, tp, dp) in [c]]
-                    cs.sort(key=lambda x: (-x[0], x[1]))
-                    per.append(cs)
-                if any(not cs for cs in per):
+                choices = [self.choices(g, mbs) for g in names]
+                if any(not cs for cs in choices):
                     continue
-                sid = len(streams)
-                streams.append((mbs, rec, M, per, self.round_trip_lb(mbs)))
-                idx = (0,) * len(names)
-                heapq.heappush(heap, (self._lb0(streams[sid], idx), sid, idx))
-        seen = set()
-        while heap:
-            lb0, sid, idx = heapq.heappop(heap)
-            if (sid, idx) in seen:
-                continue
-            seen.add((sid, idx))
-            mbs, rec, M, per, _ = streams[sid]
-            combo = tuple(per[j][i][1] for j, i in enumerate(idx))
-            if self.combo_capacity(mbs, rec, combo) >= self.L:
-                yield lb0, mbs, rec, combo
-            else:
-                self.skeletons += 1
-            for j in range(len(idx)):
-                if idx[j] + 1 < len(per[j]):
-                    nxt = idx[:j] + (idx[j] + 1,) + idx[j + 1:]
-                    if (sid, nxt) not in seen:
-                        heapq.heappush(heap, (self._lb0(streams[sid], nxt), sid, nxt))
+                for sched in self.opt.schedules:
+                    per = [self.choice_figures(g, cs, mbs, rec, M if sched == "gpipe" else 0, len(names) > 1)
+                           for g, cs in zip(names, choices)]
+                    lb = configuration_bounds(per, self.L, M, sched, self.delivery_lb(mbs))
+                    keep = np.nonzero(np.isfinite(lb))[0]
+                    self.skeletons += int(lb.size - keep.size)
+                    rows.append((mbs, rec, sched, choices, keep))
+                    keys.append(np.stack([lb[keep], np.full(keep.size, len(rows) - 1), keep], axis=1))
+        if not keys:
+            return
+        allk = np.concatenate(keys)
+        for i in np.lexsort((allk[:, 2], allk[:, 1], allk[:, 0])):
+            lb0, r, flat = allk[i]
+            mbs, rec, sched, choices, _ = rows[int(r)]
+            idx = np.unravel_index(int(flat), [len(cs) for cs in choices])
+            yield float(lb0), mbs, rec, sched, tuple(cs[int(x)] for cs, x in zip(choices, idx))
 
-    def combo_capacity(self, mbs: int, rec: str, combo) -> int:
-        """An upper bound of the layers one choice per group can hold in memory: per group, its stages x
-        the layers a middle stage holds with no microbatch in flight (memory grows with both)."""
-        return sum(k * self.stage_cap(g, tp, dp, mbs, rec, False, False, 0)
-                   for g, (k, tp, dp) in zip(self.groups, combo))
+    def choice_figures(self, g: str, choices, mbs: int, rec: str, in_flight: int, copies: bool) -> dict:
+        """Per choice ``(k, tp, dp)`` of group ``g``: ``k``; ``w`` (:meth:`layer_lb`); ``K``, the island's
+        per-microbatch seconds that do not grow with its layers, at least ``k`` x the least stage constant
+        (:meth:`stage_constant`) plus, in a pipeline of >= 2 islands, ``2 k`` host copies (each stage
+        RECVs at least once, each island SENDs across at least once; ``message_times``); ``cap``: ``k`` x
+        the layers a middle stage holds with ``in_flight`` microbatches (:meth:`stage_cap`)."""
+        from hethub_jax.planner import analytic
+        nbytes = mbs * self.seq * self.cfg.hidden_size * analytic.dtype_bytes(self.cfg.dtype)
+        c = self.costs[g].host_copy_s(nbytes) if copies else 0.0
+        out: Dict[str, list] = {"k": [], "w": [], "K": [], "cap": []}
+        for k, tp, dp in choices:
+            out["k"].append(k)
+            out["w"].append(self.layer_lb(g, tp, dp, mbs, rec))
+            out["K"].append(k * (self.stage_constant(g, tp, dp, mbs, rec) + 2 * c))
+            out["cap"].append(k * self.stage_cap(g, tp, dp, mbs, rec, False, False, in_flight))
+        return out
 
-    def _lb0(self, stream, idx) -> float:
-        """``max(M L / sum_g 1/w_g, L min_g w_g + R)``: the busiest island bound, and microbatch 0 passing
-        every stage forward and backward (``sum_s t_s >= sum_g n_g w_g >= L min_g w_g``) and every bridge
-        crossing on the way (``R``: :meth:`round_trip_lb`, constant per stream, so the keys still grow
-        along the heap's successors)."""
-        mbs, rec, M, per, rt = stream
-        inv = [per[j][i][0] for j, i in enumerate(idx)]
-        return max(M * self.L / sum(inv), self.L / max(inv) + rt)
+    def stage_constant(self, g: str, tp: int, dp: int, mbs: int, rec: str) -> float:
+        """``min_v (a_v - s_v)`` over the stage variants of :meth:`stage_lines` (F + B at ``n`` layers ``=
+        a_v + (n - 1) s_v`` with ``s_v >=`` :meth:`layer_lb`): a stage of ``n`` layers takes at least this
+        plus ``n`` x ``layer_lb`` seconds per microbatch (no host copies). The variants: a middle stage, a
+        last stage fused or partly fused; the first stage's embedding and an unfused last stage's head
+        only add seconds (``predictor.stage_compute_s``: non-negative terms)."""
+        key = (g, tp, dp, mbs, rec)
+        if key not in self._const:
+            out = math.inf
+            for last, fused in ((False, "none"), (True, "all"), (True, "some")):
+                (fa, fs), (ba, bs) = self.stage_lines(g, tp, dp, mbs, rec, False, last, fused)
+                out = min(out, fa + ba - fs - bs)
+            self._const[key] = out
+        return self._const[key]
+
+    def delivery_lb(self, mbs: int) -> float:
+        """Bridge delivery seconds on microbatch 0's round trip in any pipeline of ``G`` groups: ``2 (G -
+        1)`` crossings over at least the fastest group pair's link (:meth:`round_trip_lb` without copies)."""
+        from hethub_jax.planner import analytic
+        from hethub_jax.planner.costs import LinkModel
+        names = list(self.groups)
+        if len(names) < 2:
+            return 0.0
+        nbytes = mbs * self.seq * self.cfg.hidden_size * analytic.dtype_bytes(self.cfg.dtype)
+        links = [self.cluster.link(a, b) for a, b in itertools.combinations(names, 2)]
+        return 2 * (len(names) - 1) * min(LinkModel(lat, bw).time_s(nbytes) for bw, lat in links)
 
     def round_trip_lb(self, mbs: int) -> float:
         """Lower bound of the message seconds on microbatch 0's forward-and-backward chain in any pipeline
@@ -648,12 +680,13 @@ class _Planner:
             return g
         return json.dumps(self.groups[g].model_dump(exclude={"name"}), sort_keys=True)
 
-    def skeletons_of(self, mbs: int, rec: str, combo) -> Iterator[Skeleton]:
-        """Every pipeline order and schedule for one choice per group (``combo`` in cluster order), except
-        those equal to one already given up to swapping interchangeable groups (:meth:`twin_class`)."""
+    def skeletons_of(self, mbs: int, rec: str, combo, schedules: Optional[Sequence[str]] = None) -> Iterator[Skeleton]:
+        """Every pipeline order and schedule (``schedules``, default all) for one choice per group
+        (``combo`` in cluster order), except those equal to one already given up to swapping
+        interchangeable groups (:meth:`twin_class`)."""
         names = list(self.groups)
         cls = [self.twin_class(g) for g in names]
-        for sched in self.opt.schedules:
+        for sched in schedules or self.opt.schedules:
             for perm in itertools.permutations(range(len(names))):
                 if self.opt.last_group is not None and names[perm[-1]] != self.opt.last_group:
                     continue
@@ -699,39 +732,41 @@ class _Planner:
             return
         self.expanded += 1
         self.evaluate(sk, _stage_counts(sk, per_group))
-        cur: List[int] = []
-        first_stage = [sum(sk.stages[:j]) for j in range(G)]
-        # seconds of one bridge crossing there and back (round_trip_lb per crossing): the prefix counts
-        # the crossings before group j, so prefix + M t_b and prefix + M x (island load) stay lower bounds
-        # (island_bound's fill and drain)
-        cross = self.round_trip_lb(sk.microbatch_size) / (G - 1) if G > 1 else 0.0
+        self._dfs(sk, times, gt, self.split_bounds(sk, times), 0, L, 0.0, [])
 
-        def dfs(j: int, left: int, prefix: float) -> None:
+    def split_bounds(self, sk: Skeleton, times: List[List[float]]) -> SplitBounds:
+        """:class:`search_bounds.SplitBounds` of ``sk``: the host copies and deliveries ``predict`` charges
+        (:meth:`message_times`, independent of the split) and each stage's compute line from ``times``."""
+        S, M = sk.num_stages, self.gbs // sk.microbatch_size
+        fw, bw = [0.0] * S, [0.0] * S
+        act, _ = self.message_times(sk, [1] * S, fw, bw)
+        one = [t[1] for t in times]
+        slope = [t[2] - t[1] if self.L >= 2 and t[2] < math.inf else 0.0 for t in times]
+        return SplitBounds(sk.stages, M, [f + b for f, b in zip(fw, bw)], act, one, slope, sk.schedule == "1f1b")
+
+    def _dfs(self, sk: Skeleton, times, gt, bounds: SplitBounds, j: int, left: int, head: float,
+             cur: List[int]) -> None:
+        """Depth-first over group ``j``'s layer count (most first), the groups before it holding ``cur``;
+        a prefix is dropped when a :class:`SplitBounds` bound exceeds the k-th best (module docstring)."""
+        G, M = len(sk.groups), self.gbs // sk.microbatch_size
+        need = sum(sk.stages[j + 1:])
+        hi = left if j == G - 1 else left - need
+        lo = left if j == G - 1 else sk.stages[j]
+        b0 = bounds.first[j]
+        for n in range(hi, lo - 1, -1):
             ub = self.ub() * (1 + LB_SLACK)
-            need = sum(sk.stages[j + 1:])
-            hi = left if j == G - 1 else left - need
-            lo = left if j == G - 1 else sk.stages[j]
-            for n in range(hi, lo - 1, -1):
-                if gt[j][n] == math.inf or not M * gt[j][n] + prefix <= ub:  # inf: a stage exceeds memory
-                    continue
-                ts = [times[first_stage[j] + i][c] for i, c in enumerate(balanced(n, sk.stages[j]))]
-                p, ok = prefix, True
-                for t in ts:  # makespan >= M t_b + sum_{s<b} t_s (pipeline_time.makespan_lower_bound)
-                    if M * t + p > ub:
-                        ok = False
-                        break
-                    p += t
-                if not ok:
-                    continue
-                cur.append(n)
-                if j == G - 1:
-                    self.evaluate(sk, _stage_counts(sk, cur))
-                else:
-                    dfs(j + 1, left - n, p + cross)
-                cur.pop()
-                ub = self.ub() * (1 + LB_SLACK)
-
-        dfs(0, L, 0.0)
+            if gt[j][n] == math.inf or not M * gt[j][n] + head <= ub:  # inf: a stage exceeds memory
+                continue
+            ts = [times[b0 + i][c] for i, c in enumerate(balanced(n, sk.stages[j]))]
+            nxt = bounds.group(j, head, ts, left - n, ub)
+            if nxt == math.inf:
+                continue
+            cur.append(n)
+            if j == G - 1:
+                self.evaluate(sk, _stage_counts(sk, cur))
+            else:
+                self._dfs(sk, times, gt, bounds, j + 1, left - n, nxt, cur)
+            cur.pop()
 
     # ---- evaluation ------------------------------------------------------------------------------
     def pipeline_plan(self, sk: Skeleton, counts: Sequence[int]) -> Plan:
@@ -806,6 +841,8 @@ class _Planner:
             for sched in self.opt.schedules:
                 for rec in self.opt.recompute:
                     self.skeletons += 1
+                    if self.prunes(self.hetero_lb(mbs, rec, M)):
+                        continue
                     reps = [self.replica_of(g, mbs, sched, rec, M) for g in names]
                     if any(r is None for r in reps):
                         continue
@@ -818,6 +855,18 @@ class _Planner:
                     self.expanded += 1
                     self.consider(self.hetero_plan(reps, units, mbs, sched, rec), "hetero-dp",
                                   [r[2] for r in reps], list(itertools.combinations(names, 2)))
+
+    def hetero_lb(self, mbs: int, rec: str, M: int) -> float:
+        """Lower bound of every hetero-DP plan's step time for one microbatch size and recompute policy
+        (any schedule): replica ``r`` computes its ``u_r`` microbatches (``sum_r u_r = M``) on its island, at
+        least ``c_r`` seconds each, ``c_r`` the least over the group's choices of ``k x``
+        :meth:`stage_constant` ``+ L x`` :meth:`layer_lb`; so the step takes at least ``M / sum_r 1/c_r``."""
+        inv = 0.0
+        for g in self.groups:
+            c = min((k * self.stage_constant(g, tp, dp, mbs, rec) + self.L * self.layer_lb(g, tp, dp, mbs, rec)
+                     for k, tp, dp in self.choices(g, mbs)), default=math.inf)
+            inv += 1.0 / c if c > 0 else math.inf
+        return M / inv if inv > 0 else math.inf
 
     def hetero_plan(self, reps, units, mbs: int, sched: str, rec: str) -> Plan:
         replicas = []
@@ -922,10 +971,10 @@ def search(cfg: Any, cluster: Any, global_batch: int, seq_len: int, *, costs: Op
     """
     t0 = time.perf_counter()
     p = _setup(cfg, cluster, global_batch, seq_len, costs, options, profiles_dir)
-    for lb0, mbs, rec, combo in p.combo_streams():
+    for lb0, mbs, rec, sched, combo in p.combo_streams():
         if p.prunes(lb0):
             break
-        for sk in p.skeletons_of(mbs, rec, combo):
+        for sk in p.skeletons_of(mbs, rec, combo, (sched,)):
             if not p.prunes(lb0):  # the k-th best may have improved since
                 p.expand(sk)
             else:

@@ -1,0 +1,125 @@
+"""Closed-form lower bounds of a pipeline's makespan used by the planner's branch and bound (pure Python).
+
+:func:`cycle_bound` is the 1F1B steady-state bound: with at most ``S - b`` microbatches in flight on stage
+``b``, every microbatch waits for its own round trip through the stages after ``b`` (compute, host copies
+and bridge deliveries both ways) before stage ``b`` may start the forward of the microbatch ``S - b``
+later. When bridge deliveries dominate (``docs/benchmarks.md``, the 16,384-accelerator case) this is
+within a few percent of the makespan, where the per-stage and per-island loads are far below it.
+
+:class:`SplitBounds` evaluates the same bound, and the per-stage and per-island bounds of
+``search.island_bound``, on a PARTIAL layer split (the first groups of the pipeline fixed): the stages
+after the prefix are bounded by their host copies and deliveries (known once the configuration is: they do
+not depend on the split) and a linear lower bound of their compute.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Sequence
+
+__all__ = ["cycle_bound", "SplitBounds"]
+
+
+def cycle_bound(num_microbatches: int, fw: Sequence[float], bw: Sequence[float], act: Sequence[float],
+                grad: Sequence[float]) -> float:
+    """Lower bound (seconds) of the 1F1B makespan (``pipeline_time.makespan(\"1f1b\", ...)``, hence of
+    ``predict``'s pipeline seconds, which only add waiting) with per-stage action times.
+
+    Args:
+      num_microbatches: M >= 1.
+      fw, bw: per stage (S entries), seconds of one microbatch's F and B (with their host copies).
+      act, grad: per stage boundary (S - 1 entries), activation / gradient delivery seconds.
+
+    Derivation (1F1B as ``parallel.schedule.one_f_one_b``: stage ``b`` runs its ``B`` of microbatch ``m``
+    before its ``F`` of microbatch ``m + S - b``): let ``C_b = sum_{t>=b} (F_t + B_t) + sum_{t=b}^{S-2}
+    (act_t + grad_t)`` (microbatch ``m``'s round trip from the end of ``F_b(m)`` to the end of ``B_b(m)``,
+    plus ``F_b``). Then ``end F_b(m + S - b) >= end F_b(m) + C_b``; with ``M - 1 = j (S - b) + r``,
+    ``end B_b(M - 1) >= head_b + (j + 1) C_b`` where ``head_b = sum_{t<b} (F_t + act_t)`` delays the first
+    forward, and the backward of microbatch ``M - 1`` still passes stages ``b-1..0`` (``sum_{t<b} (B_t +
+    grad_t)``). Hence ``makespan >= max_b (sum_{t<b} (F_t + B_t + act_t + grad_t) + ceil(M / (S - b)) C_b)``;
+    for ``b = S - 1`` this is the last stage's ``M (F + B)`` plus the fill and drain.
+    """
+    S, M = len(fw), num_microbatches
+    suffix = [0.0] * S
+    c = 0.0
+    for b in range(S - 1, -1, -1):
+        c += fw[b] + bw[b] + (act[b] + grad[b] if b < S - 1 else 0.0)
+        suffix[b] = c
+    best, head = 0.0, 0.0
+    for b in range(S):
+        v = head + -(-M // (S - b)) * suffix[b]
+        if v > best:
+            best = v
+        head += fw[b] + bw[b] + (act[b] + grad[b] if b < S - 1 else 0.0)
+    return best
+
+
+class SplitBounds:
+    """Lower bounds of the step's pipeline seconds for every split that starts with a given prefix, for one
+    configuration (pipeline order, stage counts, TP/DP degrees, microbatch size, schedule).
+
+    Args:
+      stages: stage count of each group in pipeline order (sum S).
+      M: microbatches.
+      copies: per stage, the host-copy seconds ``predict`` charges around its F and B per microbatch
+        (independent of the split).
+      delivery: per boundary (S - 1), bridge seconds of one message each way (0 inside an island).
+      one_layer, slope: per stage, the compute seconds (F + B) at one layer and a lower bound of each
+        further layer's (a stage's time is a line in its layer count: ``stage_lines``; 0 where unknown, a
+        stage holding one layer at most); used only for stages after the prefix.
+      cycle: apply :func:`cycle_bound`'s terms (1F1B only).
+    """
+
+    def __init__(self, stages: Sequence[int], M: int, copies: Sequence[float], delivery: Sequence[float],
+                 one_layer: Sequence[float], slope: Sequence[float], cycle: bool):
+        self.stages, self.M, self.cycle = list(stages), M, cycle
+        S, G = sum(stages), len(stages)
+        self.S = S
+        self.copies = list(copies)
+        self.rt = [2.0 * d for d in delivery] + [0.0]      # per stage: its outgoing boundary, both ways
+        self.first = [sum(stages[:j]) for j in range(G)]
+        # after group j (stages > its last): copies + round trips of the later boundaries, and the compute
+        # of one layer per stage; the minimum slope of the stages there; their stage count
+        self.after_const: List[float] = [0.0] * G
+        self.after_min_slope: List[float] = [0.0] * G
+        self.after_stages: List[int] = [0] * G
+        for j in range(G):
+            e = self.first[j] + stages[j] - 1
+            rest = range(e + 1, S)
+            self.after_const[j] = sum(self.copies[t] + one_layer[t] + self.rt[t] for t in rest)
+            self.after_min_slope[j] = min((slope[t] for t in rest), default=0.0)
+            self.after_stages[j] = len(rest)
+
+    def suffix_lb(self, j: int, layers_after: int) -> float:
+        """Lower bound of ``sum (F_t + B_t)`` (with copies) plus the round trips over the stages after group
+        ``j`` when they hold ``layers_after`` layers in all (>= their stage count)."""
+        extra = layers_after - self.after_stages[j]
+        return self.after_const[j] + max(0, extra) * self.after_min_slope[j]
+
+    def group(self, j: int, head: float, times: Sequence[float], layers_after: int, ub: float) -> float:
+        """For group ``j`` whose stages take compute ``times`` (F + B per microbatch, no copies) after a
+        prefix worth ``head`` seconds (``sum_{t<b} (F_t + B_t + act_t + grad_t)`` up to the group's first
+        stage): returns the head for the next group, or ``math.inf`` when a bound exceeds ``ub``.
+
+        Bounds: per stage ``head_b + M t_b``; per island ``head + M sum_b t_b`` (the island runs its stages
+        one action at a time; ``search.island_bound``); with ``cycle``, per stage ``head_b + ceil(M / (S -
+        b)) C_b`` with ``C_b`` bounded below by this group's known stages and :meth:`suffix_lb`."""
+        M, b0 = self.M, self.first[j]
+        load, h = 0.0, head
+        tt = [t + self.copies[b0 + i] for i, t in enumerate(times)]
+        for i, t in enumerate(tt):
+            if h + M * t > ub:
+                return math.inf
+            load += t
+            h += t + self.rt[b0 + i]
+        if head + M * load > ub:
+            return math.inf
+        if self.cycle:
+            rest = self.suffix_lb(j, layers_after)
+            c, hb = rest, h
+            for i in range(len(tt) - 1, -1, -1):
+                b = b0 + i
+                c += tt[i] + self.rt[b]
+                hb -= tt[i] + self.rt[b]
+                if hb + -(-M // (self.S - b)) * c > ub:
+                    return math.inf
+        return h

@@ -1,0 +1,80 @@
+"""Vectorised lower bounds of every pipeline configuration (one choice of stage count, TP and DP per group)
+for the planner's search (numpy, no JAX).
+
+For one microbatch size, recompute policy and schedule, each group ``g`` offers choices ``(k, tp, dp)``;
+a configuration takes one per group. :func:`configuration_bounds` bounds the step time of every pipeline of
+a configuration from below, whatever the group order and the layer split, for all configurations at once
+(the product of the groups' choices, as numpy arrays), from per-choice figures:
+
+* ``w``: a lower bound of one layer's F + B seconds per microbatch on the choice's stages;
+* ``K``: a lower bound of the island's per-microbatch seconds that do not grow with its layers (its ``k``
+  stages' constant parts and host copies);
+* ``cap``: an upper bound of the layers the choice's ``k`` stages hold in memory.
+
+The island of group ``g`` holding ``n_g`` layers computes at least ``M (K_g + n_g w_g)`` per step (it runs
+its stages one action at a time), with ``n_g <= cap_g`` and ``sum_g n_g = L``; the least largest island
+load over such splits (water filling) is a bound. Microbatch 0 passes every stage forward and backward and
+crosses at least ``G - 1`` group boundaries each way: ``sum_g K_g + L min_g w_g + R``; under 1F1B every
+round of ``S`` microbatches waits for such a round trip at stage 0 (``search_bounds.cycle_bound``), so it
+counts ``ceil(M / S)`` times.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["configuration_bounds", "water_fill"]
+
+
+def water_fill(K: np.ndarray, w: np.ndarray, cap: np.ndarray, L: int, iters: int = 48) -> np.ndarray:
+    """Per configuration (rows), a lower bound of ``min over n of max_g (K_g + n_g w_g)`` subject to
+    ``1 <= n_g <= cap_g`` (integers) and ``sum_g n_g = L``: the larger of ``max_g (K_g + w_g)`` and the
+    minimum over real ``0 <= n_g <= cap_g``; ``K, w, cap``: arrays of shape ``(N, G)``, ``w >= 0``
+    (``w = 0``: the group's island takes ``cap`` layers at no cost beyond ``K``). Bisection on the level
+    ``T`` (the held layers ``sum_g clip((T - K_g) / w_g, 0, cap_g)`` grow with ``T``); returns the lower end
+    of the final bracket, so the value never exceeds the exact minimum. ``inf`` where ``sum cap < L`` or a
+    group holds no layer (every group of a pipeline holds >= 1)."""
+    K, w, cap = (np.asarray(a, dtype=float) for a in (K, w, cap))
+    feasible = (cap.sum(axis=1) >= L) & (cap >= 1).all(axis=1)  # every group holds >= 1 layer
+    lo = np.zeros(K.shape[0])
+    hi = np.max(np.where(cap > 0, K + cap * w, 0.0), axis=1) + 1e-300
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            room = np.where(w > 0, (mid[:, None] - K) / w, np.where(mid[:, None] >= K, np.inf, 0.0))
+        held = np.clip(room, 0.0, cap).sum(axis=1)
+        ok = held >= L
+        hi = np.where(ok, mid, hi)
+        lo = np.where(ok, lo, mid)
+    return np.where(feasible, np.maximum(lo, (K + w).max(axis=1)), np.inf)  # every group holds >= 1 layer
+
+
+def configuration_bounds(per_group: Sequence[dict], L: int, M: int, schedule: str, round_trip: float) -> np.ndarray:
+    """Lower bounds (seconds) of the step time of every configuration, flattened in C order over the
+    groups' choices (``np.unravel_index`` with the choice counts recovers them); ``inf`` where the
+    groups cannot hold the ``L`` layers.
+
+    Args:
+      per_group: per group (cluster order), arrays ``k``, ``w``, ``K``, ``cap`` over its choices (see the
+        module docstring; same length per group).
+      L: decoder layers; M: microbatches per step.
+      schedule: ``"1f1b"`` (the cycle factor applies) or another schedule.
+      round_trip: lower bound of the delivery seconds on microbatch 0's round trip (the crossings).
+    """
+    G = len(per_group)
+    sizes = [len(pg["k"]) for pg in per_group]
+    grids = {}
+    for name in ("k", "w", "K", "cap"):
+        cols = []
+        for j, pg in enumerate(per_group):
+            shape = [1] * G
+            shape[j] = sizes[j]
+            cols.append(np.broadcast_to(np.asarray(pg[name], dtype=float).reshape(shape), sizes).reshape(-1))
+        grids[name] = np.stack(cols, axis=1)
+    k, w, K, cap = grids["k"], grids["w"], grids["K"], grids["cap"]
+    island = M * water_fill(K, w, cap, L)
+    chain = K.sum(axis=1) + L * w.min(axis=1) + round_trip
+    if schedule == "1f1b":
+        chain = chain * np.ceil(M / k.sum(axis=1))
+    return np.maximum(island, chain)
