@@ -189,3 +189,29 @@ def test_pipeline_time_compute_order_equals_the_action_lists_order(name):
             want = tuple((s, acts[s][i].kind == "B", acts[s][i].microbatch) for s, i in execution_order(acts)
                          if acts[s][i].is_compute)
             assert compute_order.__wrapped__(name, S, M) == want
+
+
+def test_pipeline_events_and_per_action_factors_match_the_reference():
+    """``_pipeline``'s events equal the reference's, and a per-action factor (``corun``, keyed by
+    ``(key, id(action))``) scales exactly the actions it names."""
+    from hethub_jax.planner import predictor as P
+    plan = Plan.from_dict({"islands": [{"name": "a", "platform": "cpu", "devices_per_process": 2},
+                                       {"name": "b", "platform": "cpu"}],
+                           "stages": [{"island": "a", "first_layer": 0, "last_layer": 2},
+                                      {"island": "a", "first_layer": 3, "last_layer": 5},
+                                      {"island": "b", "first_layer": 6, "last_layer": 7}],
+                           "global_batch_size": 5, "microbatch_size": 1})
+    costs = {n: DeviceCosts.from_profile(profile(0.1, 0.2, 0.3, 0.01, 0.01, 0.05)) for n in "ab"}
+    ctxs = {(0, s): P._stage_ctx(Cfg, plan, 0, s, costs, 8) for s in range(3)}
+    arrays = {0: schedule_arrays("1f1b", 3, 5)}
+    proc = lambda k: ctxs[k].spec.island  # noqa: E731
+    bridge = LinkModel(0.001, 1e9)
+    pl = P._pipeline(Cfg, plan, ctxs, bridge, 8, 0.0, proc, arrays)
+    want, _ = ref._pipeline(Cfg, plan, ctxs, bridge, 8, 0.0, proc, {0: [list(a) for a in arrays[0].lists]})
+    assert pl.events() == want
+    f0 = next(a for a in arrays[0].lists[0] if a.kind == "F")
+    slow = P._pipeline(Cfg, plan, ctxs, bridge, 8, 0.0, proc, arrays, {((0, 0), id(f0)): 3.0})
+    ev = {(k, str(a)): (t0, t1) for k, a, t0, t1 in slow.events()}
+    base = {(k, str(a)): (t0, t1) for k, a, t0, t1 in pl.events()}
+    dur = lambda d, a: d[((0, 0), a)][1] - d[((0, 0), a)][0]  # noqa: E731
+    assert dur(ev, "F0") == pytest.approx(3 * dur(base, "F0")) and dur(ev, "F1") == pytest.approx(dur(base, "F1"))

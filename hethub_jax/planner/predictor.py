@@ -336,6 +336,14 @@ class _Pipeline:
             self.busy.append(reduce(operator.add, map(operator.sub, get(en[lo:hi]), get(st[lo:hi])), 0.0))
         self.pipeline_s = max(en, default=0.0)
 
+    def events(self) -> List[Tuple[Tuple[int, int], Action, float, float]]:
+        """``(key, action, start_s, end_s)`` per action in the order they ran (the Action objects of
+        ``arrays[r].lists``), as ``simulate_processes`` returns them."""
+        keys, key_of, st, en, rb = self.keys, self.key_of, self.start, self.end, self.rbase
+        lists = {r: [a for acts in self.arrays[r].lists for a in acts] for r in rb}
+        return [(keys[key_of[g]], lists[keys[key_of[g]][0]][g - rb[keys[key_of[g]][0]]], st[g], en[g])
+                for g in self.order]
+
     def records(self, ctxs) -> Tuple[ActionRecord, ...]:
         """The timeline: one ActionRecord per action, in the order they ran."""
         keys, key_of, st, en = self.keys, self.key_of, self.start, self.end
@@ -346,10 +354,13 @@ class _Pipeline:
 
 
 def _pipeline(cfg: Any, plan: Any, ctxs: Dict[Tuple[int, int], _StageCtx], bridge: LinkModel, seq_len: int,
-              fused_update_s: float, proc_of, arrays) -> _Pipeline:
+              fused_update_s: float, proc_of, arrays, corun: Optional[Mapping[Any, float]] = None) -> _Pipeline:
     """Times the step's pipelines (``arrays``: per replica its :class:`ScheduleArrays`): with one stage per
     process :func:`_run_replica` per replica, else the process-level simulator
-    (:func:`~hethub_jax.planner.simulator.run_processes`, as ``simulate_processes``)."""
+    (:func:`~hethub_jax.planner.simulator.run_processes`, as ``simulate_processes``). ``corun``: optional
+    factor per ``(key, id(action))`` (actions of ``arrays[r].lists``, as in :meth:`_Pipeline.events`)
+    multiplying that action's seconds; a cost's ``action_overhead_s`` (if it has one) is added to every
+    action."""
     msg_bytes = plan.microbatch_size * seq_len * cfg.hidden_size * analytic.dtype_bytes(cfg.dtype)
     bridge_s = bridge.time_s(msg_bytes)
     keys = list(ctxs)
@@ -361,6 +372,11 @@ def _pipeline(cfg: Any, plan: Any, ctxs: Dict[Tuple[int, int], _StageCtx], bridg
         t, dt = _stage_times(ctx, arrays[r], s, ctx.costs.host_copy_s(msg_bytes), bridge_s,
                              s > 0 and ctxs[(r, s - 1)].spec.island != isl,
                              s < S - 1 and ctxs[(r, s + 1)].spec.island != isl, fused_update_s)
+        if corun:
+            t = [x * corun.get(((r, s), id(a)), 1.0) for x, a in zip(t, arrays[r].lists[s])]
+        over = getattr(ctx.costs, "action_overhead_s", 0.0)
+        if over:  # the runtime's own seconds per action
+            t = [x + over for x in t]
         times.append(t)
         dts.append(dt)
     procs: Dict[Any, List[int]] = {}

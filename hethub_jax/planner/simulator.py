@@ -11,6 +11,15 @@ Timing model of :func:`simulate` (all times in seconds, the step starts at 0):
     ``send_end + comm_time(src_stage, dst_stage, send_action)``;
   * a RECV starts when the stage reaches it and ends at ``max(start, delivery time)``; the wait is
     idle time (it is not "busy").
+
+:func:`simulate_processes` times stages that share a process (the runtime's one driver per island).
+
+``predict`` (``hethub_jax.planner.predictor``) times thousands of actions per plan and many plans per
+search, so the same timings also run on flat integer lists: :func:`schedule_arrays` reduces a
+(schedule, stages, microbatches) to kind codes and message ids once (cached), :func:`run_stages` is
+:func:`simulate`'s walk and :func:`run_processes` :func:`simulate_processes`' process sweep over them, with
+the same float operations in the same order (equal results; ``tests/test_fast_simulator.py`` checks them
+against the straightforward implementations kept in ``tests/sim_reference.py``).
 """
 from __future__ import annotations
 
