@@ -31,10 +31,16 @@ Restoring (:func:`restore_latest`) tries complete steps newest first; a unit who
 or whose arrays do not match their CRC is :class:`CheckpointCorrupt` (naming the unit directory and
 array), and all ranks then fall back together to the next older complete step, with a warning.
 
-Islands of several processes (one ``jax.distributed`` runtime over several ranks) would save each
-unit from all processes of the holding island together (orbax multi-process: every process calls
-save with its shards, ``jax.process_index() == 0`` commits); :func:`check_supported` rejects them
-until the runtime supports that (docs/training.md).
+Islands of several processes (one ``jax.distributed`` runtime over several ranks; an island of
+several processes runs one stage, docs/multiprocess_islands.md): every process of the island saves
+the units of that stage together, passing the stage's global ``jax.Array``s (not host copies) to
+orbax's multi-process save: each process writes the shards it holds (``ocdbt.process_{i}/``, orbax
+splits replicated shards between their replicas), orbax's barriers run inside the island's runtime
+(``jax.process_count()`` is the island's process count; islands of one process need none), and the
+island's process 0 renames the temporary directory when all processes are done and then writes the
+CRC file (from its host copy: every process of such a stage holds every element, TP lies inside a
+process). Restoring is the same on every plan: each process reads the whole units of its stages and
+places them on its meshes (each device gets its own slice, ``multiprocess.place_global``).
 """
 
 from __future__ import annotations
@@ -53,8 +59,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 __all__ = ["CheckpointError", "CheckpointCorrupt", "CheckpointMismatch", "unit_of", "model_units",
-           "step_dir", "complete_steps", "latest_step", "read_meta", "write_meta", "check_supported",
-           "check_compatible", "AsyncSaver", "runtime_units", "restore_latest", "DirLock", "probe_writable"]
+           "step_dir", "complete_steps", "latest_step", "read_meta", "write_meta",
+           "check_compatible", "AsyncSaver", "runtime_units", "runtime_arrays", "restore_latest", "DirLock", "probe_writable"]
 
 FORMAT = 2
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -143,14 +149,6 @@ def read_meta(checkpoint_dir: str | os.PathLike, step: int) -> dict:
         raise CheckpointCorrupt(f"{path}: unreadable ({e})") from None
 
 
-def check_supported(plan: Any) -> None:
-    """Raises ValueError if the plan has an island of several processes (not supported yet)."""
-    multi = [i.name for i in plan.islands if i.num_processes > 1]
-    if multi:
-        raise ValueError(f"train.checkpoint_dir: checkpointing islands of several processes is not "
-                         f"supported yet (islands {multi}); set train.checkpoint_dir: null")
-
-
 #: config fields that must match the checkpoint's for a resume (model shape, and the data order that
 #: the saved data position refers to); anything else (optimizer, plan, eval, ...) may change
 _DATA_FIELDS = ("corpus_path", "tokenizer_path", "seq_len", "validation_fraction", "seed")
@@ -235,12 +233,24 @@ def _owned_units(rt: Any) -> dict[str, tuple]:
 
 
 def runtime_units(rt: Any) -> dict[str, dict]:
-    """Host copies (numpy) of the units this rank writes (see module docstring), by unit name."""
-    import jax
-    host = lambda x: np.asarray(jax.device_get(x))
+    """Host copies (numpy) of the units this rank writes (see module docstring), by unit name.
+    Arrays of a stage spanning processes are read from this process's shards
+    (``multiprocess.host_copy``: each process holds every element of a parameter)."""
+    from hethub_jax.parallel.multiprocess import host_copy
     out = {}
     for u, key in _owned_units(rt).items():
-        out[u] = _stage_units(rt.stages[key], host)[u]
+        out[u] = _stage_units(rt.stages[key], host_copy)[u]
+    return out
+
+
+def runtime_arrays(rt: Any) -> dict[str, dict]:
+    """The units of this rank's stages whose mesh spans several processes, as trees of their global
+    ``jax.Array``s (for orbax's multi-process save, :meth:`AsyncSaver.save` ``arrays``); empty when
+    every stage of this rank lies in this process."""
+    out = {}
+    for u, key in _owned_units(rt).items():
+        if getattr(rt.stages[key], "multiprocess", False):
+            out[u] = _stage_units(rt.stages[key], lambda x: x)[u]
     return out
 
 
@@ -271,7 +281,14 @@ class AsyncSaver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def save(self, step: int, units: Mapping[str, dict], meta: Mapping[str, Any] | None) -> Path:
+    def save(self, step: int, units: Mapping[str, dict], meta: Mapping[str, Any] | None,
+             arrays: Mapping[str, dict] | None = None) -> Path:
+        """Start saving ``units`` (host copies: the CRC files are computed from them) at ``step``.
+
+        ``arrays``: for units of a stage spanning several processes of an island, the trees of global
+        ``jax.Array``s that orbax writes instead of the host copy (every process of the island must
+        call ``save`` with the same units in the same order; orbax synchronises them inside the
+        island's ``jax.distributed`` runtime). Only the island's JAX process 0 writes CRC files."""
         import orbax.checkpoint as ocp
         self.wait()
         d = step_dir(self.root, step).absolute()
@@ -279,7 +296,7 @@ class AsyncSaver:
         pending = []
         for u, tree in units.items():
             ckptr = ocp.StandardCheckpointer()
-            ckptr.save(d / u, tree, force=True)
+            ckptr.save(d / u, (arrays or {}).get(u, tree), force=True)
             pending.append((u, ckptr))
         self._thread = threading.Thread(target=self._finish, args=(step, d, pending, units, meta),
                                         name=f"checkpoint-step-{step}")
@@ -287,11 +304,13 @@ class AsyncSaver:
         return d
 
     def _finish(self, step, d: Path, pending, units, meta) -> None:
+        import jax
         try:
             for u, ckptr in pending:
                 ckptr.wait_until_finished()
                 ckptr.close()
-                _atomic_json(d / f"{u}.crc.json", _crc_table(units[u]))
+                if jax.process_index() == 0:  # the island's first process (islands of one: always)
+                    _atomic_json(d / f"{u}.crc.json", _crc_table(units[u]))
             if meta is not None:
                 write_meta(self.root, step, meta)
                 self._prune(step)
@@ -352,10 +371,14 @@ def _read_unit(d: Path, unit: str, like: dict) -> dict:
 def _load_stage(stage: Any, trees: Mapping[str, dict]) -> None:
     """Places the units' parameters and optimizer state onto ``stage`` (its own shardings)."""
     import jax
+
+    from hethub_jax.parallel.multiprocess import place_global
+    # a mesh spanning processes: each device gets its slice of the (identical) host value
+    put = place_global if getattr(stage, "multiprocess", False) else jax.device_put
     flat = {}
     for t in trees.values():
         flat.update(_flatten(t["params"]))
-    stage.params = jax.device_put(stage.unflat(flat), stage.param_shardings)
+    stage.params = jax.tree.map(lambda x, s: put(np.asarray(x), s), stage.unflat(flat), stage.param_shardings)
     first = next(iter(trees.values()))
     nodes = {}
     for key, node, per_param in _opt_nodes(stage.opt_state, stage.params):
@@ -370,7 +393,7 @@ def _load_stage(stage: Any, trees: Mapping[str, dict]) -> None:
     is_p = _is_param_tree(jax.tree.structure(stage.params))
     new = tu.tree_map_with_path(lambda p, x: nodes[tu.keystr(p, simple=True, separator="_")],
                                 stage.opt_state, is_leaf=is_p)
-    stage.opt_state = jax.tree.map(lambda n, o: jax.device_put(np.asarray(n).astype(o.dtype), o.sharding),
+    stage.opt_state = jax.tree.map(lambda n, o: put(np.asarray(n).astype(o.dtype), o.sharding),
                                    new, stage.opt_state)
 
 
