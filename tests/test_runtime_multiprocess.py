@@ -87,12 +87,3 @@ def test_multiprocess_layouts_the_runtime_cannot_run_are_refused(stages, match):
     with pytest.raises(ValueError, match=match):
         PipelineRuntime(_plan(stages), model_config(False), OPTIM, comm=comms[0], rank=0)
 
-
-def test_checkpoints_of_multiprocess_islands_are_refused_before_training():
-    # train.py calls checkpoint.check_supported(plan) during set-up when train.checkpoint_dir is set
-    # (and train.resume needs checkpoint_dir): the plan-independent format of issue 16 will lift it.
-    from hethub_jax import checkpoint
-    plan = _plan([{"island": "a", "first_layer": 0, "last_layer": 5, "dp": 2},
-                  {"island": "b", "first_layer": 6, "last_layer": 10}])
-    with pytest.raises(ValueError, match=r"checkpoint_dir.*several processes.*\['a'\]"):
-        checkpoint.check_supported(plan)
