@@ -36,11 +36,14 @@ several processes runs one stage, docs/multiprocess_islands.md): every process o
 the units of that stage together, passing the stage's global ``jax.Array``s (not host copies) to
 orbax's multi-process save: each process writes the shards it holds (``ocdbt.process_{i}/``, orbax
 splits replicated shards between their replicas), orbax's barriers run inside the island's runtime
-(``jax.process_count()`` is the island's process count; islands of one process need none), and the
-island's process 0 renames the temporary directory when all processes are done and then writes the
-CRC file (from its host copy: every process of such a stage holds every element, TP lies inside a
-process). Restoring is the same on every plan: each process reads the whole units of its stages and
-places them on its meshes (each device gets its own slice, ``multiprocess.place_global``).
+(``jax.process_count()`` is the island's process count; islands of one process need none) as
+key-value-store barriers among the stage's processes (``active_processes``, not orbax's default
+device collective), and the island's process 0 renames the temporary directory when all processes
+are done and then writes the CRC file (from its host copy: every process of such a stage holds every
+element, TP lies inside a process). Restoring is the same on every plan: each process reads the whole
+units of its stages and places them on its meshes (each device gets its own slice,
+``multiprocess.place_global``). :func:`check_supported` refuses, before training, a stage that runs
+on only some processes of its island (orbax 0.12 cannot save it).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 __all__ = ["CheckpointError", "CheckpointCorrupt", "CheckpointMismatch", "unit_of", "model_units",
-           "step_dir", "complete_steps", "latest_step", "read_meta", "write_meta",
+           "step_dir", "complete_steps", "latest_step", "read_meta", "write_meta", "check_supported",
            "check_compatible", "AsyncSaver", "runtime_units", "runtime_arrays", "restore_latest", "DirLock", "probe_writable"]
 
 FORMAT = 2
@@ -147,6 +150,26 @@ def read_meta(checkpoint_dir: str | os.PathLike, step: int) -> dict:
             return json.load(f)
     except (OSError, ValueError) as e:
         raise CheckpointCorrupt(f"{path}: unreadable ({e})") from None
+
+
+def check_supported(plan: Any) -> None:
+    """Raises ValueError (naming ``train.checkpoint_dir``, the stage and its processes) if a stage on
+    an island of several processes does not run on every process of that island: orbax, in a
+    ``jax.distributed`` runtime of several processes, writes host (numpy) arrays only from the
+    runtime's process 0 and refuses arrays local to one process (orbax-checkpoint 0.12), so such a
+    stage's units could not be saved. A stage spanning all of its island's processes (the layouts the
+    planner writes) passes."""
+    for isl in plan.islands:
+        if isl.num_processes == 1:
+            continue
+        for r, s in plan.island_stages(isl.name):
+            procs = sorted({d // isl.devices_per_process for d in plan.stage_devices(r, s)})
+            if procs != list(range(isl.num_processes)):
+                raise ValueError(
+                    f"train.checkpoint_dir: stage {s} of replica {r} runs on processes {procs} of the "
+                    f"{isl.num_processes} processes of island {isl.name!r}; checkpoints of an island of "
+                    f"several processes need its stage on every process of the island (give it devices "
+                    f"on each, or set train.checkpoint_dir: null)")
 
 
 #: config fields that must match the checkpoint's for a resume (model shape, and the data order that
@@ -254,6 +277,25 @@ def runtime_arrays(rt: Any) -> dict[str, dict]:
     return out
 
 
+def _orbax_options(devices: Any) -> Any:
+    """orbax's multiprocessing options for a unit held on ``devices`` (a stage's mesh devices):
+    barriers among the processes of those devices only, through the island runtime's key-value store
+    (``active_processes``; orbax's default barrier over all processes is a device collective, which
+    would make a new gloo group at a save), the first of them primary (it commits the unit). orbax's
+    defaults in a runtime of one process."""
+    import jax
+    import orbax.checkpoint as ocp
+    if jax.process_count() == 1:
+        return ocp.options.MultiprocessingOptions()
+    procs = {d.process_index for d in devices}
+    return ocp.options.MultiprocessingOptions(primary_host=min(procs), active_processes=procs)
+
+
+def _tree_devices(tree: Any) -> set:
+    import jax
+    return {d for x in jax.tree.leaves(tree) for d in x.sharding.device_set}
+
+
 def _crc_table(tree: Mapping[str, Any]) -> dict[str, list]:
     return {k: [zlib.crc32(np.ascontiguousarray(x).tobytes()), list(np.shape(x)), str(np.asarray(x).dtype)]
             for k, x in _flatten(tree).items()}
@@ -288,16 +330,19 @@ class AsyncSaver:
         ``arrays``: for units of a stage spanning several processes of an island, the trees of global
         ``jax.Array``s that orbax writes instead of the host copy (every process of the island must
         call ``save`` with the same units in the same order; orbax synchronises them inside the
-        island's ``jax.distributed`` runtime). Only the island's JAX process 0 writes CRC files."""
+        island's ``jax.distributed`` runtime). Only the unit's committing process (the first process
+        of its stage, orbax's primary host) writes its CRC file."""
         import orbax.checkpoint as ocp
         self.wait()
         d = step_dir(self.root, step).absolute()
         d.mkdir(parents=True, exist_ok=True)
         pending = []
         for u, tree in units.items():
-            ckptr = ocp.StandardCheckpointer()
-            ckptr.save(d / u, (arrays or {}).get(u, tree), force=True)
-            pending.append((u, ckptr))
+            glob = (arrays or {}).get(u)
+            opts = _orbax_options(_tree_devices(glob)) if glob is not None else ocp.options.MultiprocessingOptions()
+            ckptr = ocp.StandardCheckpointer(multiprocessing_options=opts)
+            ckptr.save(d / u, tree if glob is None else glob, force=True)
+            pending.append((u, ckptr, opts.primary_host))
         self._thread = threading.Thread(target=self._finish, args=(step, d, pending, units, meta),
                                         name=f"checkpoint-step-{step}")
         self._thread.start()
@@ -306,10 +351,10 @@ class AsyncSaver:
     def _finish(self, step, d: Path, pending, units, meta) -> None:
         import jax
         try:
-            for u, ckptr in pending:
+            for u, ckptr, primary in pending:
                 ckptr.wait_until_finished()
                 ckptr.close()
-                if jax.process_index() == 0:  # the island's first process (islands of one: always)
+                if jax.process_index() == primary:  # the unit's committing process (one process: 0)
                     _atomic_json(d / f"{u}.crc.json", _crc_table(units[u]))
             if meta is not None:
                 write_meta(self.root, step, meta)
@@ -341,8 +386,9 @@ class AsyncSaver:
 # ---------------------------------------------------------------------------------------------------
 # restoring
 
-def _read_unit(d: Path, unit: str, like: dict) -> dict:
-    """One unit of a step, checked against its CRC table. Raises CheckpointCorrupt."""
+def _read_unit(d: Path, unit: str, like: dict, options: Any = None) -> dict:
+    """One unit of a step, checked against its CRC table (``options``: orbax's multiprocessing
+    options, see ``_orbax_options``). Raises CheckpointCorrupt."""
     import jax
     import orbax.checkpoint as ocp
     path = (d / unit).absolute()
@@ -350,7 +396,7 @@ def _read_unit(d: Path, unit: str, like: dict) -> dict:
         with open(d / f"{unit}.crc.json") as f:
             crc = json.load(f)
         target = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), like)
-        ckptr = ocp.StandardCheckpointer()
+        ckptr = ocp.StandardCheckpointer(multiprocessing_options=options or ocp.options.MultiprocessingOptions())
         try:
             tree = ckptr.restore(path, target)
         finally:
@@ -407,7 +453,7 @@ def _read_step(rt: Any, root: Path, step: int) -> dict[tuple, dict]:
         like = _stage_units(stage, lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype))
         for u in like:
             if u not in cache:
-                cache[u] = _read_unit(d, u, like[u])
+                cache[u] = _read_unit(d, u, like[u], _orbax_options(stage.mesh.devices.flat))
         out[key] = {u: cache[u] for u in like}
     return out
 

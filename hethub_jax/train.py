@@ -394,14 +394,17 @@ def _start_processes(cfg, args: argparse.Namespace):
 
 
 def _load_plan_and_data(cfg):
-    """``(plan, notes, train_ds, val_ds)``: the plan (``_resolve_plan``) and the datasets, checked
-    against the model's vocabulary and the global batch."""
+    """``(plan, notes, train_ds, val_ds)``: the plan (``_resolve_plan``; checked for checkpointing if
+    checkpoints are on) and the datasets, checked against the model's vocabulary and the global batch."""
     import jax
 
+    from hethub_jax import checkpoint as ckpt
     from hethub_jax.data import build_datasets
 
     try:
         plan, notes = _resolve_plan(cfg, jax.default_backend())
+        if cfg.train.checkpoint_dir is not None:
+            ckpt.check_supported(plan)
     except (ValueError, OSError) as e:
         raise _ConfigError(str(e)) from None
     try:
