@@ -63,7 +63,8 @@ import numpy as np
 
 __all__ = ["CheckpointError", "CheckpointCorrupt", "CheckpointMismatch", "unit_of", "model_units",
            "step_dir", "complete_steps", "latest_step", "read_meta", "write_meta", "check_supported",
-           "check_compatible", "AsyncSaver", "runtime_units", "runtime_arrays", "restore_latest", "DirLock", "probe_writable"]
+           "check_compatible", "AsyncSaver", "runtime_units", "runtime_arrays", "restore_latest", "DirLock",
+           "probe_writable"]
 
 FORMAT = 2
 _STEP_RE = re.compile(r"^step_(\d+)$")
