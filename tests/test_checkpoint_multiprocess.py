@@ -9,7 +9,9 @@ multi-process save). Its uninterrupted run (4 steps, a checkpoint every 2) is th
 - resume from it on one process per island (1+1, in this process) and on a single device: equal
   within float32 tolerance;
 - a checkpoint written by the 1+1 plan resumes on the 4-rank plan: equal to the 1+1 run's losses
-  within float32 tolerance.
+  within float32 tolerance;
+- a process of a 2-process island SIGKILLed in the middle of a save (``tests/mpi/checkpoint_crash.py``)
+  leaves that step incomplete and the previous one loadable, bitwise.
 
 Same tiny model and config as ``tests/test_checkpoint_resume.py``. The 4-rank runs go through
 ``mpiexec -n 4 python -m hethub_jax.train`` (each 1-2 minutes on 2 cores, up to 9 minutes under a load
@@ -124,3 +126,29 @@ def test_checkpoint_of_one_process_per_island_resumes_on_4_ranks(tmp_path):
     assert sorted(got) == [3, 4]
     for s in (3, 4):
         np.testing.assert_allclose(got[s], want[s], rtol=2e-5)
+
+
+def test_process_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
+    """tests/mpi/checkpoint_crash.py: a 2-process island saves step 1, then one of its processes is
+    SIGKILLed while step 2 is being written; step 1 must be the newest complete step and load
+    bitwise (parameters dumped by the job after saving step 1) into a single-device runtime."""
+    from test_comm_contract import HERE
+    from test_runtime_equivalence import LAYERS as N, OPTIM, model_config
+
+    from hethub_jax.parallel.plan import Plan
+    from hethub_jax.parallel.runtime import PipelineRuntime
+
+    res = run_mpi([str(HERE / "mpi" / "checkpoint_crash.py"), str(tmp_path)], n=2, timeout=600)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and "UNEXPECTED" not in out, out[-3000:]
+    assert (tmp_path / "step_2").is_dir(), "step 2 was never started"
+    assert ckpt.complete_steps(tmp_path, N) == [1], sorted(p.name for p in (tmp_path / "step_2").iterdir())
+    plan = Plan.from_dict({"islands": [{"name": "main", "platform": "cpu"}],
+                           "stages": [{"island": "main", "first_layer": 0, "last_layer": N - 1}],
+                           "global_batch_size": 8, "microbatch_size": 2})
+    rt = PipelineRuntime(plan, model_config(False), OPTIM, seed=1)
+    step, _ = ckpt.restore_latest(rt, tmp_path, {"model": {}, "data": {}}, 8)
+    ref = np.load(tmp_path / "step1_params.npz")
+    assert step == 1 and sorted(ref.files) == sorted(rt.params())
+    for n, v in rt.params().items():
+        np.testing.assert_array_equal(v, ref[n], err_msg=n)
