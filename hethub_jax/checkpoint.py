@@ -31,10 +31,19 @@ Restoring (:func:`restore_latest`) tries complete steps newest first; a unit who
 or whose arrays do not match their CRC is :class:`CheckpointCorrupt` (naming the unit directory and
 array), and all ranks then fall back together to the next older complete step, with a warning.
 
-Islands of several processes (one ``jax.distributed`` runtime over several ranks) would save each
-unit from all processes of the holding island together (orbax multi-process: every process calls
-save with its shards, ``jax.process_index() == 0`` commits); :func:`check_supported` rejects them
-until the runtime supports that (docs/training.md).
+Islands of several processes (one ``jax.distributed`` runtime over several ranks; an island of
+several processes runs one stage, docs/multiprocess_islands.md): every process of the island saves
+the units of that stage together, passing the stage's global ``jax.Array``s (not host copies) to
+orbax's multi-process save: each process writes the shards it holds (``ocdbt.process_{i}/``, orbax
+splits replicated shards between their replicas), orbax's barriers run inside the island's runtime
+(``jax.process_count()`` is the island's process count; islands of one process need none) as
+key-value-store barriers among the stage's processes (``active_processes``, not orbax's default
+device collective), and the island's process 0 renames the temporary directory when all processes
+are done and then writes the CRC file (from its host copy: every process of such a stage holds every
+element, TP lies inside a process). Restoring is the same on every plan: each process reads the whole
+units of its stages and places them on its meshes (each device gets its own slice,
+``multiprocess.place_global``). :func:`check_supported` refuses, before training, a stage that runs
+on only some processes of its island (orbax 0.12 cannot save it).
 """
 
 from __future__ import annotations
@@ -54,7 +63,8 @@ import numpy as np
 
 __all__ = ["CheckpointError", "CheckpointCorrupt", "CheckpointMismatch", "unit_of", "model_units",
            "step_dir", "complete_steps", "latest_step", "read_meta", "write_meta", "check_supported",
-           "check_compatible", "AsyncSaver", "runtime_units", "restore_latest", "DirLock", "probe_writable"]
+           "check_compatible", "AsyncSaver", "runtime_units", "runtime_arrays", "restore_latest", "DirLock",
+           "probe_writable"]
 
 FORMAT = 2
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -144,11 +154,23 @@ def read_meta(checkpoint_dir: str | os.PathLike, step: int) -> dict:
 
 
 def check_supported(plan: Any) -> None:
-    """Raises ValueError if the plan has an island of several processes (not supported yet)."""
-    multi = [i.name for i in plan.islands if i.num_processes > 1]
-    if multi:
-        raise ValueError(f"train.checkpoint_dir: checkpointing islands of several processes is not "
-                         f"supported yet (islands {multi}); set train.checkpoint_dir: null")
+    """Raises ValueError (naming ``train.checkpoint_dir``, the stage and its processes) if a stage on
+    an island of several processes does not run on every process of that island: orbax, in a
+    ``jax.distributed`` runtime of several processes, writes host (numpy) arrays only from the
+    runtime's process 0 and refuses arrays local to one process (orbax-checkpoint 0.12), so such a
+    stage's units could not be saved. A stage spanning all of its island's processes (the layouts the
+    planner writes) passes."""
+    for isl in plan.islands:
+        if isl.num_processes == 1:
+            continue
+        for r, s in plan.island_stages(isl.name):
+            procs = sorted({d // isl.devices_per_process for d in plan.stage_devices(r, s)})
+            if procs != list(range(isl.num_processes)):
+                raise ValueError(
+                    f"train.checkpoint_dir: stage {s} of replica {r} runs on processes {procs} of the "
+                    f"{isl.num_processes} processes of island {isl.name!r}; checkpoints of an island of "
+                    f"several processes need its stage on every process of the island (give it devices "
+                    f"on each, or set train.checkpoint_dir: null)")
 
 
 #: config fields that must match the checkpoint's for a resume (model shape, and the data order that
@@ -235,13 +257,44 @@ def _owned_units(rt: Any) -> dict[str, tuple]:
 
 
 def runtime_units(rt: Any) -> dict[str, dict]:
-    """Host copies (numpy) of the units this rank writes (see module docstring), by unit name."""
-    import jax
-    host = lambda x: np.asarray(jax.device_get(x))
+    """Host copies (numpy) of the units this rank writes (see module docstring), by unit name.
+    Arrays of a stage spanning processes are read from this process's shards
+    (``multiprocess.host_copy``: each process holds every element of a parameter)."""
+    from hethub_jax.parallel.multiprocess import host_copy
     out = {}
     for u, key in _owned_units(rt).items():
-        out[u] = _stage_units(rt.stages[key], host)[u]
+        out[u] = _stage_units(rt.stages[key], host_copy)[u]
     return out
+
+
+def runtime_arrays(rt: Any) -> dict[str, dict]:
+    """The units of this rank's stages whose mesh spans several processes, as trees of their global
+    ``jax.Array``s (for orbax's multi-process save, :meth:`AsyncSaver.save` ``arrays``); empty when
+    every stage of this rank lies in this process."""
+    out = {}
+    for u, key in _owned_units(rt).items():
+        if getattr(rt.stages[key], "multiprocess", False):
+            out[u] = _stage_units(rt.stages[key], lambda x: x)[u]
+    return out
+
+
+def _orbax_options(devices: Any) -> Any:
+    """orbax's multiprocessing options for a unit held on ``devices`` (a stage's mesh devices):
+    barriers among the processes of those devices only, through the island runtime's key-value store
+    (``active_processes``; orbax's default barrier over all processes is a device collective, which
+    would make a new gloo group at a save), the first of them primary (it commits the unit). orbax's
+    defaults in a runtime of one process."""
+    import jax
+    import orbax.checkpoint as ocp
+    if jax.process_count() == 1:
+        return ocp.options.MultiprocessingOptions()
+    procs = {d.process_index for d in devices}
+    return ocp.options.MultiprocessingOptions(primary_host=min(procs), active_processes=procs)
+
+
+def _tree_devices(tree: Any) -> set:
+    import jax
+    return {d for x in jax.tree.leaves(tree) for d in x.sharding.device_set}
 
 
 def _crc_table(tree: Mapping[str, Any]) -> dict[str, list]:
@@ -271,27 +324,39 @@ class AsyncSaver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def save(self, step: int, units: Mapping[str, dict], meta: Mapping[str, Any] | None) -> Path:
+    def save(self, step: int, units: Mapping[str, dict], meta: Mapping[str, Any] | None,
+             arrays: Mapping[str, dict] | None = None) -> Path:
+        """Start saving ``units`` (host copies: the CRC files are computed from them) at ``step``.
+
+        ``arrays``: for units of a stage spanning several processes of an island, the trees of global
+        ``jax.Array``s that orbax writes instead of the host copy (every process of the island must
+        call ``save`` with the same units in the same order; orbax synchronises them inside the
+        island's ``jax.distributed`` runtime). Only the unit's committing process (the first process
+        of its stage, orbax's primary host) writes its CRC file."""
         import orbax.checkpoint as ocp
         self.wait()
         d = step_dir(self.root, step).absolute()
         d.mkdir(parents=True, exist_ok=True)
         pending = []
         for u, tree in units.items():
-            ckptr = ocp.StandardCheckpointer()
-            ckptr.save(d / u, tree, force=True)
-            pending.append((u, ckptr))
+            glob = (arrays or {}).get(u)
+            opts = _orbax_options(_tree_devices(glob)) if glob is not None else ocp.options.MultiprocessingOptions()
+            ckptr = ocp.StandardCheckpointer(multiprocessing_options=opts)
+            ckptr.save(d / u, tree if glob is None else glob, force=True)
+            pending.append((u, ckptr, opts.primary_host))
         self._thread = threading.Thread(target=self._finish, args=(step, d, pending, units, meta),
                                         name=f"checkpoint-step-{step}")
         self._thread.start()
         return d
 
     def _finish(self, step, d: Path, pending, units, meta) -> None:
+        import jax
         try:
-            for u, ckptr in pending:
+            for u, ckptr, primary in pending:
                 ckptr.wait_until_finished()
                 ckptr.close()
-                _atomic_json(d / f"{u}.crc.json", _crc_table(units[u]))
+                if jax.process_index() == primary:  # the unit's committing process (one process: 0)
+                    _atomic_json(d / f"{u}.crc.json", _crc_table(units[u]))
             if meta is not None:
                 write_meta(self.root, step, meta)
                 self._prune(step)
@@ -322,8 +387,9 @@ class AsyncSaver:
 # ---------------------------------------------------------------------------------------------------
 # restoring
 
-def _read_unit(d: Path, unit: str, like: dict) -> dict:
-    """One unit of a step, checked against its CRC table. Raises CheckpointCorrupt."""
+def _read_unit(d: Path, unit: str, like: dict, options: Any = None) -> dict:
+    """One unit of a step, checked against its CRC table (``options``: orbax's multiprocessing
+    options, see ``_orbax_options``). Raises CheckpointCorrupt."""
     import jax
     import orbax.checkpoint as ocp
     path = (d / unit).absolute()
@@ -331,7 +397,7 @@ def _read_unit(d: Path, unit: str, like: dict) -> dict:
         with open(d / f"{unit}.crc.json") as f:
             crc = json.load(f)
         target = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), like)
-        ckptr = ocp.StandardCheckpointer()
+        ckptr = ocp.StandardCheckpointer(multiprocessing_options=options or ocp.options.MultiprocessingOptions())
         try:
             tree = ckptr.restore(path, target)
         finally:
@@ -352,10 +418,14 @@ def _read_unit(d: Path, unit: str, like: dict) -> dict:
 def _load_stage(stage: Any, trees: Mapping[str, dict]) -> None:
     """Places the units' parameters and optimizer state onto ``stage`` (its own shardings)."""
     import jax
+
+    from hethub_jax.parallel.multiprocess import place_global
+    # a mesh spanning processes: each device gets its slice of the (identical) host value
+    put = place_global if getattr(stage, "multiprocess", False) else jax.device_put
     flat = {}
     for t in trees.values():
         flat.update(_flatten(t["params"]))
-    stage.params = jax.device_put(stage.unflat(flat), stage.param_shardings)
+    stage.params = jax.tree.map(lambda x, s: put(np.asarray(x), s), stage.unflat(flat), stage.param_shardings)
     first = next(iter(trees.values()))
     nodes = {}
     for key, node, per_param in _opt_nodes(stage.opt_state, stage.params):
@@ -370,7 +440,7 @@ def _load_stage(stage: Any, trees: Mapping[str, dict]) -> None:
     is_p = _is_param_tree(jax.tree.structure(stage.params))
     new = tu.tree_map_with_path(lambda p, x: nodes[tu.keystr(p, simple=True, separator="_")],
                                 stage.opt_state, is_leaf=is_p)
-    stage.opt_state = jax.tree.map(lambda n, o: jax.device_put(np.asarray(n).astype(o.dtype), o.sharding),
+    stage.opt_state = jax.tree.map(lambda n, o: put(np.asarray(n).astype(o.dtype), o.sharding),
                                    new, stage.opt_state)
 
 
@@ -384,7 +454,7 @@ def _read_step(rt: Any, root: Path, step: int) -> dict[tuple, dict]:
         like = _stage_units(stage, lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype))
         for u in like:
             if u not in cache:
-                cache[u] = _read_unit(d, u, like[u])
+                cache[u] = _read_unit(d, u, like[u], _orbax_options(stage.mesh.devices.flat))
         out[key] = {u: cache[u] for u in like}
     return out
 

@@ -666,7 +666,7 @@ def _save_checkpoint(run: _Run, step: int):
                 "random_state": {"train.seed": t.seed, "data.seed": run.cfg.data.seed,
                                  "note": "no other random state: no dropout; the data order is a "
                                          "function of data.seed and the step"}}
-    return run.saver.save(step, ckpt.runtime_units(run.rt), meta)
+    return run.saver.save(step, ckpt.runtime_units(run.rt), meta, arrays=ckpt.runtime_arrays(run.rt))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -180,7 +180,9 @@ class PipelineRuntime:
         if len(plan.island_stages(isl.name)) > 1:
             raise ValueError(f"island {isl.name!r} has {isl.num_processes} processes and runs stages "
                              f"{plan.island_stages(isl.name)}: an island of several processes runs one "
-                             f"stage of the plan (give each multi-process island one stage)")
+                             f"stage of the plan, as its processes could order several stages' collectives "
+                             f"differently (give each multi-process island one stage; put the others on "
+                             f"islands of their own, docs/multiprocess_islands.md)")
         procs = exchange.row_processes(plan.stage_devices(*k), spec.dp, spec.tp, isl.devices_per_process)
         rows = exchange.process_rows(mbs, procs)
         return tuple(start + p for p in sorted(rows)), {start + p: r for p, r in rows.items()}
