@@ -126,7 +126,7 @@ def run_profile(args) -> str:
     path = args.profile or os.path.join(tempfile.mkdtemp(prefix="hethub-profile-"), "cpu.json")
     if not (args.profile and os.path.exists(args.profile)):
         profile.main(["--out", path, "--seq-len", str(args.seq), "--tp", args.profile_tp,
-                      "--microbatch-sizes", args.profile_mbs, "--repeats", str(args.repeats),
+                      "--microbatch-sizes", args.profile_mbs, "--dp", args.profile_dp, "--repeats", str(args.repeats),
                       "--statistic", args.statistic])
     return path
 
@@ -140,6 +140,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7, help="profiler repeats per figure")
     ap.add_argument("--profile-tp", default="1,2", help="TP degrees to profile")
     ap.add_argument("--profile-mbs", default="1,2,4", help="microbatch sizes to profile")
+    ap.add_argument("--profile-dp", default="1,2", help="DP degrees to profile ((dp, 1) stage meshes)")
     ap.add_argument("--profile", default=None, help="existing profile JSON to use (else one is made)")
     ap.add_argument("--only", default=None, help="comma-separated configuration names")
     ap.add_argument("--quick", action="store_true", help="3 configurations (a validation run)")
@@ -154,7 +155,8 @@ def main() -> None:
     cfg = get_preset("tiny")
     load_before, t_start = loadavg(), time.time()
     prof_path = run_profile(args)
-    costs = DeviceCosts.from_profile(prof_path)
+    # the islands are threads of this process: they share its cores (the profile's measured co-run factor)
+    costs = DeviceCosts.from_profile(prof_path).on_shared_host("this process")
     base = DeviceCosts.from_catalog("cpu")
     # in one process the "bridge" is LocalCommunicator's host copy: the profile's host-copy line
     bridge = costs.host_link or LinkModel(0.0, 1e12)
