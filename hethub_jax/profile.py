@@ -46,7 +46,8 @@ STAGE_KINDS = ("first", "mid1", "mid2", "last")
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m hethub_jax.profile", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="tiny", help="model preset (hethub_jax.models.config.PRESETS)")
+    p.add_argument("--model", default="tiny", help="model preset (hethub_jax.models.config.PRESETS) or a JSON file "
+                                                   "of LlamaConfig fields")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sample")
     p.add_argument("--microbatch-sizes", default="1,2,4", help="comma-separated samples per microbatch")
     p.add_argument("--tp", default="1", help="comma-separated TP degrees (fake CPU devices are added as needed)")
@@ -62,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="statistic over the timed calls of each figure (min: for a machine shared with other jobs)")
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-bridge", action="store_true",
+                   help="do not measure the MPI bridge (every rank under mpiexec profiles its own island)")
     return p
 
 
@@ -247,12 +250,14 @@ def measure_shared_sum(cfg: Any, devices: Sequence[Any], repeats: int) -> List[d
     island: two pipeline stages sharing the tied embedding (tied models only) and two data-parallel
     replicas of the whole model (every parameter shared). Recorded with the float32 bytes and the
     number of tensors summed over the holders (the cost has a per-tensor part: one copy each way and
-    one placement per tensor)."""
+    one placement per tensor). Empty with fewer than 2 devices."""
     import jax
 
     from hethub_jax.optim import OptimConfig
     from hethub_jax.parallel.plan import Plan
     from hethub_jax.parallel.runtime import PipelineRuntime
+    if len(devices) < 2:
+        return []
     n, half = cfg.num_hidden_layers, cfg.num_hidden_layers // 2
     isl = [{"name": "p", "platform": devices[0].platform, "devices_per_process": 2}]
     plans = [{"islands": isl, "global_batch_size": 2, "microbatch_size": 1,
@@ -391,6 +396,49 @@ def measure_corun(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int) 
              "busy_s": float(np.median(times[(n, 1)]))} for n in calls]
 
 
+def measure_runtime_overhead(cfg: Any, devices: Sequence[Any], repeats: int) -> List[dict]:
+    """Seconds of the runtime's own work per action -- Python dispatch and bookkeeping between and
+    around the compute calls, the step's start, same-island messages -- measured on the runtime
+    itself (``PipelineRuntime.train_step``): one island of this process, two stages (the layers
+    split in half), GPipe, 4 microbatches, so that no action waits on another process. Per step (after
+    a compiling one): the seconds from the step's start to its last action's end minus the summed
+    durations of its F and B records, with the number of actions. Empty with fewer than 2 devices."""
+    from hethub_jax.optim import OptimConfig
+    from hethub_jax.parallel.plan import Plan
+    from hethub_jax.parallel.runtime import PipelineRuntime
+    if len(devices) < 2:
+        return []
+    n, half = cfg.num_hidden_layers, cfg.num_hidden_layers // 2
+    plan = Plan.from_dict({"islands": [{"name": "p", "platform": devices[0].platform, "devices_per_process": 2}],
+                           "global_batch_size": 4, "microbatch_size": 1, "schedule": "gpipe", "stages": [
+                               {"island": "p", "first_layer": 0, "last_layer": half - 1},
+                               {"island": "p", "first_layer": half, "last_layer": n - 1}]})
+    rt = PipelineRuntime(plan, cfg, OptimConfig(), devices=list(devices[:2]))
+    rng, seq = np.random.default_rng(0), 16
+    batch = {"tokens": rng.integers(0, cfg.vocab_size, (4, seq), dtype=np.int32),
+             "targets": rng.integers(0, cfg.vocab_size, (4, seq), dtype=np.int32),
+             "loss_mask": np.ones((4, seq), np.float32)}
+    out = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        recs = rt.train_step(batch).records
+        busy = sum(r.end_s - r.start_s for r in recs if r.action[:1] in ("F", "B"))
+        if i:
+            out.append({"kind": "runtime_overhead", "actions": len(recs),
+                        "seconds": max(r.end_s for r in recs) - t0 - busy})
+    return out
+
+
+def fit_runtime_overhead(samples: List[dict]) -> Optional[Dict[str, Any]]:
+    """``{"per_action_s"}``: the statistic (:data:`STATISTIC`) over steps of overhead seconds / actions;
+    None without samples."""
+    if not samples:
+        return None
+    per = [s["seconds"] / s["actions"] for s in samples if s["actions"]]
+    return {"per_action_s": float(np.min(per) if STATISTIC["name"] == "min" else np.median(per)),
+            "plan": "one island, 2 stages, GPipe, 4 microbatches, one process"}
+
+
 def _update_once(st: Any) -> None:
     """One blocking optimizer update of stage ``st`` with a zero gradient (the update's cost)."""
     import jax
@@ -462,7 +510,8 @@ def build_profile(cfg: Any, args: Any, samples: List[dict], updates: List[dict],
                  "compute_dp": {f"{dp}x1": fit_compute(cfg, samples, args.seq_len, dp)["1"] for dp in dps},
                  "update": line([u for u in updates if u.get("dp", 1) == 1], "params"),
                  "update_dp": {str(dp): line([u for u in updates if u.get("dp", 1) == dp], "params") for dp in dps},
-                 "corun": fit_corun(list(corun)),
+                 "corun": fit_corun([c for c in corun if c["kind"] == "corun"]),
+                 "runtime": fit_runtime_overhead([c for c in corun if c["kind"] == "runtime_overhead"]),
                  "host_copy": line([c for c in copies if c["kind"] == "host_copy"], "bytes"),
                  "shared_sum": fit_shared_sum([c for c in copies if c["kind"] == "shared_sum"]),
                  "allreduce": line(ar, "ring_bytes"),
@@ -494,9 +543,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                                    f" --xla_force_host_platform_device_count={max(tps + dps + [2])}").strip()
     import jax
 
-    from hethub_jax.models.config import get_preset
-    cfg = get_preset(args.model)
-    bridge = measure_bridge([1024, 64 * 1024, 1024 * 1024], args.repeats)
+    cfg = _model(args.model)
+    bridge = None if args.no_bridge else measure_bridge([1024, 64 * 1024, 1024 * 1024], args.repeats)
     if bridge is not None and bridge and _mpi_rank() != 0:
         return {}
     devices = jax.devices()
@@ -508,6 +556,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                                        not args.no_progress, dps)
     corun = (measure_corun(cfg, devices, args.seq_len, args.repeats)
              if args.corun == "on" or (args.corun == "auto" and platform_name == "cpu") else [])
+    corun += measure_runtime_overhead(cfg, devices, args.repeats)
     act = args.seq_len * cfg.hidden_size * analytic.dtype_bytes(cfg.dtype)
     sizes = sorted({act * m for m in mbs_list} | {1 << 20, 8 << 20})
     copies = measure_host_copy(devices[0], sizes, args.repeats)
@@ -520,6 +569,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     print(f"profile of {prof['device_type']} ({len(prof['samples'])} samples, {time.perf_counter() - t0:.0f} s) "
           f"written to {args.out}" + (f"; EMULATED slowdown {args.slowdown:g}" if args.slowdown != 1 else ""))
     return prof
+
+
+def _model(name: str) -> Any:
+    """A preset name or a JSON file of ``LlamaConfig`` fields."""
+    from hethub_jax.models.config import LlamaConfig, get_preset
+    if name.endswith(".json"):
+        with open(name) as f:
+            return LlamaConfig(**json.load(f))
+    return get_preset(name)
 
 
 def _mpi_rank() -> int:

@@ -331,3 +331,84 @@ def test_in_flight_microbatches_follow_the_schedule(schedule):
         want = stage_memory_bytes(Cfg, spec.first_layer, spec.last_layer, spec.is_first, spec.is_last,
                                   microbatch_size=1, seq_len=8, dp=1, tp=1, in_flight=n, recompute="none")
         assert st.memory.activations == pytest.approx(want.activations)
+
+
+# ---- islands sharing a host's cores, DP meshes, the runtime's own overhead (issue 13 accuracy) -----
+
+def _two_replicas(m):
+    """Two data-parallel replicas of one stage each, one per island (both compute all the time)."""
+    st = lambda isl: {"stages": [{"island": isl, "first_layer": 0, "last_layer": 7}]}
+    return Plan.from_dict({"islands": [{"name": "a", "platform": "cpu"}, {"name": "b", "platform": "cpu"}],
+                           "replicas": [st("a"), st("b")], "global_batch_size": 2 * m, "microbatch_size": 1})
+
+
+@pytest.mark.parametrize("f", [1.5, 2.0, 3.0])
+def test_islands_sharing_a_host_slow_their_overlapping_compute_by_the_corun_factor(f):
+    """Two replicas on two islands of one host compute at the same time from start to end: every
+    action overlaps the other island's compute, so the pipeline takes exactly f x as long as on
+    hardware of their own, and their equal sums + updates (also concurrent) f x as long."""
+    prof = fixed_profile(0.01, 0.02, update=0.005)
+    prof["fits"]["corun"] = {"factor": f}
+    own = DeviceCosts.from_profile(prof)
+    assert own.corun_factor == f and own.host is None
+    shared = own.on_shared_host("h")
+    plan = _two_replicas(3)
+    alone = predict(Cfg, plan, {"a": own, "b": own}, seq_len=8)
+    both = predict(Cfg, plan, {"a": shared, "b": shared}, seq_len=8)
+    assert both.pipeline_s == pytest.approx(f * alone.pipeline_s)
+    assert both.update_s == pytest.approx(f * alone.update_s)
+    # one island alone on the host (the other on its own hardware): nothing to share
+    mixed = predict(Cfg, plan, {"a": shared, "b": own}, seq_len=8)
+    assert mixed.step_time_s == pytest.approx(alone.step_time_s)
+
+
+def test_shared_makespan_by_hand():
+    from hethub_jax.planner.predictor import _shared_makespan
+    # 1 s and 3 s jobs at factor 2: both run 2 s (the short one ends), then 2 s of the long one alone
+    assert _shared_makespan([1.0, 3.0], 2.0) == pytest.approx(4.0)
+    assert _shared_makespan([2.0], 5.0) == pytest.approx(2.0)
+    assert _shared_makespan([1.0, 1.0, 1.0], 1.0) == pytest.approx(1.0)
+
+
+def test_runtime_overhead_adds_to_every_action_of_a_serial_island():
+    """One island running both stages (one process: every action back to back): the measured
+    per-action overhead x the number of actions is added to the pipeline."""
+    t_f, t_b, m, x = 0.01, 0.02, 4, 0.001
+    plan = chain_plan(2, m, "1f1b", islands=["a", "a"])
+    plan = Plan.from_dict(dict(plan.to_dict(), islands=[{"name": "a", "platform": "cpu", "devices_per_process": 2}]))
+    prof = fixed_profile(t_f, t_b)
+    base = predict(Cfg, plan, {"a": DeviceCosts.from_profile(prof)}, seq_len=8)
+    prof["fits"]["runtime"] = {"per_action_s": x}
+    more = predict(Cfg, plan, {"a": DeviceCosts.from_profile(prof)}, seq_len=8)
+    n_actions = sum(len(acts) for acts in plan.actions(0))
+    assert more.pipeline_s == pytest.approx(base.pipeline_s + n_actions * x)
+
+
+def test_profiled_dp_meshes_are_used_for_dp_stages(tmp_path):
+    """A (2, 1) mesh fitted from samples of known lines is what a dp 2 stage costs (x = FLOPs per DP
+    rank); dp 1 stages keep the TP fits; an unprofiled DP degree falls back to them."""
+    from hethub_jax.profile import fit_compute
+    seq, layer = 16, (0.001, 2e-9)
+    samples = []
+    for dp, scale in ((1, 1.0), (2, 1.8)):
+        for n, mbs, phase in itertools.product([1, 2], [1, 4], ["F", "F_nosave", "B", "B_recompute"]):
+            t = scale * n * (layer[0] + layer[1] * analytic.layer_flops(Cfg, mbs * seq, seq))
+            samples.append({"kind": "stage", "dp": dp, "tp": 1, "phase": phase, "tokens": mbs * seq, "layers": n,
+                            "is_first": False, "is_last": False, "seconds": t})
+    prof = fixed_profile(0.0, 0.0)
+    prof["fits"]["compute"] = fit_compute(Cfg, samples, seq)
+    prof["fits"]["compute_dp"] = {"2x1": fit_compute(Cfg, samples, seq, dp=2)["1"]}
+    prof["fits"]["update_dp"] = {"2": {"c0": 0.5, "c1": 0.0}}
+    c = DeviceCosts.from_profile(prof)
+    want = lambda scale: scale * (layer[0] + layer[1] * analytic.layer_flops(Cfg, 2 * seq, seq))
+    assert c.layer_time_s(Cfg, 2 * seq, seq, 1, "B") == pytest.approx(want(1.0), rel=1e-6)
+    assert c.layer_time_s(Cfg, 2 * seq, seq, 1, "B", dp=2) == pytest.approx(want(1.8), rel=1e-6)
+    assert c.layer_time_s(Cfg, 2 * seq, seq, 1, "B", dp=4) == pytest.approx(want(1.0), rel=1e-6)
+    assert c.update_time_s(1000, dp=2) == 0.5 and c.update_time_s(1000) == 0.0
+
+
+def test_fit_corun_is_the_time_weighted_ratio():
+    from hethub_jax.profile import fit_corun
+    fit = fit_corun([{"call": "x", "alone_s": 1.0, "busy_s": 2.0}, {"call": "y", "alone_s": 3.0, "busy_s": 3.0}])
+    assert fit["factor"] == pytest.approx(5.0 / 4.0) and fit["ratios"] == {"x": 2.0, "y": 1.0}
+    assert fit_corun([]) is None

@@ -105,6 +105,9 @@ class DeviceCosts:
         FLOPs / tokens per DP rank): on CPU the fake devices of a mesh share the same cores, so a DP
         mesh is measured, not derived from one device with fewer tokens.
       update_dp_fits: per DP degree > 1 that was profiled, the update fit on such a mesh.
+      action_overhead_s: the runtime's own seconds per action (Python dispatch and bookkeeping
+        around the compute calls), MEASURED on ``PipelineRuntime`` by the profiler (``fits.runtime``);
+        0 for the catalog (an assumption: negligible against a large model's compute).
     """
 
     name: str
@@ -124,6 +127,7 @@ class DeviceCosts:
     host: Optional[str] = None
     dp_fits: Dict[Tuple[int, int], Dict[str, Dict[str, _Linear]]] = field(default_factory=dict)
     update_dp_fits: Dict[int, _Linear] = field(default_factory=dict)
+    action_overhead_s: float = 0.0
 
     def on_shared_host(self, host: str = "local") -> "DeviceCosts":
         """A copy whose islands share the cores of host ``host`` with the other islands given costs
@@ -190,7 +194,8 @@ class DeviceCosts:
                    shared_sum_fit=_shared_fit(fits_in.get("shared_sum")),
                    host_link=link(host), bridge_link=link(br),
                    profile=dict(profile), corun_factor=_corun(fits_in.get("corun")), dp_fits=dp_fits,
-                   update_dp_fits={int(k): lin(v) for k, v in (fits_in.get("update_dp") or {}).items()})
+                   update_dp_fits={int(k): lin(v) for k, v in (fits_in.get("update_dp") or {}).items()},
+                   action_overhead_s=max(0.0, float((fits_in.get("runtime") or {}).get("per_action_s", 0.0))))
 
     # ---- compute -----------------------------------------------------------------------------------
     def _fit(self, tp: int, phase: str, part: str, dp: int = 1) -> Tuple[_Linear, float]:

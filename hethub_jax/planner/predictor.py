@@ -288,6 +288,8 @@ def _pipeline(cfg: Any, plan: Any, ctxs: Dict[Tuple[int, int], _StageCtx], bridg
         times[k] = _action_times(ctx, lists[k], msg_bytes, cross, fused_update_s)
         if corun:
             times[k] = [t * corun.get((k, id(a)), 1.0) for t, a in zip(times[k], lists[k])]
+        if ctx.costs.action_overhead_s:  # the runtime's own (measured) seconds per action
+            times[k] = [t + ctx.costs.action_overhead_s for t in times[k]]
 
     def delivery(k: Tuple[int, int], a: Action) -> float:
         return bridge.time_s(msg_bytes) if ctxs[(k[0], a.peer)].spec.island != ctxs[k].spec.island else 0.0
