@@ -158,8 +158,9 @@ def main() -> None:
     # the islands are threads of this process: they share its cores (the profile's measured co-run factor)
     costs = DeviceCosts.from_profile(prof_path).on_shared_host("this process")
     base = DeviceCosts.from_catalog("cpu")
-    # in one process the "bridge" is LocalCommunicator's host copy: the profile's host-copy line
-    bridge = costs.host_link or LinkModel(0.0, 1e12)
+    # in one process the bridge is LocalCommunicator: the profile's measured 2-thread all-reduce
+    # (older profiles: its host-copy line)
+    bridge = costs.local_bridge_link or costs.host_link or LinkModel(0.0, 1e12)
     names = list(configs())
     names = args.only.split(",") if args.only else names[:3] if args.quick else names
     rows = []

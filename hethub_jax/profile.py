@@ -1,8 +1,9 @@
 """Profiler: measures one island's device type and writes a profile JSON (DESIGN.md section 7).
 
 Run once per island (device type): ``python -m hethub_jax.profile --out profiles/cpu.json``; under
-``mpiexec -n 2`` rank 0 also measures the MPI bridge to rank 1 (ping-pong); alone it skips the bridge
-and says so. A few minutes at most (about 1-2 minutes for the tiny model on 2 CPU cores).
+``mpiexec -n 2`` rank 0 also measures the MPI bridge to rank 1 (ping-pong); alone it skips the MPI
+bridge, says so, and measures the in-process bridge (``LocalCommunicator`` between two threads). A few
+minutes at most (about 2-4 minutes for the tiny model with ``--tp 1,2 --dp 1,2`` on 2 CPU cores).
 
 What is measured, with the runtime's own code paths (``hethub_jax.parallel.stage.PipelineStage``):
   * per TP degree and microbatch size, the four stage calls the runtime makes -- ``forward_saving``
@@ -18,7 +19,10 @@ What is measured, with the runtime's own code paths (``hethub_jax.parallel.stage
     the in-island all-reduce (``psum`` over the island's devices) and the runtime's sum of gradients
     held by several stages (tied embeddings, DP replicas; :func:`measure_shared_sum`):
     ``c0 + c1 x bytes``;
-  * the bridge (``MPIHostBridge`` send/recv round trips, under mpiexec): ``c0 + c1 x bytes``.
+  * the bridge (``MPIHostBridge`` send/recv round trips, under mpiexec): ``c0 + c1 x bytes``;
+  * with ``--dp``: the stages on ``(dp, 1)`` meshes; on CPU (``--corun``) the slowdown of stage calls
+    while a second island of the process computes (:func:`measure_corun`); the runtime's own seconds
+    per action (:func:`measure_runtime_overhead`).
 Each figure is the median of ``--repeats`` timed calls after one untimed call (compilation).
 An emulated slowdown (``--slowdown f``, DESIGN.md section 9) multiplies every compute and update
 time by f (what the runtime's wait adds) and is recorded as ``emulated_slowdown``.
@@ -287,7 +291,8 @@ def measure_bridge(sizes: Sequence[int], repeats: int) -> Optional[List[dict]]:
         print("bridge: mpi4py not installed; skipped", flush=True)
         return None
     if MPI.COMM_WORLD.Get_size() != 2:
-        print("bridge: not under `mpiexec -n 2`; skipped (run under mpiexec -n 2 to measure it)", flush=True)
+        print("bridge: not under `mpiexec -n 2`; the MPI bridge is skipped (run under mpiexec -n 2 to measure "
+              "it); the in-process bridge (LocalCommunicator) is measured instead", flush=True)
         return None
     from hethub_jax.comm.mpi import MPIHostBridge
     comm = MPIHostBridge(MPI.COMM_WORLD)
@@ -394,6 +399,29 @@ def measure_corun(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int) 
     # luckiest alignment (a call that ran while the neighbour was between calls)
     return [{"kind": "corun", "call": n, "alone_s": float(np.median(times[(n, 0)])),
              "busy_s": float(np.median(times[(n, 1)]))} for n in calls]
+
+
+def measure_local_bridge(sizes: Sequence[int], repeats: int) -> List[dict]:
+    """Seconds of an all-reduce (``allreduce_tree``, sum) of ``n`` float32 bytes between two threads
+    over ``LocalCommunicator``: the bridge of islands that are threads of one process (as in
+    ``benchmarks/predictor_accuracy.py``); the slower thread's statistic over ``repeats`` calls after
+    one untimed call. Returns ``{"kind": "bridge_local", "bytes", "seconds"}`` per size."""
+    import threading
+
+    from hethub_jax.comm import LocalCommunicator
+    out = []
+    for n in sizes:
+        comms, x, res = LocalCommunicator.create(2, timeout=120), np.ones(max(1, n // 4), np.float32), {}
+
+        def body(r):
+            res[r] = _median_time(lambda: comms[r].allreduce_tree({"g": x}), repeats)
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        out.append({"kind": "bridge_local", "bytes": n, "seconds": max(res.values())})
+    return out
 
 
 def measure_runtime_overhead(cfg: Any, devices: Sequence[Any], repeats: int) -> List[dict]:
@@ -512,6 +540,7 @@ def build_profile(cfg: Any, args: Any, samples: List[dict], updates: List[dict],
                  "update_dp": {str(dp): line([u for u in updates if u.get("dp", 1) == dp], "params") for dp in dps},
                  "corun": fit_corun([c for c in corun if c["kind"] == "corun"]),
                  "runtime": fit_runtime_overhead([c for c in corun if c["kind"] == "runtime_overhead"]),
+                 "bridge_local": line([c for c in corun if c["kind"] == "bridge_local"], "bytes"),
                  "host_copy": line([c for c in copies if c["kind"] == "host_copy"], "bytes"),
                  "shared_sum": fit_shared_sum([c for c in copies if c["kind"] == "shared_sum"]),
                  "allreduce": line(ar, "ring_bytes"),
@@ -559,6 +588,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     corun += measure_runtime_overhead(cfg, devices, args.repeats)
     act = args.seq_len * cfg.hidden_size * analytic.dtype_bytes(cfg.dtype)
     sizes = sorted({act * m for m in mbs_list} | {1 << 20, 8 << 20})
+    if bridge is None:  # not under mpiexec: the in-process bridge of islands as threads
+        corun += measure_local_bridge(sizes, args.repeats)
     copies = measure_host_copy(devices[0], sizes, args.repeats)
     allreduce = measure_allreduce(devices[:max(tps)], sizes, args.repeats)
     copies += measure_shared_sum(cfg, devices, args.repeats)

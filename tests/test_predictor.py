@@ -412,3 +412,14 @@ def test_fit_corun_is_the_time_weighted_ratio():
     fit = fit_corun([{"call": "x", "alone_s": 1.0, "busy_s": 2.0}, {"call": "y", "alone_s": 3.0, "busy_s": 3.0}])
     assert fit["factor"] == pytest.approx(5.0 / 4.0) and fit["ratios"] == {"x": 2.0, "y": 1.0}
     assert fit_corun([]) is None
+
+
+def test_local_bridge_reproduces_the_measured_two_island_allreduce():
+    """fits.bridge_local (a 2-thread all-reduce, c0 + c1 x bytes) read as LinkModel(c0 / 2, 1 / c1):
+    the ring all-reduce of 2 islands, 2 alpha + bytes / bandwidth, is the measured line."""
+    prof = fixed_profile(0.01, 0.02)
+    prof["fits"]["bridge_local"] = {"c0": 0.002, "c1": 1e-9}
+    link = DeviceCosts.from_profile(prof).local_bridge_link
+    nbytes = 8e6
+    assert 2 * link.alpha_s + nbytes / link.bandwidth == pytest.approx(0.002 + 1e-9 * nbytes)
+    assert DeviceCosts.from_profile(fixed_profile(0.01, 0.02)).local_bridge_link is None

@@ -108,6 +108,11 @@ class DeviceCosts:
       action_overhead_s: the runtime's own seconds per action (Python dispatch and bookkeeping
         around the compute calls), MEASURED on ``PipelineRuntime`` by the profiler (``fits.runtime``);
         0 for the catalog (an assumption: negligible against a large model's compute).
+      local_bridge_link: the bridge between islands that are threads of ONE process
+        (``LocalCommunicator``), from the profile's measured 2-thread all-reduce ``c0 + c1 x bytes``
+        (``fits.bridge_local``) as ``LinkModel(c0 / 2, 1 / c1)``, so that the predictor's ring
+        all-reduce of 2 islands, ``2 alpha + bytes / bandwidth``, is the measured one; None when not
+        measured.
     """
 
     name: str
@@ -128,6 +133,7 @@ class DeviceCosts:
     dp_fits: Dict[Tuple[int, int], Dict[str, Dict[str, _Linear]]] = field(default_factory=dict)
     update_dp_fits: Dict[int, _Linear] = field(default_factory=dict)
     action_overhead_s: float = 0.0
+    local_bridge_link: Optional[LinkModel] = None
 
     def on_shared_host(self, host: str = "local") -> "DeviceCosts":
         """A copy whose islands share the cores of host ``host`` with the other islands given costs
@@ -195,7 +201,8 @@ class DeviceCosts:
                    host_link=link(host), bridge_link=link(br),
                    profile=dict(profile), corun_factor=_corun(fits_in.get("corun")), dp_fits=dp_fits,
                    update_dp_fits={int(k): lin(v) for k, v in (fits_in.get("update_dp") or {}).items()},
-                   action_overhead_s=max(0.0, float((fits_in.get("runtime") or {}).get("per_action_s", 0.0))))
+                   action_overhead_s=max(0.0, float((fits_in.get("runtime") or {}).get("per_action_s", 0.0))),
+                   local_bridge_link=_local_bridge(fits_in.get("bridge_local")))
 
     # ---- compute -----------------------------------------------------------------------------------
     def _fit(self, tp: int, phase: str, part: str, dp: int = 1) -> Tuple[_Linear, float]:
@@ -338,6 +345,13 @@ class DeviceCosts:
         p = self.profile or {}
         return (f"{self.name}: profile of {p.get('date', '?')} on {p.get('machine', {}).get('node', '?')} "
                 f"(JAX {p.get('jax_version', '?')}, emulated slowdown {self.emulated_slowdown:g})")
+
+
+def _local_bridge(d: Optional[Mapping[str, Any]]) -> Optional[LinkModel]:
+    """``LinkModel(c0 / 2, 1 / c1)`` of a measured 2-thread all-reduce line (None when absent)."""
+    if not d:
+        return None
+    return LinkModel(max(0.0, float(d["c0"])) / 2, 1.0 / max(float(d["c1"]), 1e-15))
 
 
 def _corun(d: Optional[Mapping[str, Any]]) -> float:

@@ -14,7 +14,9 @@ How a prediction is made (DESIGN.md section 7; details and formulas in ``docs/pr
      sender's device-to-host copy, the bridge (``LinkModel``) and the receiver's host-to-device copy;
      when one process runs several stages (one island with several stages or replicas), the process
      executes them one action at a time in the runtime's order
-     (:func:`hethub_jax.planner.simulator.simulate_processes`);
+     (:func:`hethub_jax.planner.simulator.simulate_processes`); islands sharing one host's cores
+     (``DeviceCosts.on_shared_host``) slow their overlapping compute by the profile's measured co-run
+     factor (a fixed point over the simulated timeline, :func:`_corun_factors`);
   3. after the pipelines: the sum of gradients of parameters held by several stages (tied
      embeddings, data-parallel replicas), the global norm, and every stage's optimizer update (the
      stages of one island one after the other);
