@@ -137,7 +137,7 @@ def _profile_island(args, rank: int) -> dict:
         json.dump(MODEL, f)
     return profile.main(["--out", os.path.join(tmp, "cpu.json"), "--model", model, "--seq-len", str(args.seq),
                          "--microbatch-sizes", args.profile_mbs, "--repeats", "3", "--corun", "off",
-                         "--no-bridge", "--no-progress"])
+                         "--no-bridge", "--no-runtime", "--no-progress"])
 
 
 def _load(path):

@@ -67,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="statistic over the timed calls of each figure (min: for a machine shared with other jobs)")
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-runtime", action="store_true",
+                   help="skip the runtime's per-action seconds and the in-process bridge (a brief profile)")
     p.add_argument("--no-bridge", action="store_true",
                    help="do not measure the MPI bridge (every rank under mpiexec profiles its own island)")
     return p
@@ -591,10 +593,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                                        not args.no_progress, dps)
     corun = (measure_corun(cfg, devices, args.seq_len, args.repeats)
              if args.corun == "on" or (args.corun == "auto" and platform_name == "cpu") else [])
-    corun += measure_runtime_overhead(cfg, devices, args.repeats)
+    corun += [] if args.no_runtime else measure_runtime_overhead(cfg, devices, args.repeats)
     act = args.seq_len * cfg.hidden_size * analytic.dtype_bytes(cfg.dtype)
     sizes = sorted({act * m for m in mbs_list} | {1 << 20, 8 << 20})
-    if bridge is None:  # not under mpiexec: the in-process bridge of islands as threads
+    if bridge is None and not args.no_runtime:  # not under mpiexec: the in-process bridge of islands as threads
         corun += measure_local_bridge(sizes, args.repeats)
     copies = measure_host_copy(devices[0], sizes, args.repeats)
     allreduce = measure_allreduce(devices[:max(tps)], sizes, args.repeats)

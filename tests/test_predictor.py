@@ -423,3 +423,25 @@ def test_local_bridge_reproduces_the_measured_two_island_allreduce():
     nbytes = 8e6
     assert 2 * link.alpha_s + nbytes / link.bandwidth == pytest.approx(0.002 + 1e-9 * nbytes)
     assert DeviceCosts.from_profile(fixed_profile(0.01, 0.02)).local_bridge_link is None
+
+
+@pytest.mark.slow
+def test_profiler_writes_dp_mesh_corun_runtime_and_local_bridge_fits(tmp_path):
+    """``python -m hethub_jax.profile`` with ``--dp 1,2`` on the tiny model (one microbatch size, one
+    repeat): the JSON holds the (2, 1) mesh fits, the co-run factor, the runtime's per-action seconds and
+    the in-process bridge, and ``DeviceCosts.from_profile`` reads them (measured, so only their presence
+    and signs are checked)."""
+    out = tmp_path / "cpu.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    p = subprocess.run([sys.executable, "-m", "hethub_jax.profile", "--out", str(out), "--seq-len", "16",
+                        "--microbatch-sizes", "1", "--tp", "1", "--dp", "1,2", "--repeats", "1", "--no-progress"],
+                       env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    import json
+    prof = json.loads(out.read_text())
+    assert set(prof["fits"]["compute_dp"]) == {"2x1"} and set(prof["fits"]["update_dp"]) == {"2"}
+    assert {s["call"] for s in prof["samples"] if s["kind"] == "corun"} == {"first_F", "first_B", "last_FB",
+                                                                            "last_update"}
+    c = DeviceCosts.from_profile(prof)
+    assert c.corun_factor >= 1.0 and c.action_overhead_s > 0 and c.local_bridge_link is not None
+    assert (2, 1) in c.dp_fits and c.update_dp_fits[2] is not None
