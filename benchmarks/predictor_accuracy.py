@@ -3,8 +3,11 @@
     PYTHONPATH=. python benchmarks/predictor_accuracy.py --json predictor_accuracy.json [--quick]
 
 1. Profiles the smallest setting only: one island, one stage at a time (``hethub_jax.profile``: the
-   tiny model's first / middle / last stages at a few microbatch sizes and TP degrees).
-2. Predicts (``hethub_jax.planner.predictor.predict`` with that profile for every island) and measures
+   tiny model's first / middle / last stages at a few microbatch sizes on ``(1, tp)`` and ``(dp, 1)``
+   meshes; the co-run slowdown of a computation while a second island of the process computes; the
+   runtime's own seconds per action; the in-process bridge, ``LocalCommunicator``).
+2. Predicts (``hethub_jax.planner.predictor.predict`` with that profile for every island, the islands
+   on one shared host, ``DeviceCosts.on_shared_host``: they are threads of this process) and measures
    at least 10 larger configurations on this machine: 2-4 pipeline stages over 2 islands, 2-8
    microbatches, fake-device DP and TP, an EMULATED slowdown, recompute on and off, GPipe and 1F1B,
    heterogeneous DP. Measured with the real ``PipelineRuntime``, one thread per island in this
