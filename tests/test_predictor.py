@@ -445,3 +445,20 @@ def test_profiler_writes_dp_mesh_corun_runtime_and_local_bridge_fits(tmp_path):
     c = DeviceCosts.from_profile(prof)
     assert c.corun_factor >= 1.0 and c.action_overhead_s > 0 and c.local_bridge_link is not None
     assert (2, 1) in c.dp_fits and c.update_dp_fits[2] is not None
+
+
+def test_an_emulated_wait_does_not_slow_the_other_island():
+    """Island b EMULATED 4x slower computes only the first quarter of each action, then waits: island
+    a, sharing the host, is slowed for less of its time than beside an equally fast b (whose actions
+    compute throughout), and more than on hardware of its own."""
+    prof = fixed_profile(0.01, 0.02, update=0.0)
+    prof["fits"]["corun"] = {"factor": 2.0}
+    shared = DeviceCosts.from_profile(prof).on_shared_host("h")
+    plan = _two_replicas(3)
+    slow = Plan.from_dict(dict(plan.to_dict(), islands=[{"name": "a", "platform": "cpu"},
+                                                        {"name": "b", "platform": "cpu", "slowdown": 4.0}]))
+    even = predict(Cfg, plan, {"a": shared, "b": shared}, seq_len=8)
+    uneven = predict(Cfg, slow, {"a": shared, "b": shared}, seq_len=8)
+    alone = predict(Cfg, plan, {"a": DeviceCosts.from_profile(prof), "b": shared}, seq_len=8)
+    busy = lambda p, isl: sum(s.busy_s for s in p.stages if s.island == isl)
+    assert busy(alone, "a") < busy(uneven, "a") < busy(even, "a")

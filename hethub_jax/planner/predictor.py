@@ -378,12 +378,15 @@ def _overlap(t0: float, t1: float, starts: List[float], ends: List[float]) -> fl
 
 def _corun_factors(events, ctxs, hosts) -> Dict[Tuple[Tuple[int, int], int], float]:
     """Per ``(key, id(action))`` of a compute action on a shared host: ``1 + (corun_factor - 1) x``
-    the fraction of the action overlapped by compute of OTHER islands on the same host (the
-    profile's measured co-run slowdown, applied for the time both compute)."""
+    the fraction of the action's computing part overlapped by the computing parts of OTHER islands'
+    actions on the same host (the profile's measured co-run slowdown, applied for the time both
+    compute). An emulated slow island's action computes for its first ``1 / factor`` and then waits
+    (DESIGN.md section 9): the wait slows no one, and is itself proportional to the slowed compute."""
     busy: Dict[Tuple[str, str], List[Tuple[float, float]]] = {}
+    computing = lambda k, t0, t1: (t0, t0 + (t1 - t0) / max(ctxs[k].factor, 1.0))
     for k, a, t0, t1 in events:
         if k in hosts and a.is_compute and t1 > t0:
-            busy.setdefault((hosts[k], ctxs[k].spec.island), []).append((t0, t1))
+            busy.setdefault((hosts[k], ctxs[k].spec.island), []).append(computing(k, t0, t1))
     merged = {}
     for host, isl in busy:
         ivs = sorted(iv for (h, i), v in busy.items() if h == host and i != isl for iv in v)
@@ -398,7 +401,8 @@ def _corun_factors(events, ctxs, hosts) -> Dict[Tuple[Tuple[int, int], int], flo
     for k, a, t0, t1 in events:
         key = (hosts.get(k), ctxs[k].spec.island)
         if key in merged and a.is_compute and t1 > t0:
-            frac = _overlap(t0, t1, *merged[key]) / (t1 - t0)
+            c0, c1 = computing(k, t0, t1)
+            frac = _overlap(c0, c1, *merged[key]) / (c1 - c0)
             factors[(k, id(a))] = 1.0 + (ctxs[k].costs.corun_factor - 1.0) * frac
     return factors
 
