@@ -18,8 +18,11 @@ steps excluded; medians):
   (c) ``uniform``: a pipeline with the layers split evenly (fast island first, the planner's microbatch,
       schedule and recompute for pipelines);
   (d) ``hetero_dp``: the planner's best heterogeneous data-parallel plan (one replica per island).
-Costs for the planner and the prediction: ``--profiles DIR`` (``<DIR>/cpu.json``) when given, else the
-device catalog's ``cpu`` entry (an assumption; said in the output and the JSON).
+Costs for the planner and the prediction: ``--profile-islands``: each rank profiles its own island after
+the pinning (``python -m hethub_jax.profile`` on this benchmark's model and sequence length, one device,
+no emulated slowdown: the predictor applies the island's slowdown; both ranks at once, as they train),
+and the profiles are exchanged; else ``--profiles DIR`` (``<DIR>/cpu.json`` for both islands, made under
+the same pinning); else the device catalog's ``cpu`` entry (an assumption; said in the output and the JSON).
 Figures: ``fraction_of_upper_bound`` = (b) / (a_fast + a_slow), ``planned_over_uniform`` = (b) / (c),
 ``prediction_error`` = |predicted - measured| / measured median step time of (b).
 """
@@ -74,6 +77,9 @@ def main() -> None:
     ap.add_argument("--slowdown", type=float, default=3.0, help="EMULATED slowdown of the slow island")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per contender")
     ap.add_argument("--profiles", default=None, help="directory with cpu.json (python -m hethub_jax.profile)")
+    ap.add_argument("--profile-islands", action="store_true",
+                    help="each rank profiles its pinned island first (measured costs for the plan and the prediction)")
+    ap.add_argument("--profile-mbs", default="1,2,4", help="microbatch sizes for --profile-islands")
     ap.add_argument("--timeline-png", default=None, help="Gantt chart of the planned plan's last step")
     args = ap.parse_args()
     rank, core = start_pinned_rank(__file__)
@@ -95,9 +101,14 @@ def main() -> None:
     spec = cluster(args.slowdown)
     prof = os.path.join(args.profiles, "cpu.json") if args.profiles else None
     from hethub_jax.planner import cluster_from_dict
-    costs = (cluster_costs(cluster_from_dict(spec), {"fast": _load(prof), "slow": _load(prof)}) if prof
-             else group_costs(cluster_from_dict(spec)))
-    source = f"profile {prof}" if prof else "catalog 'cpu' entry (assumption, not measured)"
+    if args.profile_islands:
+        profs = world.allgather(_profile_island(args, rank))
+        costs = cluster_costs(cluster_from_dict(spec), {"fast": profs[0], "slow": profs[1]})
+        source = "profiles of the pinned islands, measured by each rank before the run"
+    else:
+        costs = (cluster_costs(cluster_from_dict(spec), {"fast": _load(prof), "slow": _load(prof)}) if prof
+                 else group_costs(cluster_from_dict(spec)))
+        source = f"profile {prof}" if prof else "catalog 'cpu' entry (assumption, not measured)"
     contenders = plans(cfg, args, costs)
     optim = OptimConfig(learning_rate=1e-3, warmup_steps=2, decay_steps=1000)
     isl = ("fast", "slow")[rank]
@@ -112,6 +123,21 @@ def main() -> None:
     result = _measure(args, world, rank, core, runtimes, contenders)
     if rank == 0:
         _report(args, cfg, contenders, result, costs, source)
+
+
+def _profile_island(args, rank: int) -> dict:
+    """This rank's island profiled in place (pinned core, one device, no emulation, no bridge)."""
+    import json
+    import tempfile
+
+    from hethub_jax import profile
+    tmp = tempfile.mkdtemp(prefix=f"hethub-e2e-profile-{rank}-")
+    model = os.path.join(tmp, "model.json")
+    with open(model, "w") as f:
+        json.dump(MODEL, f)
+    return profile.main(["--out", os.path.join(tmp, "cpu.json"), "--model", model, "--seq-len", str(args.seq),
+                         "--microbatch-sizes", args.profile_mbs, "--repeats", "3", "--corun", "off",
+                         "--no-bridge", "--no-runtime", "--no-progress"])
 
 
 def _load(path):

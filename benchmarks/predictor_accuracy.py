@@ -3,8 +3,11 @@
     PYTHONPATH=. python benchmarks/predictor_accuracy.py --json predictor_accuracy.json [--quick]
 
 1. Profiles the smallest setting only: one island, one stage at a time (``hethub_jax.profile``: the
-   tiny model's first / middle / last stages at a few microbatch sizes and TP degrees).
-2. Predicts (``hethub_jax.planner.predictor.predict`` with that profile for every island) and measures
+   tiny model's first / middle / last stages at a few microbatch sizes on ``(1, tp)`` and ``(dp, 1)``
+   meshes; the co-run slowdown of a computation while a second island of the process computes; the
+   runtime's own seconds per action; the in-process bridge, ``LocalCommunicator``).
+2. Predicts (``hethub_jax.planner.predictor.predict`` with that profile for every island, the islands
+   on one shared host, ``DeviceCosts.on_shared_host``: they are threads of this process) and measures
    at least 10 larger configurations on this machine: 2-4 pipeline stages over 2 islands, 2-8
    microbatches, fake-device DP and TP, an EMULATED slowdown, recompute on and off, GPipe and 1F1B,
    heterogeneous DP. Measured with the real ``PipelineRuntime``, one thread per island in this
@@ -126,7 +129,7 @@ def run_profile(args) -> str:
     path = args.profile or os.path.join(tempfile.mkdtemp(prefix="hethub-profile-"), "cpu.json")
     if not (args.profile and os.path.exists(args.profile)):
         profile.main(["--out", path, "--seq-len", str(args.seq), "--tp", args.profile_tp,
-                      "--microbatch-sizes", args.profile_mbs, "--repeats", str(args.repeats),
+                      "--microbatch-sizes", args.profile_mbs, "--dp", args.profile_dp, "--repeats", str(args.repeats),
                       "--statistic", args.statistic])
     return path
 
@@ -140,6 +143,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7, help="profiler repeats per figure")
     ap.add_argument("--profile-tp", default="1,2", help="TP degrees to profile")
     ap.add_argument("--profile-mbs", default="1,2,4", help="microbatch sizes to profile")
+    ap.add_argument("--profile-dp", default="1,2", help="DP degrees to profile ((dp, 1) stage meshes)")
     ap.add_argument("--profile", default=None, help="existing profile JSON to use (else one is made)")
     ap.add_argument("--only", default=None, help="comma-separated configuration names")
     ap.add_argument("--quick", action="store_true", help="3 configurations (a validation run)")
@@ -154,10 +158,12 @@ def main() -> None:
     cfg = get_preset("tiny")
     load_before, t_start = loadavg(), time.time()
     prof_path = run_profile(args)
-    costs = DeviceCosts.from_profile(prof_path)
+    # the islands are threads of this process: they share its cores (the profile's measured co-run factor)
+    costs = DeviceCosts.from_profile(prof_path).on_shared_host("this process")
     base = DeviceCosts.from_catalog("cpu")
-    # in one process the "bridge" is LocalCommunicator's host copy: the profile's host-copy line
-    bridge = costs.host_link or LinkModel(0.0, 1e12)
+    # in one process the bridge is LocalCommunicator: the profile's measured 2-thread all-reduce
+    # (older profiles: its host-copy line)
+    bridge = costs.local_bridge_link or costs.host_link or LinkModel(0.0, 1e12)
     names = list(configs())
     names = args.only.split(",") if args.only else names[:3] if args.quick else names
     rows = []

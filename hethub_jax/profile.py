@@ -1,8 +1,9 @@
 """Profiler: measures one island's device type and writes a profile JSON (DESIGN.md section 7).
 
 Run once per island (device type): ``python -m hethub_jax.profile --out profiles/cpu.json``; under
-``mpiexec -n 2`` rank 0 also measures the MPI bridge to rank 1 (ping-pong); alone it skips the bridge
-and says so. A few minutes at most (about 1-2 minutes for the tiny model on 2 CPU cores).
+``mpiexec -n 2`` rank 0 also measures the MPI bridge to rank 1 (ping-pong); alone it skips the MPI
+bridge, says so, and measures the in-process bridge (``LocalCommunicator`` between two threads). A few
+minutes at most (about 2-4 minutes for the tiny model with ``--tp 1,2 --dp 1,2`` on 2 CPU cores).
 
 What is measured, with the runtime's own code paths (``hethub_jax.parallel.stage.PipelineStage``):
   * per TP degree and microbatch size, the four stage calls the runtime makes -- ``forward_saving``
@@ -18,7 +19,10 @@ What is measured, with the runtime's own code paths (``hethub_jax.parallel.stage
     the in-island all-reduce (``psum`` over the island's devices) and the runtime's sum of gradients
     held by several stages (tied embeddings, DP replicas; :func:`measure_shared_sum`):
     ``c0 + c1 x bytes``;
-  * the bridge (``MPIHostBridge`` send/recv round trips, under mpiexec): ``c0 + c1 x bytes``.
+  * the bridge (``MPIHostBridge`` send/recv round trips, under mpiexec): ``c0 + c1 x bytes``;
+  * with ``--dp``: the stages on ``(dp, 1)`` meshes; on CPU (``--corun``) the slowdown of stage calls
+    while a second island of the process computes (:func:`measure_corun`); the runtime's own seconds
+    per action (:func:`measure_runtime_overhead`).
 Each figure is the median of ``--repeats`` timed calls after one untimed call (compilation).
 An emulated slowdown (``--slowdown f``, DESIGN.md section 9) multiplies every compute and update
 time by f (what the runtime's wait adds) and is recorded as ``emulated_slowdown``.
@@ -46,10 +50,16 @@ STAGE_KINDS = ("first", "mid1", "mid2", "last")
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m hethub_jax.profile", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="tiny", help="model preset (hethub_jax.models.config.PRESETS)")
+    p.add_argument("--model", default="tiny", help="model preset (hethub_jax.models.config.PRESETS) or a JSON file "
+                                                   "of LlamaConfig fields")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sample")
     p.add_argument("--microbatch-sizes", default="1,2,4", help="comma-separated samples per microbatch")
     p.add_argument("--tp", default="1", help="comma-separated TP degrees (fake CPU devices are added as needed)")
+    p.add_argument("--dp", default="1", help="comma-separated DP degrees: a (dp, 1) stage mesh is profiled for each "
+                                            "dp > 1 (on CPU its fake devices share the same cores)")
+    p.add_argument("--corun", choices=("auto", "on", "off"), default="auto",
+                   help="measure the slowdown of a computation while a second island of this process computes "
+                        "on other devices (auto: on the cpu platform, whose devices share the host's cores)")
     p.add_argument("--repeats", type=int, default=7, help="timed calls per figure (median)")
     p.add_argument("--device-type", default=None, help="name of the device type (default: the JAX platform)")
     p.add_argument("--slowdown", type=float, default=1.0, help="emulated slowdown factor >= 1 (cpu only)")
@@ -57,6 +67,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="statistic over the timed calls of each figure (min: for a machine shared with other jobs)")
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-runtime", action="store_true",
+                   help="skip the runtime's per-action seconds and the in-process bridge (a brief profile)")
+    p.add_argument("--no-bridge", action="store_true",
+                   help="do not measure the MPI bridge (every rank under mpiexec profiles its own island)")
     return p
 
 
@@ -85,10 +99,11 @@ def fit_shared_sum(samples: List[dict]) -> Optional[Dict[str, float]]:
             "rmse": float(np.sqrt(np.mean((a @ coef - y) ** 2)))}
 
 
-def fit_compute(cfg: Any, samples: List[dict], seq_len: int) -> Dict[str, Dict[str, Dict[str, dict]]]:
+def fit_compute(cfg: Any, samples: List[dict], seq_len: int, dp: int = 1) -> Dict[str, Dict[str, Dict[str, dict]]]:
     """Per TP degree and phase, the ``base``/``layer``/``embed``/``head`` lines, fitted JOINTLY by least
-    squares over all stage samples of that TP degree and phase (``{"kind": "stage", "tp", "phase",
-    "tokens", "layers": n, "is_first", "is_last", "seconds"}``):
+    squares over all stage samples of DP degree ``dp`` (``"dp"`` absent: 1), that TP degree and phase
+    (``{"kind": "stage", "tp", "phase", "tokens" (per DP rank), "layers": n, "is_first", "is_last",
+    "seconds"}``):
 
         seconds = base + n (layer_c0 + layer_c1 x layer_flops) + is_first (embed_c0 + embed_c1 x tokens)
                   + is_last (head_c0 + head_c1 x head_flops)
@@ -96,7 +111,7 @@ def fit_compute(cfg: Any, samples: List[dict], seq_len: int) -> Dict[str, Dict[s
     (one regression instead of differences of noisy timings). ``rmse`` is the fit's, in seconds."""
     groups: Dict[tuple, List[dict]] = {}
     for s in samples:
-        if s.get("kind") == "stage":
+        if s.get("kind") == "stage" and int(s.get("dp", 1)) == dp:
             groups.setdefault((int(s["tp"]), s["phase"]), []).append(s)
     out: Dict[str, Dict[str, Dict[str, dict]]] = {}
     for (tp, phase), rows in sorted(groups.items()):
@@ -241,12 +256,14 @@ def measure_shared_sum(cfg: Any, devices: Sequence[Any], repeats: int) -> List[d
     island: two pipeline stages sharing the tied embedding (tied models only) and two data-parallel
     replicas of the whole model (every parameter shared). Recorded with the float32 bytes and the
     number of tensors summed over the holders (the cost has a per-tensor part: one copy each way and
-    one placement per tensor)."""
+    one placement per tensor). Empty with fewer than 2 devices."""
     import jax
 
     from hethub_jax.optim import OptimConfig
     from hethub_jax.parallel.plan import Plan
     from hethub_jax.parallel.runtime import PipelineRuntime
+    if len(devices) < 2:
+        return []
     n, half = cfg.num_hidden_layers, cfg.num_hidden_layers // 2
     isl = [{"name": "p", "platform": devices[0].platform, "devices_per_process": 2}]
     plans = [{"islands": isl, "global_batch_size": 2, "microbatch_size": 1,
@@ -276,7 +293,8 @@ def measure_bridge(sizes: Sequence[int], repeats: int) -> Optional[List[dict]]:
         print("bridge: mpi4py not installed; skipped", flush=True)
         return None
     if MPI.COMM_WORLD.Get_size() != 2:
-        print("bridge: not under `mpiexec -n 2`; skipped (run under mpiexec -n 2 to measure it)", flush=True)
+        print("bridge: not under `mpiexec -n 2`; the MPI bridge is skipped (run under mpiexec -n 2 to measure "
+              "it); the in-process bridge (LocalCommunicator) is measured instead", flush=True)
         return None
     from hethub_jax.comm.mpi import MPIHostBridge
     comm = MPIHostBridge(MPI.COMM_WORLD)
@@ -296,35 +314,205 @@ def measure_bridge(sizes: Sequence[int], repeats: int) -> Optional[List[dict]]:
 
 
 def profile_compute(cfg: Any, seq_len: int, mbs_list: Sequence[int], tps: Sequence[int], repeats: int,
-                    devices: Sequence[Any], progress: bool) -> tuple:
-    """(stage samples, update samples) over TP degrees, stage kinds and microbatch sizes."""
+                    devices: Sequence[Any], progress: bool, dps: Sequence[int] = (1,)) -> tuple:
+    """(stage samples, update samples) over the stage meshes -- ``(1, tp)`` for every TP degree and
+    ``(dp, 1)`` for every DP degree > 1 -- stage kinds and microbatch sizes (per DP rank: a ``(dp, 1)``
+    mesh runs ``dp x`` each microbatch size, so that its samples have the same tokens per rank)."""
     from tqdm import tqdm
 
     from hethub_jax.optim import OptimConfig, make_optimizer
     from hethub_jax.parallel.stage import PipelineStage
     ranges = _stage_ranges(cfg.num_hidden_layers)
     tx = make_optimizer(OptimConfig())
+    meshes = [(1, tp) for tp in tps] + [(dp, 1) for dp in dps if dp > 1]
     samples, updates = [], []
-    bar = tqdm(total=len(tps) * len(ranges) * len(mbs_list), desc="profile", disable=not progress, unit="stage")
-    for tp in tps:
-        if tp > len(devices):
-            raise ValueError(f"TP degree {tp} needs {tp} devices; the island has {len(devices)} (for CPU set "
-                             f"XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    bar = tqdm(total=len(meshes) * len(ranges) * len(mbs_list), desc="profile", disable=not progress, unit="stage")
+    for dp, tp in meshes:
+        if dp * tp > len(devices):
+            raise ValueError(f"a {dp}x{tp} (dp x tp) mesh needs {dp * tp} devices; the island has {len(devices)} "
+                             f"(for CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N)")
         for kind, (fl, ll) in ranges.items():
-            st = PipelineStage(cfg, fl, ll, list(devices[:tp]), 1, tp, seed=0, recompute=False, optimizer=tx)
+            st = PipelineStage(cfg, fl, ll, list(devices[:dp * tp]), dp, tp, seed=0, recompute=False, optimizer=tx)
             for mbs in mbs_list:
-                bar.set_postfix_str(f"tp={tp} {kind} mb={mbs}")
-                for phase, sec in measure_stage(st, cfg, mbs, seq_len, repeats).items():
+                bar.set_postfix_str(f"mesh={dp}x{tp} {kind} mb={mbs * dp}")
+                for phase, sec in measure_stage(st, cfg, mbs * dp, seq_len, repeats).items():
                     samples.append({"kind": "stage", "stage": kind, "first_layer": fl, "last_layer": ll,
                                     "layers": ll - fl + 1, "is_first": st.is_first, "is_last": st.is_last,
-                                    "tp": tp, "phase": phase, "microbatch_size": mbs, "tokens": mbs * seq_len,
-                                    "seconds": sec})
+                                    "dp": dp, "tp": tp, "phase": phase, "microbatch_size": mbs * dp,
+                                    "tokens": mbs * seq_len, "seconds": sec})
                 bar.update()
-            if tp == tps[0]:
+            if tp == (tps[0] if dp == 1 else 1):
                 n = analytic.stage_params_per_device(cfg, fl, ll, fl == 0, ll == cfg.num_hidden_layers - 1, tp)
-                updates.append({"kind": "update", "stage": kind, "params": n, "seconds": measure_update(st, repeats)})
+                updates.append({"kind": "update", "stage": kind, "dp": dp, "params": n,
+                                "seconds": measure_update(st, repeats)})
     bar.close()
     return samples, updates
+
+
+def measure_corun(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int) -> List[dict]:
+    """The slowdown of this device type's stage calls while a second island of the same process
+    computes on other devices: on CPU, islands run as threads (or processes) of one host share its
+    cores, memory bandwidth and XLA's thread pool, which a one-island profile does not see.
+
+    A first stage (layer 0) and a last stage (last layer) on ``devices[0]``; a neighbour last stage on
+    ``devices[1]``, run in a loop by a second thread (fused forward + backward) while "busy". Each call
+    (first stage F and B, last stage fused F+B, the last stage's update) is timed alternately alone and
+    with the neighbour busy, ``repeats`` times each (after a compiling call); returns one
+    ``{"kind": "corun", "call", "alone_s", "busy_s"}`` per call (the median of each). Empty with
+    fewer than 2 devices."""
+    import threading
+
+    import jax
+
+    from hethub_jax.optim import OptimConfig, make_optimizer
+    from hethub_jax.parallel.stage import PipelineStage
+    if len(devices) < 2:
+        return []
+    tx, L = make_optimizer(OptimConfig()), cfg.num_hidden_layers
+    mk = lambda fl, ll, d: PipelineStage(cfg, fl, ll, [d], 1, 1, seed=0, recompute=False, optimizer=tx)
+    first, last, other = mk(0, 0, devices[0]), mk(L - 1, L - 1, devices[0]), mk(L - 1, L - 1, devices[1])
+    calls = {"first_F": _stage_call(first, cfg, seq_len, "F"), "first_B": _stage_call(first, cfg, seq_len, "B"),
+             "last_FB": _stage_call(last, cfg, seq_len, "B_recompute"),
+             "last_update": lambda: _update_once(last)}
+    neighbour = _stage_call(other, cfg, seq_len, "B_recompute", placed_once=True)
+    busy, stop = threading.Event(), threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            neighbour() if busy.wait(0.01) else None
+    th = threading.Thread(target=loop, daemon=True)
+    th.start()
+    times: Dict[tuple, List[float]] = {}
+    try:
+        for fn in calls.values():
+            fn()
+        neighbour()
+        for i in range(2 * repeats):
+            (busy.set if i % 2 else busy.clear)()
+            time.sleep(0.005)
+            for name, fn in calls.items():
+                t0 = time.perf_counter()
+                fn()
+                times.setdefault((name, i % 2), []).append(time.perf_counter() - t0)
+    finally:
+        stop.set()
+        busy.clear()
+        th.join()
+    # the median whatever --statistic says: the neighbour's phase is random, a minimum picks the
+    # luckiest alignment (a call that ran while the neighbour was between calls)
+    return [{"kind": "corun", "call": n, "alone_s": float(np.median(times[(n, 0)])),
+             "busy_s": float(np.median(times[(n, 1)]))} for n in calls]
+
+
+def measure_local_bridge(sizes: Sequence[int], repeats: int) -> List[dict]:
+    """Seconds of an all-reduce (``allreduce_tree``, sum) of ``n`` float32 bytes between two threads
+    over ``LocalCommunicator``: the bridge of islands that are threads of one process (as in
+    ``benchmarks/predictor_accuracy.py``); the slower thread's statistic over ``repeats`` calls after
+    one untimed call. Returns ``{"kind": "bridge_local", "bytes", "seconds"}`` per size."""
+    import threading
+
+    from hethub_jax.comm import LocalCommunicator
+    out = []
+    for n in sizes:
+        comms, x, res = LocalCommunicator.create(2, timeout=120), np.ones(max(1, n // 4), np.float32), {}
+
+        def body(r):
+            res[r] = _median_time(lambda: comms[r].allreduce_tree({"g": x}), repeats)
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        out.append({"kind": "bridge_local", "bytes": n, "seconds": max(res.values())})
+    return out
+
+
+def measure_runtime_overhead(cfg: Any, devices: Sequence[Any], repeats: int) -> List[dict]:
+    """Seconds of the runtime's own work per action -- Python dispatch and bookkeeping between and
+    around the compute calls, the step's start, same-island messages -- measured on the runtime
+    itself (``PipelineRuntime.train_step``): one island of this process, two stages (the layers
+    split in half), GPipe, 4 microbatches, so that no action waits on another process. Per step (after
+    a compiling one): the seconds from the step's start to its last action's end minus the summed
+    durations of its F and B records, with the number of actions. Empty with fewer than 2 devices."""
+    from hethub_jax.optim import OptimConfig
+    from hethub_jax.parallel.plan import Plan
+    from hethub_jax.parallel.runtime import PipelineRuntime
+    if len(devices) < 2:
+        return []
+    n, half = cfg.num_hidden_layers, cfg.num_hidden_layers // 2
+    plan = Plan.from_dict({"islands": [{"name": "p", "platform": devices[0].platform, "devices_per_process": 2}],
+                           "global_batch_size": 4, "microbatch_size": 1, "schedule": "gpipe", "stages": [
+                               {"island": "p", "first_layer": 0, "last_layer": half - 1},
+                               {"island": "p", "first_layer": half, "last_layer": n - 1}]})
+    rt = PipelineRuntime(plan, cfg, OptimConfig(), devices=list(devices[:2]))
+    rng, seq = np.random.default_rng(0), 16
+    batch = {"tokens": rng.integers(0, cfg.vocab_size, (4, seq), dtype=np.int32),
+             "targets": rng.integers(0, cfg.vocab_size, (4, seq), dtype=np.int32),
+             "loss_mask": np.ones((4, seq), np.float32)}
+    out = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        recs = rt.train_step(batch).records
+        busy = sum(r.end_s - r.start_s for r in recs if r.action[:1] in ("F", "B"))
+        if i:
+            out.append({"kind": "runtime_overhead", "actions": len(recs),
+                        "seconds": max(r.end_s for r in recs) - t0 - busy})
+    return out
+
+
+def fit_runtime_overhead(samples: List[dict]) -> Optional[Dict[str, Any]]:
+    """``{"per_action_s"}``: the statistic (:data:`STATISTIC`) over steps of overhead seconds / actions;
+    None without samples."""
+    if not samples:
+        return None
+    per = [s["seconds"] / s["actions"] for s in samples if s["actions"]]
+    return {"per_action_s": float(np.min(per) if STATISTIC["name"] == "min" else np.median(per)),
+            "plan": "one island, 2 stages, GPipe, 4 microbatches, one process"}
+
+
+def _update_once(st: Any) -> None:
+    """One blocking optimizer update of stage ``st`` with a zero gradient (the update's cost)."""
+    import jax
+    st.params, st.opt_state = st.update(st.params, st.opt_state, st.new_grad_buffer(), np.float32(1e-3),
+                                        np.float32(1.0))
+    jax.block_until_ready(st.params)
+
+
+def _stage_call(st: Any, cfg: Any, seq_len: int, phase: str, placed_once: bool = False) -> Callable[[], Any]:
+    """A blocking call of stage ``st`` on one one-sample microbatch: phase ``"F"`` (forward_saving),
+    ``"B"`` (backward_saved) or ``"B_recompute"`` (the last stage's fused forward_backward), each
+    placing its host inputs as the runtime does (``placed_once``: placed once, so that a neighbour in
+    a loop computes with as few gaps as possible)."""
+    import jax
+    import jax.numpy as jnp
+
+    from hethub_jax.parallel.stage import StageInputs
+    tokens, pos, mask, x_dev = _inputs(st, cfg, 1, seq_len)
+    no = np.bool_(False)
+    args = lambda: StageInputs(st.place_tokens(tokens) if st.is_first else x_dev, st.place_tokens(pos),
+                               *((st.place_tokens(tokens), st.place_tokens(mask)) if st.is_last else ()))
+    if placed_once:
+        placed = args()
+        args = lambda: placed
+    if phase == "F":
+        return lambda: jax.block_until_ready(st.forward_saving(st.params, args())[0])
+    if phase == "B_recompute" and st.is_last:
+        return lambda: jax.block_until_ready(st.forward_backward(st.params, args(), st.new_grad_buffer(), no))
+    saved = st.forward_saving(st.params, args())[1]
+    g = jax.device_put(jnp.ones((1, seq_len, cfg.hidden_size), cfg.dtype), st.act_sharding)
+    return lambda: jax.block_until_ready(st.backward_saved(saved, g, st.new_grad_buffer(), no)[0])
+
+
+def fit_corun(samples: List[dict]) -> Optional[Dict[str, Any]]:
+    """``{"factor", "ratios"}``: the summed busy seconds over the summed alone seconds of the measured
+    calls (time-weighted, as a step's time is), and each call's ratio (a factor below 1 is noise and
+    reads as 1 in the predictor); None without samples."""
+    if not samples or sum(s["alone_s"] for s in samples) <= 0:
+        return None
+    ratios = {s["call"]: s["busy_s"] / s["alone_s"] for s in samples if s["alone_s"] > 0}
+    factor = sum(s["busy_s"] for s in samples) / sum(s["alone_s"] for s in samples)
+    return {"factor": float(factor), "ratios": ratios,
+            "neighbour": "the last stage's fused forward + backward in a loop on another device of the process"}
 
 
 def _scaled(samples: List[dict], factor: float) -> List[dict]:
@@ -332,12 +520,14 @@ def _scaled(samples: List[dict], factor: float) -> List[dict]:
 
 
 def build_profile(cfg: Any, args: Any, samples: List[dict], updates: List[dict], copies: List[dict],
-                  allreduce: List[dict], bridge: Optional[List[dict]], platform_name: str) -> Dict[str, Any]:
+                  allreduce: List[dict], bridge: Optional[List[dict]], platform_name: str,
+                  corun: Sequence[dict] = ()) -> Dict[str, Any]:
     """The profile dict (format :data:`hethub_jax.planner.costs.PROFILE_FORMAT`, docs/predictor.md)."""
     import jax
     f = float(args.slowdown)
     samples, updates = _scaled(samples, f), _scaled(updates, f)
     line = lambda xs, key: None if not xs else fit_line([x[key] for x in xs], [x["seconds"] for x in xs])
+    dps = sorted({int(x.get("dp", 1)) for x in samples} - {1})
     ar = [dict(a, ring_bytes=a["bytes"] * 2 * (a["devices"] - 1) / a["devices"]) for a in allreduce]
     return {
         "format": PROFILE_FORMAT, "device_type": args.device_type or platform_name,
@@ -350,8 +540,15 @@ def build_profile(cfg: Any, args: Any, samples: List[dict], updates: List[dict],
                            "(f - 1) x each measured action, DESIGN.md section 9)" if f != 1 else "none"),
         "memory_bytes": _device_memory_bytes(platform_name),
         "model": cfg.to_dict(), "seq_len": args.seq_len, "repeats": args.repeats, "statistic": args.statistic,
-        "samples": samples + updates + copies + ar + (bridge or []),
-        "fits": {"compute": fit_compute(cfg, samples, args.seq_len), "update": line(updates, "params"),
+        "samples": samples + updates + copies + ar + (bridge or []) + list(corun),
+        "host_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "fits": {"compute": fit_compute(cfg, samples, args.seq_len),
+                 "compute_dp": {f"{dp}x1": fit_compute(cfg, samples, args.seq_len, dp)["1"] for dp in dps},
+                 "update": line([u for u in updates if u.get("dp", 1) == 1], "params"),
+                 "update_dp": {str(dp): line([u for u in updates if u.get("dp", 1) == dp], "params") for dp in dps},
+                 "corun": fit_corun([c for c in corun if c["kind"] == "corun"]),
+                 "runtime": fit_runtime_overhead([c for c in corun if c["kind"] == "runtime_overhead"]),
+                 "bridge_local": line([c for c in corun if c["kind"] == "bridge_local"], "bytes"),
                  "host_copy": line([c for c in copies if c["kind"] == "host_copy"], "bytes"),
                  "shared_sum": fit_shared_sum([c for c in copies if c["kind"] == "shared_sum"]),
                  "allreduce": line(ar, "ring_bytes"),
@@ -375,16 +572,16 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     STATISTIC["name"] = args.statistic
     mbs_list = [int(x) for x in args.microbatch_sizes.split(",")]
     tps = [int(x) for x in args.tp.split(",")]
-    if args.slowdown < 1 or args.repeats < 1 or min(mbs_list + tps) < 1 or args.seq_len < 1:
-        raise SystemExit("--slowdown must be >= 1; --repeats, --seq-len, microbatch sizes and TP degrees >= 1")
+    dps = [int(x) for x in args.dp.split(",")]
+    if args.slowdown < 1 or args.repeats < 1 or min(mbs_list + tps + dps) < 1 or args.seq_len < 1:
+        raise SystemExit("--slowdown must be >= 1; --repeats, --seq-len, microbatch sizes, TP and DP degrees >= 1")
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={max(tps + [2])}").strip()
+                                   f" --xla_force_host_platform_device_count={max(tps + dps + [2])}").strip()
     import jax
 
-    from hethub_jax.models.config import get_preset
-    cfg = get_preset(args.model)
-    bridge = measure_bridge([1024, 64 * 1024, 1024 * 1024], args.repeats)
+    cfg = _model(args.model)
+    bridge = None if args.no_bridge else measure_bridge([1024, 64 * 1024, 1024 * 1024], args.repeats)
     if bridge is not None and bridge and _mpi_rank() != 0:
         return {}
     devices = jax.devices()
@@ -393,19 +590,33 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         raise SystemExit("--slowdown (emulation) applies only to cpu islands")
     t0 = time.perf_counter()
     samples, updates = profile_compute(cfg, args.seq_len, mbs_list, tps, args.repeats, devices,
-                                       not args.no_progress)
+                                       not args.no_progress, dps)
+    corun = (measure_corun(cfg, devices, args.seq_len, args.repeats)
+             if args.corun == "on" or (args.corun == "auto" and platform_name == "cpu") else [])
+    corun += [] if args.no_runtime else measure_runtime_overhead(cfg, devices, args.repeats)
     act = args.seq_len * cfg.hidden_size * analytic.dtype_bytes(cfg.dtype)
     sizes = sorted({act * m for m in mbs_list} | {1 << 20, 8 << 20})
+    if bridge is None and not args.no_runtime:  # not under mpiexec: the in-process bridge of islands as threads
+        corun += measure_local_bridge(sizes, args.repeats)
     copies = measure_host_copy(devices[0], sizes, args.repeats)
     allreduce = measure_allreduce(devices[:max(tps)], sizes, args.repeats)
     copies += measure_shared_sum(cfg, devices, args.repeats)
-    prof = build_profile(cfg, args, samples, updates, copies, allreduce, bridge, platform_name)
+    prof = build_profile(cfg, args, samples, updates, copies, allreduce, bridge, platform_name, corun)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(prof, fh, indent=1)
     print(f"profile of {prof['device_type']} ({len(prof['samples'])} samples, {time.perf_counter() - t0:.0f} s) "
           f"written to {args.out}" + (f"; EMULATED slowdown {args.slowdown:g}" if args.slowdown != 1 else ""))
     return prof
+
+
+def _model(name: str) -> Any:
+    """A preset name or a JSON file of ``LlamaConfig`` fields."""
+    from hethub_jax.models.config import LlamaConfig, get_preset
+    if name.endswith(".json"):
+        with open(name) as f:
+            return LlamaConfig(**json.load(f))
+    return get_preset(name)
 
 
 def _mpi_rank() -> int:

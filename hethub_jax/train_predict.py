@@ -28,9 +28,10 @@ __all__ = ["RunPrediction", "predict_run", "plan_from_cluster", "profile_device"
            "PROFILE_SETTINGS"]
 
 #: the brief profile of plan-less training (``python -m hethub_jax.profile`` flags): one TP degree, two
-#: microbatch sizes, the fastest of 2 timed calls (the machine may be shared)
+#: microbatch sizes, the fastest of 2 timed calls (the machine may be shared); no co-run slowdown, runtime
+#: per-action seconds or in-process bridge (the training islands are processes, planned without them)
 PROFILE_SETTINGS = ("--microbatch-sizes", "1,2", "--tp", "1", "--repeats", "2", "--statistic", "min",
-                    "--no-progress")
+                    "--no-progress", "--corun", "off", "--no-runtime")
 
 #: environment variables of MPI launchers; removed for the profiler child so that it starts as a
 #: single-process (singleton) MPI program instead of joining the job

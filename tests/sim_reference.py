@@ -161,6 +161,9 @@ def _pipeline(cfg: Any, plan: Any, ctxs: Dict[Tuple[int, int], _StageCtx], bridg
         cross = {p: ctxs[(k[0], p)].spec.island != ctx.spec.island
                  for p in range(plan.replicas[k[0]].num_stages)}
         times[k] = _action_times(ctx, lists[k], msg_bytes, cross, fused_update_s)
+        over = getattr(ctx.costs, "action_overhead_s", 0.0)
+        if over:  # the runtime's own (measured) seconds per action
+            times[k] = [t + over for t in times[k]]
 
     def delivery(k: Tuple[int, int], a: Action) -> float:
         return bridge.time_s(msg_bytes) if ctxs[(k[0], a.peer)].spec.island != ctxs[k].spec.island else 0.0
@@ -240,7 +243,7 @@ def reference_predict(cfg: Any, plan: Any, costs, *, seq_len: int, bridge=None, 
     pb = analytic.dtype_bytes(cfg.param_dtype)
     lists = {r: [list(a) for a in plan.actions(r)] for r in range(plan.num_replicas)}
     fuse = P._update_fusable(plan, cfg)
-    upd = {k: c.factor * c.costs.update_time_s(c.n_params, pb) for k, c in ctxs.items()}
+    upd = {k: c.factor * c.costs.update_time_s(c.n_params, pb, c.spec.dp) for k, c in ctxs.items()}
     fused_update_s = upd[(0, 0)] * (1 + 1 / 7) if fuse else 0.0
     proc_of = (lambda k: ctxs[k].spec.island) if concurrency == "runtime" else (lambda k: k)
     events, busy = _pipeline(cfg, plan, ctxs, bridge, seq_len, fused_update_s, proc_of, lists)

@@ -331,3 +331,134 @@ def test_in_flight_microbatches_follow_the_schedule(schedule):
         want = stage_memory_bytes(Cfg, spec.first_layer, spec.last_layer, spec.is_first, spec.is_last,
                                   microbatch_size=1, seq_len=8, dp=1, tp=1, in_flight=n, recompute="none")
         assert st.memory.activations == pytest.approx(want.activations)
+
+
+# ---- islands sharing a host's cores, DP meshes, the runtime's own overhead (issue 13 accuracy) -----
+
+def _two_replicas(m):
+    """Two data-parallel replicas of one stage each, one per island (both compute all the time)."""
+    st = lambda isl: {"stages": [{"island": isl, "first_layer": 0, "last_layer": 7}]}
+    return Plan.from_dict({"islands": [{"name": "a", "platform": "cpu"}, {"name": "b", "platform": "cpu"}],
+                           "replicas": [st("a"), st("b")], "global_batch_size": 2 * m, "microbatch_size": 1})
+
+
+@pytest.mark.parametrize("f", [1.5, 2.0, 3.0])
+def test_islands_sharing_a_host_slow_their_overlapping_compute_by_the_corun_factor(f):
+    """Two replicas on two islands of one host compute at the same time from start to end: every
+    action overlaps the other island's compute, so the pipeline takes exactly f x as long as on
+    hardware of their own, and their equal sums + updates (also concurrent) f x as long."""
+    prof = fixed_profile(0.01, 0.02, update=0.005)
+    prof["fits"]["corun"] = {"factor": f}
+    own = DeviceCosts.from_profile(prof)
+    assert own.corun_factor == f and own.host is None
+    shared = own.on_shared_host("h")
+    plan = _two_replicas(3)
+    alone = predict(Cfg, plan, {"a": own, "b": own}, seq_len=8)
+    both = predict(Cfg, plan, {"a": shared, "b": shared}, seq_len=8)
+    assert both.pipeline_s == pytest.approx(f * alone.pipeline_s)
+    assert both.update_s == pytest.approx(f * alone.update_s)
+    # one island alone on the host (the other on its own hardware): nothing to share
+    mixed = predict(Cfg, plan, {"a": shared, "b": own}, seq_len=8)
+    assert mixed.step_time_s == pytest.approx(alone.step_time_s)
+
+
+def test_shared_makespan_by_hand():
+    from hethub_jax.planner.predictor import _shared_makespan
+    # 1 s and 3 s jobs at factor 2: both run 2 s (the short one ends), then 2 s of the long one alone
+    assert _shared_makespan([1.0, 3.0], 2.0) == pytest.approx(4.0)
+    assert _shared_makespan([2.0], 5.0) == pytest.approx(2.0)
+    assert _shared_makespan([1.0, 1.0, 1.0], 1.0) == pytest.approx(1.0)
+
+
+def test_runtime_overhead_adds_to_every_action_of_a_serial_island():
+    """One island running both stages (one process: every action back to back): the measured
+    per-action overhead x the number of actions is added to the pipeline."""
+    t_f, t_b, m, x = 0.01, 0.02, 4, 0.001
+    plan = chain_plan(2, m, "1f1b", islands=["a", "a"])
+    plan = Plan.from_dict(dict(plan.to_dict(), islands=[{"name": "a", "platform": "cpu", "devices_per_process": 2}]))
+    prof = fixed_profile(t_f, t_b)
+    base = predict(Cfg, plan, {"a": DeviceCosts.from_profile(prof)}, seq_len=8)
+    prof["fits"]["runtime"] = {"per_action_s": x}
+    more = predict(Cfg, plan, {"a": DeviceCosts.from_profile(prof)}, seq_len=8)
+    n_actions = sum(len(acts) for acts in plan.actions(0))
+    assert more.pipeline_s == pytest.approx(base.pipeline_s + n_actions * x)
+
+
+def test_profiled_dp_meshes_are_used_for_dp_stages(tmp_path):
+    """A (2, 1) mesh fitted from samples of known lines is what a dp 2 stage costs (x = FLOPs per DP
+    rank); dp 1 stages keep the TP fits; an unprofiled DP degree falls back to them."""
+    from hethub_jax.profile import fit_compute
+    seq, layer = 16, (0.001, 2e-9)
+    samples = []
+    for dp, scale in ((1, 1.0), (2, 1.8)):
+        for n, mbs, phase in itertools.product([1, 2], [1, 4], ["F", "F_nosave", "B", "B_recompute"]):
+            t = scale * n * (layer[0] + layer[1] * analytic.layer_flops(Cfg, mbs * seq, seq))
+            samples.append({"kind": "stage", "dp": dp, "tp": 1, "phase": phase, "tokens": mbs * seq, "layers": n,
+                            "is_first": False, "is_last": False, "seconds": t})
+    prof = fixed_profile(0.0, 0.0)
+    prof["fits"]["compute"] = fit_compute(Cfg, samples, seq)
+    prof["fits"]["compute_dp"] = {"2x1": fit_compute(Cfg, samples, seq, dp=2)["1"]}
+    prof["fits"]["update_dp"] = {"2": {"c0": 0.5, "c1": 0.0}}
+    c = DeviceCosts.from_profile(prof)
+    want = lambda scale: scale * (layer[0] + layer[1] * analytic.layer_flops(Cfg, 2 * seq, seq))
+    assert c.layer_time_s(Cfg, 2 * seq, seq, 1, "B") == pytest.approx(want(1.0), rel=1e-6)
+    assert c.layer_time_s(Cfg, 2 * seq, seq, 1, "B", dp=2) == pytest.approx(want(1.8), rel=1e-6)
+    assert c.layer_time_s(Cfg, 2 * seq, seq, 1, "B", dp=4) == pytest.approx(want(1.0), rel=1e-6)
+    assert c.update_time_s(1000, dp=2) == 0.5 and c.update_time_s(1000) == 0.0
+
+
+def test_fit_corun_is_the_time_weighted_ratio():
+    from hethub_jax.profile import fit_corun
+    fit = fit_corun([{"call": "x", "alone_s": 1.0, "busy_s": 2.0}, {"call": "y", "alone_s": 3.0, "busy_s": 3.0}])
+    assert fit["factor"] == pytest.approx(5.0 / 4.0) and fit["ratios"] == {"x": 2.0, "y": 1.0}
+    assert fit_corun([]) is None
+
+
+def test_local_bridge_reproduces_the_measured_two_island_allreduce():
+    """fits.bridge_local (a 2-thread all-reduce, c0 + c1 x bytes) read as LinkModel(c0 / 2, 1 / c1):
+    the ring all-reduce of 2 islands, 2 alpha + bytes / bandwidth, is the measured line."""
+    prof = fixed_profile(0.01, 0.02)
+    prof["fits"]["bridge_local"] = {"c0": 0.002, "c1": 1e-9}
+    link = DeviceCosts.from_profile(prof).local_bridge_link
+    nbytes = 8e6
+    assert 2 * link.alpha_s + nbytes / link.bandwidth == pytest.approx(0.002 + 1e-9 * nbytes)
+    assert DeviceCosts.from_profile(fixed_profile(0.01, 0.02)).local_bridge_link is None
+
+
+@pytest.mark.slow
+def test_profiler_writes_dp_mesh_corun_runtime_and_local_bridge_fits(tmp_path):
+    """``python -m hethub_jax.profile`` with ``--dp 1,2`` on the tiny model (one microbatch size, one
+    repeat): the JSON holds the (2, 1) mesh fits, the co-run factor, the runtime's per-action seconds and
+    the in-process bridge, and ``DeviceCosts.from_profile`` reads them (measured, so only their presence
+    and signs are checked)."""
+    out = tmp_path / "cpu.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    p = subprocess.run([sys.executable, "-m", "hethub_jax.profile", "--out", str(out), "--seq-len", "16",
+                        "--microbatch-sizes", "1", "--tp", "1", "--dp", "1,2", "--repeats", "1", "--no-progress"],
+                       env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    import json
+    prof = json.loads(out.read_text())
+    assert set(prof["fits"]["compute_dp"]) == {"2x1"} and set(prof["fits"]["update_dp"]) == {"2"}
+    assert {s["call"] for s in prof["samples"] if s["kind"] == "corun"} == {"first_F", "first_B", "last_FB",
+                                                                            "last_update"}
+    c = DeviceCosts.from_profile(prof)
+    assert c.corun_factor >= 1.0 and c.action_overhead_s > 0 and c.local_bridge_link is not None
+    assert (2, 1) in c.dp_fits and c.update_dp_fits[2] is not None
+
+
+def test_an_emulated_wait_does_not_slow_the_other_island():
+    """Island b EMULATED 4x slower computes only the first quarter of each action, then waits: island
+    a, sharing the host, is slowed for less of its time than beside an equally fast b (whose actions
+    compute throughout), and more than on hardware of its own."""
+    prof = fixed_profile(0.01, 0.02, update=0.0)
+    prof["fits"]["corun"] = {"factor": 2.0}
+    shared = DeviceCosts.from_profile(prof).on_shared_host("h")
+    plan = _two_replicas(3)
+    slow = Plan.from_dict(dict(plan.to_dict(), islands=[{"name": "a", "platform": "cpu"},
+                                                        {"name": "b", "platform": "cpu", "slowdown": 4.0}]))
+    even = predict(Cfg, plan, {"a": shared, "b": shared}, seq_len=8)
+    uneven = predict(Cfg, slow, {"a": shared, "b": shared}, seq_len=8)
+    alone = predict(Cfg, plan, {"a": DeviceCosts.from_profile(prof), "b": shared}, seq_len=8)
+    busy = lambda p, isl: sum(s.busy_s for s in p.stages if s.island == isl)
+    assert busy(alone, "a") < busy(uneven, "a") < busy(even, "a")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from hethub_jax.planner import analytic
@@ -95,6 +95,24 @@ class DeviceCosts:
       bridge_link: the MPI bridge measured by the profiler under ``mpiexec -n 2`` (None when not
         measured); pass it to ``predict(..., bridge=...)``.
       profile: the raw profile dict (profile costs).
+      corun_factor: MEASURED slowdown of a computation while a second island of the same process
+        computes on other devices of the same host (``fits.corun.factor`` of a CPU profile: fake CPU
+        devices of one process share its cores); 1.0 when not measured (the catalog, separate hardware).
+      host: name of the host whose cores the islands with these costs share (None: the island has
+        hardware of its own). Set with :meth:`on_shared_host`; the predictor slows the overlapping
+        compute of islands with the same ``host`` by ``corun_factor``.
+      dp_fits: per ``(dp, tp)`` mesh with ``dp > 1`` that was profiled, fits like ``fits`` (x = the
+        FLOPs / tokens per DP rank): on CPU the fake devices of a mesh share the same cores, so a DP
+        mesh is measured, not derived from one device with fewer tokens.
+      update_dp_fits: per DP degree > 1 that was profiled, the update fit on such a mesh.
+      action_overhead_s: the runtime's own seconds per action (Python dispatch and bookkeeping
+        around the compute calls), MEASURED on ``PipelineRuntime`` by the profiler (``fits.runtime``);
+        0 for the catalog (an assumption: negligible against a large model's compute).
+      local_bridge_link: the bridge between islands that are threads of ONE process
+        (``LocalCommunicator``), from the profile's measured 2-thread all-reduce ``c0 + c1 x bytes``
+        (``fits.bridge_local``) as ``LinkModel(c0 / 2, 1 / c1)``, so that the predictor's ring
+        all-reduce of 2 islands, ``2 alpha + bytes / bandwidth``, is the measured one; None when not
+        measured.
     """
 
     name: str
@@ -110,6 +128,25 @@ class DeviceCosts:
     host_link: Optional[LinkModel] = None
     bridge_link: Optional[LinkModel] = None
     profile: Optional[Dict[str, Any]] = None
+    corun_factor: float = 1.0
+    host: Optional[str] = None
+    dp_fits: Dict[Tuple[int, int], Dict[str, Dict[str, _Linear]]] = field(default_factory=dict)
+    update_dp_fits: Dict[int, _Linear] = field(default_factory=dict)
+    action_overhead_s: float = 0.0
+    local_bridge_link: Optional[LinkModel] = None
+
+    def on_shared_host(self, host: str = "local") -> "DeviceCosts":
+        """A copy whose islands share the cores of host ``host`` with the other islands given costs
+        with the same ``host`` (islands as threads or processes of one machine, as in
+        ``benchmarks/predictor_accuracy.py``); their overlapping compute is slowed by the MEASURED
+        ``corun_factor``.
+
+        Raises:
+          ValueError: if ``host`` is empty.
+        """
+        if not host:
+            raise ValueError("host must be a non-empty name")
+        return replace(self, host=str(host))
 
     # ---- constructors ------------------------------------------------------------------------------
     @classmethod
@@ -148,10 +185,11 @@ class DeviceCosts:
         fits_in = profile.get("fits", {})
         if "compute" not in fits_in:
             raise ValueError("profile has no 'fits.compute' section")
-        fits: Dict[int, Dict[str, Dict[str, _Linear]]] = {}
-        for tp, phases in fits_in["compute"].items():
-            fits[int(tp)] = {ph: {part: _Linear(float(v["c0"]), float(v["c1"])) for part, v in parts.items()}
-                             for ph, parts in phases.items()}
+        lines = lambda phases: {ph: {part: _Linear(float(v["c0"]), float(v["c1"])) for part, v in parts.items()}
+                                for ph, parts in phases.items()}
+        fits = {int(tp): lines(phases) for tp, phases in fits_in["compute"].items()}
+        dp_fits = {tuple(int(x) for x in mesh.split("x")): lines(phases)
+                   for mesh, phases in (fits_in.get("compute_dp") or {}).items()}
         lin = lambda d: None if d is None else _Linear(float(d["c0"]), float(d["c1"]))
         host, br = fits_in.get("host_copy"), fits_in.get("bridge")
         link = lambda d: None if d is None else LinkModel(max(0.0, float(d["c0"])), 1.0 / max(float(d["c1"]), 1e-15))
@@ -161,13 +199,23 @@ class DeviceCosts:
                    fits=fits, update_fit=lin(fits_in.get("update")), allreduce_fit=lin(fits_in.get("allreduce")),
                    shared_sum_fit=_shared_fit(fits_in.get("shared_sum")),
                    host_link=link(host), bridge_link=link(br),
-                   profile=dict(profile))
+                   profile=dict(profile), corun_factor=_corun(fits_in.get("corun")), dp_fits=dp_fits,
+                   update_dp_fits={int(k): lin(v) for k, v in (fits_in.get("update_dp") or {}).items()},
+                   action_overhead_s=max(0.0, float((fits_in.get("runtime") or {}).get("per_action_s", 0.0))),
+                   local_bridge_link=_local_bridge(fits_in.get("bridge_local")))
 
     # ---- compute -----------------------------------------------------------------------------------
-    def _fit(self, tp: int, phase: str, part: str) -> Tuple[_Linear, float]:
-        """The fitted line of the nearest profiled TP degree <= tp (else the smallest), and the factor
-        (profiled tp / tp) that scales its slope to ``tp`` shards."""
+    def _fit(self, tp: int, phase: str, part: str, dp: int = 1) -> Tuple[_Linear, float]:
+        """The fitted line of the profiled ``(dp, tp)`` mesh when there is one (``dp > 1``), else of
+        the nearest profiled TP degree <= tp (else the smallest), and the factor (profiled tp / tp)
+        that scales its slope to ``tp`` shards."""
         _check_phase(phase)
+        if dp > 1 and (dp, tp) in self.dp_fits:
+            try:
+                return self.dp_fits[(dp, tp)][phase][part], 1.0
+            except KeyError:
+                raise ValueError(f"profile {self.name!r} has no fit for mesh {dp}x{tp}, phase {phase!r}, "
+                                 f"part {part!r}") from None
         tps = sorted(self.fits)
         lower = [t for t in tps if t <= tp]
         t = lower[-1] if lower else tps[0]
@@ -179,13 +227,14 @@ class DeviceCosts:
     def _compute(self, flops: float, tp: int, phase: str) -> float:
         return flops * _PHASE_FORWARDS[phase] / (tp * self.spec.peak_flops * self.efficiency)
 
-    def layer_time_s(self, cfg: Any, tokens: float, seq_len: int, tp: int, phase: str) -> float:
+    def layer_time_s(self, cfg: Any, tokens: float, seq_len: int, tp: int, phase: str, dp: int = 1) -> float:
         """Seconds of ONE decoder layer on a TP group of ``tp`` devices for ``tokens`` tokens (per DP
         rank of the stage) in sequences of ``seq_len``, phase in :data:`PHASES`.
 
         Catalog: forward FLOPs (:func:`analytic.layer_flops`) x the phase's forwards / (tp x peak x
         efficiency) + the phase's Megatron TP all-reduces of ``T x D`` activations (tp > 1).
-        Profile: the fitted ``c0 + c1 x FLOPs`` of the nearest profiled TP degree.
+        Profile: the fitted ``c0 + c1 x FLOPs`` of the profiled ``(dp, tp)`` mesh (``dp > 1``, when
+        profiled) or of the nearest profiled TP degree.
 
         Raises:
           ValueError: for an unknown phase, or tp < 1.
@@ -200,10 +249,10 @@ class DeviceCosts:
                 nbytes = tokens * cfg.hidden_size * analytic.dtype_bytes(cfg.dtype)
                 t += _PHASE_TP_ALLREDUCES[phase] * self.allreduce_time_s(nbytes, tp)
             return t
-        fit, scale = self._fit(tp, phase, "layer")
+        fit, scale = self._fit(tp, phase, "layer", dp)
         return max(0.0, fit.c0 + fit.c1 * flops * scale)
 
-    def embed_time_s(self, cfg: Any, tokens: float, tp: int, phase: str) -> float:
+    def embed_time_s(self, cfg: Any, tokens: float, tp: int, phase: str, dp: int = 1) -> float:
         """Seconds of the token embedding (a gather; backward a scatter-add into the embedding
         gradient) for ``tokens`` tokens. Catalog: ``T D`` elements read and written at ``efficiency x
         memory_bandwidth`` (x the phase's forwards)."""
@@ -211,38 +260,42 @@ class DeviceCosts:
             _check_phase(phase)
             nbytes = 2 * tokens * cfg.hidden_size * analytic.dtype_bytes(cfg.dtype)
             return nbytes * _PHASE_FORWARDS[phase] / (self.spec.memory_bandwidth * self.efficiency)
-        fit, scale = self._fit(tp, phase, "embed")
+        fit, scale = self._fit(tp, phase, "embed", dp)
         return max(0.0, fit.c0 + fit.c1 * tokens * scale)
 
-    def head_time_s(self, cfg: Any, tokens: float, seq_len: int, tp: int, phase: str) -> float:
+    def head_time_s(self, cfg: Any, tokens: float, seq_len: int, tp: int, phase: str, dp: int = 1) -> float:
         """Seconds of the final norm, LM head and summed cross-entropy for ``tokens`` tokens."""
         flops = analytic.head_flops(cfg, tokens)
         if self.source == "catalog":
             _check_phase(phase)
             return self._compute(flops, tp, phase)
-        fit, scale = self._fit(tp, phase, "head")
+        fit, scale = self._fit(tp, phase, "head", dp)
         return max(0.0, fit.c0 + fit.c1 * flops * scale)
 
-    def stage_overhead_s(self, tp: int, phase: str) -> float:
+    def stage_overhead_s(self, tp: int, phase: str, dp: int = 1) -> float:
         """Fixed seconds of one stage call (dispatch, argument handling, synchronisation), measured
         as the intercept of the profile's stage fits; 0 for catalog costs (an assumption: negligible
         against the compute of a large model)."""
         if self.source == "catalog":
             _check_phase(phase)
             return 0.0
-        fit, _ = self._fit(tp, phase, "base")
+        fit, _ = self._fit(tp, phase, "base", dp)
         return max(0.0, fit.c0)
 
     # ---- update and collectives ------------------------------------------------------------------
-    def update_time_s(self, num_params_per_device: float, param_dtype_bytes: int = 4) -> float:
+    def update_time_s(self, num_params_per_device: float, param_dtype_bytes: int = 4, dp: int = 1) -> float:
         """Seconds of one AdamW update of ``num_params_per_device`` parameters on one device.
 
         Catalog: memory-bound; reads parameter, gradient and two moments and writes parameter and
         two moments, 7 x ``param_dtype_bytes`` per parameter (optax.adamw keeps its moments in the
-        parameter dtype), at ``efficiency x memory_bandwidth``. Profile: fitted ``c0 + c1 x n``.
+        parameter dtype), at ``efficiency x memory_bandwidth``. Profile: fitted ``c0 + c1 x n``; for a
+        stage mesh with ``dp > 1`` the profiled mesh's update fit when there is one (on CPU every
+        replica's update runs on the same cores).
         """
         if self.source == "catalog":
             return 7.0 * param_dtype_bytes * num_params_per_device / (self.spec.memory_bandwidth * self.efficiency)
+        if dp > 1 and self.update_dp_fits.get(dp) is not None:
+            return self.update_dp_fits[dp](num_params_per_device)
         if self.update_fit is None:
             raise ValueError(f"profile {self.name!r} has no optimizer-update fit")
         return self.update_fit(num_params_per_device)
@@ -292,6 +345,18 @@ class DeviceCosts:
         p = self.profile or {}
         return (f"{self.name}: profile of {p.get('date', '?')} on {p.get('machine', {}).get('node', '?')} "
                 f"(JAX {p.get('jax_version', '?')}, emulated slowdown {self.emulated_slowdown:g})")
+
+
+def _local_bridge(d: Optional[Mapping[str, Any]]) -> Optional[LinkModel]:
+    """``LinkModel(c0 / 2, 1 / c1)`` of a measured 2-thread all-reduce line (None when absent)."""
+    if not d:
+        return None
+    return LinkModel(max(0.0, float(d["c0"])) / 2, 1.0 / max(float(d["c1"]), 1e-15))
+
+
+def _corun(d: Optional[Mapping[str, Any]]) -> float:
+    """The profile's measured co-run factor (>= 1; 1.0 when absent)."""
+    return 1.0 if not d else max(1.0, float(d["factor"]))
 
 
 def _shared_fit(d: Optional[Mapping[str, Any]]) -> Optional[Tuple[float, float]]:

@@ -14,7 +14,9 @@ How a prediction is made (DESIGN.md section 7; details and formulas in ``docs/pr
      sender's device-to-host copy, the bridge (``LinkModel``) and the receiver's host-to-device copy;
      when one process runs several stages (one island with several stages or replicas), the process
      executes them one action at a time in the runtime's order
-     (:func:`hethub_jax.planner.simulator.simulate_processes`);
+     (:func:`hethub_jax.planner.simulator.simulate_processes`); islands sharing one host's cores
+     (``DeviceCosts.on_shared_host``) slow their overlapping compute by the profile's measured co-run
+     factor (a fixed point over the simulated timeline, :func:`_corun_factors`);
   3. after the pipelines: the sum of gradients of parameters held by several stages (tied
      embeddings, data-parallel replicas), the global norm, and every stage's optimizer update (the
      stages of one island one after the other);
@@ -176,22 +178,23 @@ class Prediction:
 # ---- per-stage figures ------------------------------------------------------------------------------
 
 def stage_compute_s(cfg: Any, costs: DeviceCosts, first_layer: int, last_layer: int, is_first: bool,
-                    is_last: bool, tokens: float, seq_len: int, tp: int, phase: str) -> float:
+                    is_last: bool, tokens: float, seq_len: int, tp: int, phase: str, dp: int = 1) -> float:
     """Seconds of one stage action (phase ``"F"``, ``"F_nosave"``, ``"B"`` or ``"B_recompute"``, see
-    ``costs.PHASES``) for one microbatch of ``tokens`` tokens per DP rank: the stage's fixed call
-    cost + layers + embedding (first stage) + LM head and loss (last stage). No slowdown applied.
+    ``costs.PHASES``) for one microbatch of ``tokens`` tokens per DP rank on a ``(dp, tp)`` mesh: the
+    stage's fixed call cost + layers + embedding (first stage) + LM head and loss (last stage). No
+    slowdown applied.
 
     Raises:
       ValueError: for an empty layer range or an unknown phase.
     """
     if last_layer < first_layer:
         raise ValueError(f"empty stage: first_layer {first_layer} > last_layer {last_layer}")
-    t = costs.stage_overhead_s(tp, phase)
-    t += (last_layer - first_layer + 1) * costs.layer_time_s(cfg, tokens, seq_len, tp, phase)
+    t = costs.stage_overhead_s(tp, phase, dp)
+    t += (last_layer - first_layer + 1) * costs.layer_time_s(cfg, tokens, seq_len, tp, phase, dp)
     if is_first:
-        t += costs.embed_time_s(cfg, tokens, tp, phase)
+        t += costs.embed_time_s(cfg, tokens, tp, phase, dp)
     if is_last:
-        t += costs.head_time_s(cfg, tokens, seq_len, tp, phase)
+        t += costs.head_time_s(cfg, tokens, seq_len, tp, phase, dp)
     return t
 
 
@@ -262,9 +265,10 @@ def _stage_ctx(cfg: Any, plan: Any, r: int, s: int, costs: Mapping[str, DeviceCo
     args = (cfg, c, spec.first_layer, spec.last_layer, spec.is_first, spec.is_last, tokens, seq_len, spec.tp)
     f_phase, b_phase = ("F", "B") if plan.recompute == "none" else ("F_nosave", "B_recompute")
     n = analytic.stage_params_per_device(cfg, spec.first_layer, spec.last_layer, spec.is_first, spec.is_last, spec.tp)
-    return _StageCtx((r, s), spec, isl, c, factor, tokens, factor * stage_compute_s(*args, f_phase),
-                     factor * stage_compute_s(*args, b_phase), factor * stage_compute_s(*args, "B_recompute"), n,
-                     bool(spec.is_last))
+    dp = spec.dp
+    return _StageCtx((r, s), spec, isl, c, factor, tokens, factor * stage_compute_s(*args, f_phase, dp),
+                     factor * stage_compute_s(*args, b_phase, dp), factor * stage_compute_s(*args, "B_recompute", dp),
+                     n, bool(spec.is_last))
 
 
 def _fused(ctx: _StageCtx, acts: Sequence[Action], i: int) -> bool:
@@ -456,11 +460,109 @@ def _shared_groups(cfg: Any, plan: Any) -> List[Tuple[float, int, List[Tuple[int
     return [(size.get(n, lp), tensors.get(n, 9), h) for n, h in holders.items() if len(h) > 1]
 
 
+# ---- islands sharing a host's cores (CPU islands of one machine) ------------------------------------
+
+#: rounds of the co-run fixed point (simulate, slow overlapping compute, simulate again)
+CORUN_ROUNDS = 4
+
+
+def _shared_hosts(ctxs) -> Dict[Tuple[int, int], str]:
+    """Per stage key, the host whose cores its island shares with at least one other island
+    (``DeviceCosts.host`` set and a measured ``corun_factor > 1``); stages on hardware of their own
+    are absent."""
+    islands: Dict[str, set] = {}
+    for c in ctxs.values():
+        if c.costs.host is not None and c.costs.corun_factor > 1:
+            islands.setdefault(c.costs.host, set()).add(c.spec.island)
+    return {k: c.costs.host for k, c in ctxs.items()
+            if c.costs.host in islands and len(islands[c.costs.host]) > 1}
+
+
+def _overlap(t0: float, t1: float, starts: List[float], ends: List[float]) -> float:
+    """Seconds of ``[t0, t1]`` covered by the disjoint sorted intervals ``starts[i], ends[i]``."""
+    from bisect import bisect_right
+    i, out = max(0, bisect_right(starts, t0) - 1), 0.0
+    while i < len(starts) and starts[i] < t1:
+        out += max(0.0, min(t1, ends[i]) - max(t0, starts[i]))
+        i += 1
+    return out
+
+
+def _corun_factors(events, ctxs, hosts) -> Dict[Tuple[Tuple[int, int], int], float]:
+    """Per ``(key, id(action))`` of a compute action on a shared host: ``1 + (corun_factor - 1) x``
+    the fraction of the action's computing part overlapped by the computing parts of OTHER islands'
+    actions on the same host (the profile's measured co-run slowdown, applied for the time both
+    compute). An emulated slow island's action computes for its first ``1 / factor`` and then waits
+    (DESIGN.md section 9): the wait slows no one, and is itself proportional to the slowed compute."""
+    busy: Dict[Tuple[str, str], List[Tuple[float, float]]] = {}
+    computing = lambda k, t0, t1: (t0, t0 + (t1 - t0) / max(ctxs[k].factor, 1.0))
+    for k, a, t0, t1 in events:
+        if k in hosts and a.is_compute and t1 > t0:
+            busy.setdefault((hosts[k], ctxs[k].spec.island), []).append(computing(k, t0, t1))
+    merged = {}
+    for host, isl in busy:
+        ivs = sorted(iv for (h, i), v in busy.items() if h == host and i != isl for iv in v)
+        out: List[List[float]] = []
+        for a0, a1 in ivs:
+            if out and a0 <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], a1)
+            else:
+                out.append([a0, a1])
+        merged[(host, isl)] = ([x[0] for x in out], [x[1] for x in out])
+    factors = {}
+    for k, a, t0, t1 in events:
+        key = (hosts.get(k), ctxs[k].spec.island)
+        if key in merged and a.is_compute and t1 > t0:
+            c0, c1 = computing(k, t0, t1)
+            frac = _overlap(c0, c1, *merged[key]) / (c1 - c0)
+            factors[(k, id(a))] = 1.0 + (ctxs[k].costs.corun_factor - 1.0) * frac
+    return factors
+
+
+def _shared_makespan(jobs: Sequence[float], factor: float) -> float:
+    """Seconds until the last of ``jobs`` (seconds alone, started together on one host) ends when
+    each runs ``factor`` times slower while another one runs too."""
+    rem, t = sorted(j for j in jobs if j > 0), 0.0
+    while len(rem) > 1:
+        t += rem[0] * factor
+        rem = [r - rem[0] for r in rem[1:]]
+    return t + (rem[0] if rem else 0.0)
+
+
+def _corun_tail(cfg: Any, plan: Any, ctxs, bridge: LinkModel, hosts, upd_per_island: Mapping[str, float],
+                reduce_s: float, update_s: float) -> Tuple[float, float]:
+    """(gradient sums + norm, update) seconds when islands sharing a host do their sums, norms and
+    updates at the same time after the pipelines: per host :func:`_shared_makespan` of each island's
+    (sums + norm + update) at the host's measured co-run factor; both figures are scaled by the
+    ratio of that makespan to the slowest island alone."""
+    parts, fixed = _reduction_parts(cfg, plan, ctxs, bridge)
+    tail = {i: parts.get(i, 0.0) + u for i, u in upd_per_island.items()}
+    alone = max(tail.values(), default=0.0)
+    if alone <= 0:
+        return reduce_s, update_s
+    on_host: Dict[str, Dict[str, float]] = {}
+    for k, h in hosts.items():
+        on_host.setdefault(h, {})[ctxs[k].spec.island] = ctxs[k].costs.corun_factor
+    shared = set(i for isl in on_host.values() for i in isl)
+    new = max([_shared_makespan([tail[i] for i in isl], max(isl.values())) for isl in on_host.values()]
+              + [t for i, t in tail.items() if i not in shared])
+    scale = new / alone
+    isl_part = reduce_s - fixed
+    return isl_part * scale + fixed, update_s * scale
+
+
 def _reduction_s(cfg: Any, plan: Any, ctxs, bridge: LinkModel) -> float:
     """Seconds of the sums of shared gradients (runtime ``_reduce_shared``: per island
     ``DeviceCosts.shared_sum_s`` of the float32 bytes its holders hold; a ring all-reduce over the
     bridge when the holders are on several islands) and of the global norm (each stage reads its
     gradients once, one small all-reduce)."""
+    parts, fixed = _reduction_parts(cfg, plan, ctxs, bridge)
+    return max(parts.values(), default=0.0) + fixed
+
+
+def _reduction_parts(cfg: Any, plan: Any, ctxs, bridge: LinkModel) -> Tuple[Dict[str, float], float]:
+    """(per island: seconds of its shared-gradient sums and global-norm reads, seconds of the
+    cross-island all-reduces and the bridge latency): the parts of :func:`_reduction_s`."""
     held: Dict[str, List[float]] = {}  # float32 bytes and tensors summed over the holders on each island
     cross = 0.0
     for n, tensors, holders in _shared_groups(cfg, plan):
@@ -478,9 +580,10 @@ def _reduction_s(cfg: Any, plan: Any, ctxs, bridge: LinkModel) -> float:
     norm = {}
     for k, ctx in ctxs.items():
         pb = analytic.dtype_bytes(cfg.param_dtype)
-        norm[ctx.spec.island] = norm.get(ctx.spec.island, 0.0) + ctx.costs.update_time_s(ctx.n_params, pb) / 7
-    isl_s = max((per_island.get(i, 0.0) + norm.get(i, 0.0) for i in norm), default=0.0)
-    return isl_s + cross + (bridge.alpha_s if len(plan.islands) > 1 else 0.0)
+        norm[ctx.spec.island] = norm.get(ctx.spec.island, 0.0) + ctx.costs.update_time_s(ctx.n_params, pb,
+                                                                                           ctx.spec.dp) / 7
+    return ({i: per_island.get(i, 0.0) + norm.get(i, 0.0) for i in norm},
+            cross + (bridge.alpha_s if len(plan.islands) > 1 else 0.0))
 
 
 def _update_fusable(plan: Any, cfg: Any, per_replica=None) -> bool:
@@ -528,16 +631,22 @@ def predict(cfg: Any, plan: Any, costs: Mapping[str, DeviceCosts], *, seq_len: i
               for r in range(plan.num_replicas)}
     fuse = (plan.num_replicas == 1 and plan.num_stages(0) == 1  # else no Action lists are needed
             and _update_fusable(plan, cfg, {0: (arrays[0].lists,)}))
-    upd = {k: c.factor * c.costs.update_time_s(c.n_params, pb) for k, c in ctxs.items()}
+    upd = {k: c.factor * c.costs.update_time_s(c.n_params, pb, c.spec.dp) for k, c in ctxs.items()}
     fused_update_s = upd[(0, 0)] * (1 + 1 / 7) if fuse else 0.0
     proc_of = (lambda k: ctxs[k].spec.island) if concurrency == "runtime" else (lambda k: k)
     pl = _pipeline(cfg, plan, ctxs, bridge, seq_len, fused_update_s, proc_of, arrays)
+    hosts = _shared_hosts(ctxs)
+    for _ in range(CORUN_ROUNDS if hosts else 0):  # islands sharing a host's cores slow each other
+        pl = _pipeline(cfg, plan, ctxs, bridge, seq_len, fused_update_s, proc_of, arrays,
+                       _corun_factors(pl.events(), ctxs, hosts))
     pipeline_s = pl.pipeline_s
     reduce_s = 0.0 if fuse else _reduction_s(cfg, plan, ctxs, bridge)
     per_island: Dict[str, float] = {}
     for k, t in upd.items():
         per_island[ctxs[k].spec.island] = per_island.get(ctxs[k].spec.island, 0.0) + t
     update_s = 0.0 if fuse else max(per_island.values())
+    if hosts and not fuse:
+        reduce_s, update_s = _corun_tail(cfg, plan, ctxs, bridge, hosts, per_island, reduce_s, update_s)
     step = pipeline_s + reduce_s + update_s
     stages = tuple(_stage_prediction(cfg, plan, ctxs[k], None, pl.busy[j], pipeline_s, seq_len,
                                      in_flight=_in_flight(ctxs[k], arrays[k[0]], k[1]))
