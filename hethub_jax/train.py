@@ -438,13 +438,16 @@ def _load_plan_and_data(cfg):
 
 
 def _check_launch(run: _Run) -> None:
-    """``--island`` needs ``mpiexec``; under MPI every rank checks that all ranks run the same config
-    and plan (``cluster.handshake``)."""
+    """``--island`` needs ``mpiexec``; this process's devices (``_check_devices``); under MPI every rank
+    then checks that all ranks run the same config and plan (``cluster.handshake``). The per-rank checks
+    come first, so that a rank failing them is aborted while its peers wait in the handshake, before
+    any of them locks or probes an output directory (``_check_outputs``)."""
     plan = run.plan
     if run.comm is None and plan.world_size > 1 and run.args.island is not None:
         raise _ConfigError(f"--island {run.args.island}: the plan has {plan.world_size} ranks; run it under "
                            f"mpiexec -n {plan.world_size}, or without --island to run every island in one "
                            f"process")
+    _check_devices(run)
     if run.comm is not None:
         import jax
 
@@ -457,7 +460,6 @@ def _check_launch(run: _Run) -> None:
                 timeout=run.cfg.train.message_timeout_s)
         except cluster.HandshakeError as e:
             raise _ConfigError(str(e)) from None
-    _check_devices(run)
 
 
 def _check_devices(run: _Run) -> None:

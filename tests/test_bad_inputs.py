@@ -176,7 +176,8 @@ CASES = [
 ]
 
 #: seconds from a failing rank's error line to the end of every rank of the job (issue 16: "within
-#: seconds"); the start-up watchdog is set far beyond it, so it cannot be what ends the job
+#: seconds"), plus the time a healthy peer takes to start (it must reach MPI_Init before it can end:
+#: measured in the same test run, ``_startup_s``); the start-up watchdog is set far beyond it
 MPI_END_WITHIN_S = 20.0
 
 PREFIX = "python -m hethub_jax.train: error: "
@@ -248,7 +249,28 @@ def test_bad_input_under_mpi(case: Case, tmp_path: Path):
     # mpiexec's own status depends on how it ended the other ranks (status 2 of the failing rank, or
     # the signal it sent the rest); the failing ranks' status 2 is checked by the in-process cases
     _check_output(case, 2, err, tmp_path)
-    assert after_error < MPI_END_WITHIN_S, f"{case.name}: the job ended {after_error:.1f} s after the error:\n{err[-3000:]}"
+    limit = MPI_END_WITHIN_S + _startup_s(env)
+    assert after_error < limit, (f"{case.name}: the job ended {after_error:.1f} s after the error (limit "
+                                 f"{limit:.1f} s):\n{err[-3000:]}")
+
+
+_STARTUP: list[float] = []
+
+
+def _startup_s(env: dict) -> float:
+    """Seconds one process takes from its start to a configuration error (imports, config): how late
+    a healthy peer may reach MPI_Init after another rank failed early (e.g. in argparse). Measured once
+    per session, on the same machine under the same load as the MPI cases."""
+    import subprocess
+    import time
+
+    if not _STARTUP:
+        t0 = time.monotonic()
+        env1 = {k: v for k, v in env.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_", "HYDRA_"))}
+        subprocess.run([sys.executable, "-m", "hethub_jax.train", "--steps", "0"], env=env1, cwd=ROOT,
+                       capture_output=True, timeout=120)
+        _STARTUP.append(time.monotonic() - t0)
+    return _STARTUP[0]
 
 
 def _run_timed(cmd: list[str], timeout: float, env: dict) -> tuple[int, str, float]:
@@ -295,7 +317,8 @@ def render_doc() -> str:
             "`python -m hethub_jax.train: error: <message>` before it writes a metrics or checkpoint file\n"
             "(and, except for the corrupt checkpoint, before the pipeline runtime is built). The message\n"
             "column is the pattern the test checks. Under `mpiexec`, every rank of the job ends within\n"
-            f"{MPI_END_WITHIN_S:g} s of the error line (tested): a rank failing after MPI started aborts the job\n"
+            f"{MPI_END_WITHIN_S:g} s of the error line once every rank has started (tested, plus one rank's measured\n"
+            "start-up time): a rank failing after MPI started aborts the job\n"
             "(MPI abort); a rank failing before (its command line or config) prefixes `rank R (island X): `,\n"
             "still starts MPI and reports the failure at the start-up gate, which ends every rank with\n"
             "status 2 (docs/training.md, Faults).\n\n"
