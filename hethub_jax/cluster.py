@@ -296,11 +296,10 @@ def launcher_rank(environ: Mapping[str, str] | None = None) -> int | None:
     """This process's MPI rank read from the launcher's environment (MPICH/hydra ``PMI_RANK``, Open MPI
     ``OMPI_COMM_WORLD_RANK``, PMIx ``PMIX_RANK``, SLURM ``SLURM_PROCID``), without starting MPI; None
     when there is none."""
-    environ = os.environ if environ is None else environ
-    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        if environ.get(var, "").isdigit():
-            return int(environ[var])
-    return None
+    from .rank_guard import launcher_rank as rank_text
+
+    r = rank_text(environ)
+    return int(r) if r.isdigit() else None
 
 
 def join_job(error: str | None = None) -> int:
