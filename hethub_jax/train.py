@@ -113,7 +113,7 @@ def _fail(msg: str, args: argparse.Namespace | None = None) -> int:
     the start-up gate (``_fail_before_mpi``); after, with an MPI abort."""
     if mpi_world_size() > 1 and "mpi4py.MPI" not in sys.modules:
         return _fail_before_mpi(msg, args)
-    print(f"{_PROG}: error: {msg}", file=sys.stderr, flush=True)
+    _say(f"{_PROG}: error: {msg}")
     if "mpi4py.MPI" in sys.modules:
         from mpi4py import MPI
         if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
@@ -131,7 +131,7 @@ def _fail_before_mpi(msg: str | None, args: argparse.Namespace | None) -> int:
     from hethub_jax import cluster
 
     if msg is not None:
-        print(f"{_PROG}: error: {_rank_label(args)}{msg}", file=sys.stderr, flush=True)
+        _say(f"{_PROG}: error: {_rank_label(args)}{msg}")
     try:
         cluster.join_job(error=msg or "command-line error (see argparse's message)")
     except cluster.StartFailed:
@@ -164,8 +164,15 @@ def _peers_failed(e) -> int:
     their errors; the lowest healthy rank says why the job stops (one line, for per-rank logs). Returns 2."""
     healthy = [r for r in range(e.size) if r not in e.failed]
     if healthy and e.rank == healthy[0]:
-        print(f"rank {e.rank}: stopping: {e}", file=sys.stderr, flush=True)
+        _say(f"rank {e.rank}: stopping: {e}")
     return EXIT_CONFIG_ERROR
+
+
+def _say(line: str) -> None:
+    """``line`` and its newline to stderr in one write: ``print`` writes the newline separately, and
+    mpiexec, forwarding several ranks' stderr, then merged two ranks' lines into one."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -289,8 +296,7 @@ def start_mpi(plan_path: str | None, island: str | None, size: int, timeout: flo
     # one line per rank, so that a launcher's report of a dead pid ("BAD TERMINATION ... PID 4852")
     # names the rank and island
     import socket
-    print(f"rank {rank} (island {name}): pid {os.getpid()} on host {socket.gethostname()}",
-          file=sys.stderr, flush=True)
+    _say(f"rank {rank} (island {name}): pid {os.getpid()} on host {socket.gethostname()}")
     return island_
 
 
