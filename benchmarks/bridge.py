@@ -40,11 +40,9 @@ import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
-from benchmarks.common import CHILD_ENV, mpi_rank_from_env, relaunch_under_mpiexec  # noqa: E402
+from benchmarks.common import CHILD_ENV, bridge_world, mpi_rank_from_env, relaunch_under_mpiexec  # noqa: E402
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
-
-
 
 
 def pingpong(comm, rank, send, recv, iters):
@@ -77,16 +75,8 @@ def main() -> None:
         return boundary(args)
 
     import numpy as np
-    from mpi4py import MPI
 
-    sys.path.insert(0, ROOT)
-    from hethub_jax.comm.mpi import MPIHostBridge
-
-    comm = MPI.COMM_WORLD
-    rank = comm.Get_rank()
-    if comm.Get_size() != 2:
-        sys.exit("run with exactly 2 ranks")
-    bridge = MPIHostBridge(comm.Dup(), timeout=120)
+    MPI, comm, rank, bridge = bridge_world(2, "the bridge ping-pong")
     rows = []
     for size in args.sizes:
         buf = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
@@ -200,16 +190,10 @@ def _exchange(bridge, rank: int, parts: list, bufs: dict, rbufs: dict) -> float:
 def boundary(args) -> None:
     """``--boundary``: see the module docstring."""
     import numpy as np
-    from mpi4py import MPI
 
-    from hethub_jax.comm.mpi import MPIHostBridge
     from hethub_jax.parallel import exchange
 
-    comm = MPI.COMM_WORLD
-    rank = comm.Get_rank()
-    if comm.Get_size() != 4:
-        sys.exit("--boundary runs with exactly 4 ranks")
-    bridge = MPIHostBridge(comm.Dup(), timeout=120)
+    _, comm, rank, bridge = bridge_world(4, "--boundary")
     rows = []
     for size in [s for s in args.sizes if s % 2 == 0]:
         layouts = {}

@@ -82,11 +82,22 @@ def relaunch_under_mpiexec(script: str, argv: list[str], n: int = 2) -> None:
     os.execve(exe, [exe, "-n", str(n), sys.executable, os.path.abspath(script), *argv], env)
 
 
+def bridge_world(n: int, what: str = "this benchmark") -> tuple[Any, Any, int, Any]:
+    """Under mpiexec, for a benchmark of exactly ``n`` ranks: ``(MPI, comm, rank, bridge)`` = mpi4py's
+    ``MPI`` module, ``MPI.COMM_WORLD``, this rank, and an ``MPIHostBridge`` over a duplicate of the
+    world (120 s deadlines), so that the bridge's messages never match raw mpi4py ones on ``comm``.
+    Exits with a message naming ``what`` when the job has another number of ranks."""
+    from mpi4py import MPI
+
+    from hethub_jax.comm.mpi import MPIHostBridge
+
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != n:
+        sys.exit(f"{what} runs with exactly {n} ranks, not {comm.Get_size()}")
+    return MPI, comm, comm.Get_rank(), MPIHostBridge(comm.Dup(), timeout=120)
+
+
 XLA_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false"
-
-
-
-
 
 
 def pin_and_limit_threads(rank: int) -> int | None:

@@ -467,6 +467,15 @@ def _run_mpi(args: argparse.Namespace, plan: Any, config: Any, piece: str | None
     try:
         island = start_mpi(args.plan, args.island, size)
     except ValueError as e:
+        if "mpi4py.MPI" not in sys.modules:  # before MPI started: end the other ranks at the start-up gate
+            _fail(str(e))
+            try:
+                cluster.join_job(error=str(e))
+            except cluster.StartFailed:
+                pass
+            return EXIT_BAD_INPUT
+        return _fail(str(e))
+    except cluster.StartFailed as e:
         return _fail(str(e))
     import jax
 

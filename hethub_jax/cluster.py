@@ -1,6 +1,10 @@
 """Islands and start-up of a multi-process job (DESIGN.md section 3).
 
-Order on every rank (``start`` does 1-4, ``handshake`` 5):
+Order on every rank (``join_job`` does 0, ``start`` 1-4, ``handshake`` 5):
+
+0. after this rank's own checks: ``MPI_Init`` and the start-up gate, at which every rank says whether it
+   failed before MPI started (then every rank raises ``StartFailed``), under a watchdog that ends a rank
+   whose peers never start MPI (``$HETHUB_MPI_INIT_TIMEOUT_S``);
 
 1. learn the island name from ``--island NAME`` or ``$HETHUB_ISLAND``, and its JAX platform from the
    caller (the plan), ``--platform``, ``$HETHUB_PLATFORM``, or the island name when it is a platform;
@@ -39,7 +43,8 @@ from .comm.base import CommError, Communicator
 __all__ = [
     "ENV_ISLAND", "ENV_PLATFORM", "HandshakeError", "Island", "island_from_args", "platform_for",
     "set_jax_platform", "start", "config_hash", "package_versions", "handshake_record",
-    "compare_records", "handshake", "install_abort_on_exception",
+    "compare_records", "handshake", "install_abort_on_exception", "join_job", "launcher_rank",
+    "start_watchdog", "StartFailed", "MPI_INIT_TIMEOUT_S",
 ]
 
 ENV_ISLAND = "HETHUB_ISLAND"
@@ -269,6 +274,124 @@ def handshake(world: Communicator, record: Mapping, *, timeout: float | None = N
 
 
 # ---- start-up under MPI ----------------------------------------------------------------------
+#: seconds a rank waits for every rank of the job to start MPI and report at the start-up gate
+#: (``$HETHUB_MPI_INIT_TIMEOUT_S`` overrides it)
+MPI_INIT_TIMEOUT_S = 120.0
+ENV_MPI_INIT_TIMEOUT = "HETHUB_MPI_INIT_TIMEOUT_S"
+_GATE_BYTES = 512  # per rank at the gate: 1 status byte + the start of its error message (UTF-8)
+_joined: int | None = None  # this process's world rank once it passed the gate
+
+
+class StartFailed(Exception):
+    """Some ranks of the job failed before MPI started (``join_job``); raised on every rank after the
+    start-up gate, with ``failed`` = ``{world rank: its error (first 511 bytes)}``, ``rank`` (this
+    process's world rank) and ``size`` (the job's ranks)."""
+
+    def __init__(self, failed: Mapping[int, str], rank: int = 0, size: int = 1):
+        self.failed, self.rank, self.size = dict(failed), rank, size
+        super().__init__("; ".join(f"rank {r} failed before MPI started: {m}" for r, m in self.failed.items()))
+
+
+def launcher_rank(environ: Mapping[str, str] | None = None) -> int | None:
+    """This process's MPI rank read from the launcher's environment (MPICH/hydra ``PMI_RANK``, Open MPI
+    ``OMPI_COMM_WORLD_RANK``, PMIx ``PMIX_RANK``, SLURM ``SLURM_PROCID``), without starting MPI; None
+    when there is none."""
+    from .rank_guard import launcher_rank as rank_text
+
+    r = rank_text(environ)
+    return int(r) if r.isdigit() else None
+
+
+def join_job(error: str | None = None) -> int:
+    """Start MPI (``MPI_Init``, which waits for every rank of the job) and pass the start-up gate: a
+    collective over ``COMM_WORLD`` at which every rank says whether it failed before starting MPI
+    (``error``: its message; ``None``: it is fine). Every rank calls it exactly once, right after its
+    own checks and before any work that writes files; later calls return at once. A rank that failed
+    before MPI therefore ends the whole job within seconds, and its peers do nothing in the meantime.
+
+    The wait for MPI and the gate runs under ``start_watchdog``: if a rank never starts MPI (it died
+    before reaching this function), this rank ends after ``$HETHUB_MPI_INIT_TIMEOUT_S`` seconds.
+
+    Returns:
+      This process's world rank (every rank passed the gate without error).
+    Raises:
+      StartFailed: on every rank, when at least one rank reported an error (``error`` given here
+        included).
+    """
+    global _joined
+    if _joined is not None:
+        return _joined
+    with start_watchdog():
+        from mpi4py import MPI  # MPI_Init
+
+        comm = MPI.COMM_WORLD
+        mine = np.zeros(_GATE_BYTES, np.uint8)
+        if error is not None:
+            raw = error.encode()[:_GATE_BYTES - 1]
+            mine[0], mine[1:1 + len(raw)] = 1, np.frombuffer(raw, np.uint8)
+        table = np.zeros((comm.Get_size(), _GATE_BYTES), np.uint8)
+        req = comm.Iallgather([mine, MPI.BYTE], [table, MPI.BYTE])
+        while not req.Test():  # polls with a sleep: the watchdog's deadline applies, no core spins
+            time.sleep(0.005)
+    failed = {r: bytes(row[1:]).rstrip(b"\0").decode(errors="replace") for r, row in enumerate(table) if row[0]}
+    if failed:
+        raise StartFailed(failed, comm.Get_rank(), comm.Get_size())
+    _joined = comm.Get_rank()
+    return _joined
+
+
+_WATCHDOG_CHILD = r"""
+import os, select, signal, sys, time
+pid, t, msg = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+if select.select([sys.stdin], [], [], t)[0]:
+    sys.exit(0)  # the pipe closed: MPI started (or the watched process ended)
+sys.stderr.write(msg + "\n")
+sys.stderr.flush()
+for sig in (signal.SIGTERM, signal.SIGKILL):
+    try:
+        os.kill(pid, sig)
+    except OSError:
+        break
+    time.sleep(2.0)
+"""
+
+
+class start_watchdog:
+    """Context manager around ``MPI_Init`` and the start-up gate: if they have not finished within
+    ``$HETHUB_MPI_INIT_TIMEOUT_S`` seconds (default ``MPI_INIT_TIMEOUT_S``: another rank ended before
+    it started MPI, e.g. a Python error or a wrong command in its part of the ``mpiexec`` line), print
+    one line naming this rank and the variable, then end this process (SIGTERM, SIGKILL 2 s later).
+
+    A child process keeps the time, because mpi4py's ``MPI_Init`` holds the interpreter lock (no
+    Python thread or signal handler runs during it). The child exits as soon as the context ends
+    (the pipe to it closes) or this process dies. ``prefix`` starts the line (the program's name).
+    """
+
+    def __init__(self, prefix: str = "python -m hethub_jax.train: error: "):
+        self.prefix = prefix
+
+    def __enter__(self):
+        import subprocess
+
+        t = float(os.environ.get(ENV_MPI_INIT_TIMEOUT, MPI_INIT_TIMEOUT_S))
+        r = launcher_rank()
+        who = f"rank {r}" if r is not None else "this rank"
+        msg = (f"{self.prefix}{who}: MPI did not start within {t:g} s (${ENV_MPI_INIT_TIMEOUT}): another rank "
+               f"of the job ended before starting MPI (see its output: a Python error, a wrong command or "
+               f"path in its part of the mpiexec line) or never started; ending {who}")
+        self.child = subprocess.Popen([sys.executable, "-S", "-c", _WATCHDOG_CHILD, str(os.getpid()), str(t), msg],
+                                      stdin=subprocess.PIPE)
+        return self
+
+    def __exit__(self, *exc):
+        self.child.stdin.close()
+        try:
+            self.child.wait(timeout=10)
+        except Exception:  # noqa: BLE001 - never let the watchdog's clean-up hide the real outcome
+            pass
+        return False
+
+
 @dataclass
 class Island:
     """This process's place in the job.

@@ -108,15 +108,71 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _fail(msg: str) -> int:
-    """Print the one-line error; under MPI (once MPI is started) end every rank of the job."""
-    print(f"{_PROG}: error: {msg}", file=sys.stderr, flush=True)
+def _fail(msg: str, args: argparse.Namespace | None = None) -> int:
+    """Print the one-line error; under MPI end every rank of the job: before MPI started, through
+    the start-up gate (``_fail_before_mpi``); after, with an MPI abort."""
+    if mpi_world_size() > 1 and "mpi4py.MPI" not in sys.modules:
+        return _fail_before_mpi(msg, args)
+    _say(f"{_PROG}: error: {msg}")
     if "mpi4py.MPI" in sys.modules:
         from mpi4py import MPI
         if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
             time.sleep(1.0)  # let mpiexec forward the message before the abort ends the job
             MPI.COMM_WORLD.Abort(EXIT_CONFIG_ERROR)
     return EXIT_CONFIG_ERROR
+
+
+def _fail_before_mpi(msg: str | None, args: argparse.Namespace | None) -> int:
+    """A rank of an MPI job failed before starting MPI (configuration, command line): print the error
+    as one line naming this rank and island where known (``msg`` None: already printed, by argparse),
+    then start MPI and report the failure at the start-up gate (``cluster.join_job``), which ends every
+    rank of the job with status 2 within seconds instead of leaving them waiting in ``MPI_Init``.
+    Returns 2."""
+    from hethub_jax import cluster
+
+    if msg is not None:
+        _say(f"{_PROG}: error: {_rank_label(args)}{msg}")
+    try:
+        cluster.join_job(error=msg or "command-line error (see argparse's message)")
+    except cluster.StartFailed:
+        pass  # always raised here: this rank's own failure
+    return EXIT_CONFIG_ERROR
+
+
+def _rank_label(args: argparse.Namespace | None) -> str:
+    """``"rank R (island X): "`` from the launcher's environment, ``--island`` / ``$HETHUB_ISLAND`` or
+    the plan given with ``--plan`` (when it reads and matches the job's size); less where unknown."""
+    from hethub_jax import cluster
+
+    rank = cluster.launcher_rank()
+    if rank is None:
+        return ""
+    island = (args.island if args is not None else None) or os.environ.get(cluster.ENV_ISLAND)
+    if island is None and args is not None and args.plan:
+        try:
+            from hethub_jax.parallel.plan import Plan
+            plan = Plan.from_json(args.plan)
+            if plan.world_size == mpi_world_size():
+                island = plan.rank_island(rank).name
+        except Exception:  # noqa: BLE001 - a label only; the plan's own error is reported elsewhere
+            pass
+    return f"rank {rank} (island {island}): " if island else f"rank {rank}: "
+
+
+def _peers_failed(e) -> int:
+    """This rank is fine but others failed before MPI started (``cluster.StartFailed``): they printed
+    their errors; the lowest healthy rank says why the job stops (one line, for per-rank logs). Returns 2."""
+    healthy = [r for r in range(e.size) if r not in e.failed]
+    if healthy and e.rank == healthy[0]:
+        _say(f"rank {e.rank}: stopping: {e}")
+    return EXIT_CONFIG_ERROR
+
+
+def _say(line: str) -> None:
+    """``line`` and its newline to stderr in one write: ``print`` writes the newline separately, and
+    mpiexec, forwarding several ranks' stderr, then merged two ranks' lines into one."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -209,7 +265,9 @@ def start_mpi(plan_path: str | None, island: str | None, size: int, timeout: flo
     platform, split the world by island (``hethub_jax.cluster.start``). Returns the Island.
 
     Raises:
-      ValueError: no plan, an island not in the plan, or a rank/island mismatch with the plan.
+      ValueError: no plan, an island not in the plan, or a rank/island mismatch with the plan (the
+        first two before MPI starts: the caller reports them with ``cluster.join_job(error)``).
+      hethub_jax.cluster.StartFailed: another rank failed before MPI started.
     """
     from hethub_jax.parallel.plan import Plan
 
@@ -222,11 +280,9 @@ def start_mpi(plan_path: str | None, island: str | None, size: int, timeout: flo
     if plan.world_size != size:
         raise ValueError(f"the plan needs {plan.world_size} MPI ranks (sum of the islands' num_processes), "
                          f"the job has {size}")
-    with _mpi_init_watchdog():
-        from mpi4py import MPI  # MPI_Init: waits for every rank of the job
-
-        rank = MPI.COMM_WORLD.Get_rank()
     from hethub_jax import cluster
+
+    rank = cluster.join_job()  # MPI_Init and the start-up gate (raises cluster.StartFailed)
 
     name = island or os.environ.get(cluster.ENV_ISLAND) or plan.rank_island(rank).name
     if name not in [i.name for i in plan.islands]:
@@ -240,43 +296,8 @@ def start_mpi(plan_path: str | None, island: str | None, size: int, timeout: flo
     # one line per rank, so that a launcher's report of a dead pid ("BAD TERMINATION ... PID 4852")
     # names the rank and island
     import socket
-    print(f"rank {rank} (island {name}): pid {os.getpid()} on host {socket.gethostname()}",
-          file=sys.stderr, flush=True)
+    _say(f"rank {rank} (island {name}): pid {os.getpid()} on host {socket.gethostname()}")
     return island_
-
-
-#: seconds a rank waits for every rank to start MPI (``$HETHUB_MPI_INIT_TIMEOUT_S``)
-MPI_INIT_TIMEOUT_S = 120.0
-
-
-class _mpi_init_watchdog:
-    """While MPI starts: if it has not started within ``$HETHUB_MPI_INIT_TIMEOUT_S`` seconds (another
-    rank failed before starting MPI, e.g. a config error on that rank only), print one line and exit
-    with status 1. A timer thread prints the line; should ``MPI_Init`` hold the interpreter lock,
-    ``faulthandler``'s watchdog (a C thread) dumps the stack and exits 5 s later instead."""
-
-    def __enter__(self):
-        import faulthandler
-        import threading
-        t = float(os.environ.get("HETHUB_MPI_INIT_TIMEOUT_S", MPI_INIT_TIMEOUT_S))
-
-        def expire():
-            print(f"{_PROG}: error: MPI did not start within {t:g} s ($HETHUB_MPI_INIT_TIMEOUT_S): "
-                  f"another rank of the job probably failed before starting MPI (see its error)",
-                  file=sys.stderr, flush=True)
-            os._exit(1)
-
-        self.timer = threading.Timer(t, expire)
-        self.timer.daemon = True
-        self.timer.start()
-        faulthandler.dump_traceback_later(t + 5.0, exit=True, file=sys.stderr)
-        return self
-
-    def __exit__(self, *exc):
-        import faulthandler
-        self.timer.cancel()
-        faulthandler.cancel_dump_traceback_later()
-        return False
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -423,13 +444,16 @@ def _load_plan_and_data(cfg):
 
 
 def _check_launch(run: _Run) -> None:
-    """``--island`` needs ``mpiexec``; under MPI every rank checks that all ranks run the same config
-    and plan (``cluster.handshake``)."""
+    """``--island`` needs ``mpiexec``; this process's devices (``_check_devices``); under MPI every rank
+    then checks that all ranks run the same config and plan (``cluster.handshake``). The per-rank checks
+    come first, so that a rank failing them is aborted while its peers wait in the handshake, before
+    any of them locks or probes an output directory (``_check_outputs``)."""
     plan = run.plan
     if run.comm is None and plan.world_size > 1 and run.args.island is not None:
         raise _ConfigError(f"--island {run.args.island}: the plan has {plan.world_size} ranks; run it under "
                            f"mpiexec -n {plan.world_size}, or without --island to run every island in one "
                            f"process")
+    _check_devices(run)
     if run.comm is not None:
         import jax
 
@@ -442,7 +466,6 @@ def _check_launch(run: _Run) -> None:
                 timeout=run.cfg.train.message_timeout_s)
         except cluster.HandshakeError as e:
             raise _ConfigError(str(e)) from None
-    _check_devices(run)
 
 
 def _check_devices(run: _Run) -> None:
@@ -536,8 +559,8 @@ def _plan_from_cluster(args: argparse.Namespace, cfg):
     size = mpi_world_size()
     rank = 0
     if size > 1:
-        from mpi4py import MPI
-        rank = MPI.COMM_WORLD.Get_rank()
+        from hethub_jax import cluster
+        rank = cluster.join_job()  # every rank passed its own checks before rank 0 profiles and plans
     t = cfg.train
     out_dir = os.path.dirname(os.path.abspath(t.metrics_file)) if t.metrics_file else os.path.abspath("runs/planned")
     spec = cfg.model_spec
@@ -856,11 +879,20 @@ def _train_loop(run: _Run, hooks: list[Hook], console: Console) -> TrainState:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run training. Returns the exit status: 0 success, 2 configuration error (one line on stderr),
     1 training failure (non-finite loss). Other exceptions propagate with their traceback."""
-    args = build_parser().parse_args(argv)
+    from hethub_jax.cluster import StartFailed
+
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse printed its error; under MPI the other ranks must end too
+        if e.code not in (0, None) and mpi_world_size() > 1 and "mpi4py.MPI" not in sys.modules:
+            _fail_before_mpi(None, None)
+        raise
     try:
         run = _set_up(args)
     except _ConfigError as e:
-        return _fail(str(e))
+        return _fail(str(e), args)
+    except StartFailed as e:
+        return _peers_failed(e)
     try:
         return _main(run, args)
     except _ConfigError as e:

@@ -78,7 +78,7 @@ class PredictionHook(_NoOp):
         if not first:
             self.measured.append(state.step_time_s)
             if self.console.bar is not None:  # the progress bar shows it as it goes
-                self.console.bar.set_description_str(f"train (PREDICTED/measured step {m['predicted_over_measured']:.2f})",
+                self.console.bar.set_description_str(f"train (PREDICTED step time = {m['predicted_over_measured']:.2f} x measured)",
                                                      refresh=False)
         if self.log_every and state.step % self.log_every == 0:
             self.console.say(f"step {state.step}: {line}" + (" [includes compilation]" if first else ""))

@@ -63,6 +63,55 @@ def test_compare_records_names_field_and_ranks():
     assert "versions differ" in bad[0]
 
 
+def test_launcher_rank_from_the_environment_of_mpich_open_mpi_pmix_or_slurm():
+    assert cluster.launcher_rank({}) is None
+    assert cluster.launcher_rank({"PMI_RANK": "3"}) == 3
+    assert cluster.launcher_rank({"OMPI_COMM_WORLD_RANK": "5"}) == 5
+    assert cluster.launcher_rank({"PMIX_RANK": "1"}) == 1
+    assert cluster.launcher_rank({"SLURM_PROCID": "7"}) == 7
+
+
+_WATCHED = """
+import time
+from hethub_jax import cluster
+with cluster.start_watchdog():
+    {body}
+time.sleep(2.5)  # longer than the timeout: the watchdog must be gone
+print("alive after the watchdog")
+"""
+
+
+def _watched(body: str, timeout_s: str):
+    import os
+    import subprocess
+    import sys
+
+    from test_comm_contract import ROOT
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_", "SLURM_"))}
+    env.update(PYTHONPATH=str(ROOT), HETHUB_MPI_INIT_TIMEOUT_S=timeout_s)
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-c", _WATCHED.format(body=body)], env=env, capture_output=True,
+                         text=True, timeout=120)
+    return res, time.monotonic() - t0
+
+
+def test_start_watchdog_ends_a_process_stuck_in_c_code_holding_the_gil_with_one_line():
+    # sum(range(...)) runs in C without releasing the interpreter lock, as mpi4py's MPI_Init does:
+    # no Python thread or signal handler could act; the watchdog's child process does
+    res, dt = _watched("sum(range(10 ** 13))", "1")
+    assert res.returncode == -15, (res.returncode, res.stderr)  # SIGTERM
+    assert res.stderr.strip().splitlines() == [
+        "python -m hethub_jax.train: error: this rank: MPI did not start within 1 s ($HETHUB_MPI_INIT_TIMEOUT_S): "
+        "another rank of the job ended before starting MPI (see its output: a Python error, a wrong command "
+        "or path in its part of the mpiexec line) or never started; ending this rank"], res.stderr
+    assert "alive" not in res.stdout and dt < 60
+
+
+def test_start_watchdog_leaves_a_process_alone_once_the_context_ends():
+    res, _ = _watched("pass", "1")
+    assert res.returncode == 0 and "alive after the watchdog" in res.stdout and res.stderr == "", res.stderr
+
+
 def test_config_hash_is_order_independent_and_sensitive():
     assert cluster.config_hash({"a": 1, "b": [1, 2]}) == cluster.config_hash({"b": [1, 2], "a": 1})
     assert cluster.config_hash({"a": 1}) != cluster.config_hash({"a": 2})

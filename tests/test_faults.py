@@ -4,8 +4,9 @@
 - a rank SIGKILLed mid-step: every rank is gone within 30 s, non-zero, and the output names the rank;
 - a rank SIGSTOPped mid-step: its peer fails within ``train.message_timeout_s`` (+ start-up slack),
   naming the peer rank and island;
-- a rank that fails before MPI starts (a config error on that rank only): its peer does not spin in
-  MPI_Init forever; the MPI start-up watchdog ends it (``$HETHUB_MPI_INIT_TIMEOUT_S``);
+- a rank that fails before MPI starts (a config error on that rank only): it reports at the start-up
+  gate and the job ends with its named error; a rank that dies before it can start MPI: its peer's
+  start-up watchdog ends it after ``$HETHUB_MPI_INIT_TIMEOUT_S`` with one named line;
 - a non-finite loss: with ``on_nonfinite_loss: stop`` the run ends with status 1 and writes no
   checkpoint of that step; with ``skip`` the update is not applied (parameters stay finite).
 """
@@ -119,8 +120,36 @@ def test_sigstopped_peer_is_reported_within_the_message_timeout(tmp_path):
     assert "rank 1 (island a)" in out and "train.message_timeout_s" in out, out[-3000:]
 
 
-def test_rank_failing_before_mpi_start_does_not_leave_its_peer_spinning(tmp_path):
-    proc = _launch(tmp_path, [[], ["--steps", "0"]], env={"HETHUB_MPI_INIT_TIMEOUT_S": "10"})
-    rc, out, dt = _finish(proc, 90)
-    assert rc != 0 and "train.steps must be an integer >= 1, got 0" in out, out[-3000:]
-    assert "MPI did not start within 10 s" in out or "start_mpi" in out, out[-3000:]  # the peer's watchdog
+def test_rank_failing_before_mpi_start_ends_the_job_at_the_start_up_gate(tmp_path):
+    # the watchdog is far away: what ends the job is the failing rank reporting at the start-up gate
+    t0 = time.monotonic()
+    proc = _launch(tmp_path, [[], ["--steps", "0"]], env={"HETHUB_MPI_INIT_TIMEOUT_S": "600"})
+    rc, out, _ = _finish(proc, 120)
+    assert rc == 2, out[-3000:]
+    assert "error: rank 1 (island a): train.steps must be an integer >= 1, got 0" in out, out[-3000:]
+    assert "rank 0: stopping: rank 1 failed before MPI started" in out, out[-3000:]
+    assert "MPI did not start" not in out and "Timeout (" not in out, out[-3000:]
+    assert time.monotonic() - t0 < 60, out[-3000:]  # start-up of two ranks on a loaded 2-core machine
+    assert not (tmp_path / "m.jsonl").exists()
+
+
+def test_rank_dying_before_it_can_start_mpi_ends_its_peers_after_the_watchdog(tmp_path):
+    # a part of the mpiexec line that never reaches hethub_jax (a wrong module, a Python error): the
+    # healthy rank's MPI_Init would wait forever; the start-up watchdog ends it, with one named line
+    from test_comm_contract import mpiexec
+    (tmp_path / "c.yaml").write_text(CONFIG)
+    (tmp_path / "p.json").write_text(json.dumps(PLAN))
+    cmd = [mpiexec(), "-n", "1", sys.executable, "-m", "hethub_jax.train", "--config", str(tmp_path / "c.yaml"),
+           "--plan", str(tmp_path / "p.json"), "--metrics-file", str(tmp_path / "m.jsonl"), "--no-progress",
+           ":", "-n", "1", sys.executable, "-c", "raise SystemExit('dies before MPI')"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", HETHUB_MPI_INIT_TIMEOUT_S="5")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=ROOT, start_new_session=True)
+    rc, out, _ = _finish(proc, 120)
+    assert rc != 0 and "dies before MPI" in out, out[-3000:]
+    assert ("error: rank 0: MPI did not start within 5 s ($HETHUB_MPI_INIT_TIMEOUT_S): another rank of "
+            "the job ended before starting MPI") in out, out[-3000:]
+    assert "Timeout (" not in out and "Traceback" not in out, out[-3000:]  # one line, no stack dump
+    assert time.monotonic() - t0 < 5 + 45, out[-3000:]
+    assert not (tmp_path / "m.jsonl").exists()

@@ -226,7 +226,7 @@ def test_progress_bar_shows_step_loss_and_throughput(tmp_path, capsys):
     assert last["kind"] == "step" and last["step"] == 3
     # Not a tty: tqdm draws at start and close; the final bar carries the last step's postfix:
     # "train: 100%|####| 3/3 [00:04<00:00,  1.33s/step, loss=10.364, tok/s=2.4k, val_loss=10.333]"
-    bars = re.findall(r"train(?: \(PREDICTED/measured step [0-9.]+\))?: 100%\|[^|]*\| 3/3 \[[0-9:]+<[0-9:]+, +[0-9.]+(?:s/step|step/s), "
+    bars = re.findall(r"train(?: \(PREDICTED step time = [0-9.]+ x measured\))?: 100%\|[^|]*\| 3/3 \[[0-9:]+<[0-9:]+, +[0-9.]+(?:s/step|step/s), "
                       r"loss=(\d+\.\d{3}), tok/s=([0-9.]+k?), val_loss=(\d+\.\d{3})\]", err)
     assert bars, err
     loss, rate, val_loss = bars[-1]
