@@ -156,15 +156,45 @@ def profile_device(model: str, seq_len: int, out: str, timeout_s: float = 600.0)
            "--device-type", "cpu", "--out", out, *PROFILE_SETTINGS]
     t0 = time.perf_counter()
     try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        rc, err = _run_showing_stderr(cmd, env, timeout_s)
     except subprocess.TimeoutExpired:
         return False, f"profiling timed out after {timeout_s:.0f} s"
-    if p.returncode != 0 or not os.path.exists(out):
-        lines = p.stderr.strip().splitlines() or ["no output"]
+    if rc != 0 or not os.path.exists(out):
+        lines = err.strip().splitlines() or ["no output"]
         errors = [x for x in lines if x.split(":")[0].endswith(("Error", "Exception", "Exit"))]
         last = (errors or lines)[-1]
-        return False, f"profiling failed (exit {p.returncode}: {last[:200]})"
+        return False, f"profiling failed (exit {rc}: {last[:200]})"
     return True, f"profiled in {time.perf_counter() - t0:.0f} s"
+
+
+def _run_showing_stderr(cmd: List[str], env: Mapping[str, str], timeout_s: float) -> Tuple[int, str]:
+    """Runs ``cmd``; its stderr (the profiler's progress bar) is copied to this process's stderr as it
+    comes, so that minutes of profiling are not silent, and also returned. Returns ``(exit status,
+    stderr text)``. Raises ``subprocess.TimeoutExpired`` (after killing the child) past ``timeout_s``."""
+    import threading
+    p = subprocess.Popen(cmd, env=dict(env), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    chunks: List[bytes] = []
+
+    def pump() -> None:
+        for chunk in iter(lambda: p.stderr.read1(4096), b""):
+            chunks.append(chunk)
+            try:
+                sys.stderr.buffer.write(chunk)
+                sys.stderr.flush()
+            except (AttributeError, ValueError, OSError):  # stderr replaced or closed: keep collecting
+                pass
+
+    t = threading.Thread(target=pump, daemon=True)
+    t.start()
+    try:
+        rc = p.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        raise
+    finally:
+        t.join(timeout=5.0)
+    return rc, b"".join(chunks).decode(errors="replace")
 
 
 def _profiles(cluster: Any, model: str, seq_len: int, profiles_dir: str, log) -> Tuple[Dict[str, Any], List[str]]:

@@ -201,3 +201,28 @@ def test_gpu_check_says_when_no_gpu_or_no_cuda_jax(tmp_path):
     env["PATH"] = f"{fake}:/usr/bin:/bin"
     p = subprocess.run(["bash", script, str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "NO CUDA JAX" in p.stderr and "Fake GPU" in p.stderr
+
+
+def test_profiling_child_stderr_is_shown_as_it_comes_and_returned(capfd):
+    """Plan-less training profiles in a child process: its progress (stderr) reaches the user while it
+    runs (it was captured and silent for minutes), and the text is still returned for the error line."""
+    import sys as _sys
+
+    from hethub_jax.train_predict import _run_showing_stderr
+    code = ("import sys, time\nsys.stderr.write('profile: 1/2\\r'); sys.stderr.flush(); time.sleep(0.2)\n"
+            "sys.stderr.write('ValueError: bad stage\\n'); print('stdout is not shown'); sys.exit(3)")
+    rc, err = _run_showing_stderr([_sys.executable, "-c", code], dict(os.environ), 60.0)
+    assert rc == 3
+    assert "profile: 1/2" in err and "ValueError: bad stage" in err
+    shown = capfd.readouterr()
+    assert "profile: 1/2" in shown.err and "ValueError: bad stage" in shown.err
+    assert "stdout is not shown" not in shown.out
+
+
+def test_profiling_child_past_its_time_limit_is_killed():
+    import subprocess
+    import sys as _sys
+
+    from hethub_jax.train_predict import _run_showing_stderr
+    with pytest.raises(subprocess.TimeoutExpired):
+        _run_showing_stderr([_sys.executable, "-c", "import time; time.sleep(30)"], dict(os.environ), 0.5)
