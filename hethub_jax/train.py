@@ -518,6 +518,7 @@ def _set_up(args: argparse.Namespace) -> _Run:
                                  timeout_s=cfg.train.message_timeout_s)
     except ValueError as e:
         raise _ConfigError(str(e)) from None
+    run.rt.set_grad_buckets(cfg.train.grad_bucket_mb)
     run.log = run.rt.is_logging_rank
     run.emulation = run.rt.emulation_lines()
     _attach_prediction(run, planned)

@@ -437,6 +437,21 @@ class PipelineRuntime:
         return out
 
     # ---- bucketed gradient all-reduce overlapped with the backward (heterogeneous DP) ----------
+    def set_grad_buckets(self, bucket_mb: float | None) -> None:
+        """Bucket size of the overlapped gradient all-reduce, MiB (``None``: off); the first bucket
+        is `buckets.DEFAULT_FIRST_BUCKET_BYTES` or the bucket size if smaller.
+
+        Raises:
+          ValueError: if ``bucket_mb`` is not None and not > 0.
+        """
+        if bucket_mb is None:
+            self.grad_bucket_bytes = None
+            return
+        if not bucket_mb > 0:
+            raise ValueError(f"grad_bucket_mb must be > 0 MiB or None (off), got {bucket_mb}")
+        self.grad_bucket_bytes = max(1, int(bucket_mb * 2**20))
+        self.first_grad_bucket_bytes = min(bk.DEFAULT_FIRST_BUCKET_BYTES, self.grad_bucket_bytes)
+
     def _bucketing(self) -> bool:
         """True when the step's last backward runs in buckets (`hethub_jax.parallel.buckets`):
         `grad_bucket_bytes` set, several replicas, each one stage on one process (every parameter is
