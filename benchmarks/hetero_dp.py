@@ -18,7 +18,7 @@ Measured in one run, the configurations interleaved step by step (rotating order
 every step; warm-up steps excluded; medians over steps):
   (a) `proportional`: the shares above (global batch 16, microbatch 4: 12/4 unless measured
       otherwise); the last backward runs in layer buckets whose gradient all-reduce overlaps the
-      backward of the earlier layers (`hethub_jax.parallel.buckets`, default bucket sizes);
+      backward of the earlier layers (`hethub_jax.parallel.buckets`, `--bucket-mb`, default 25 MiB);
       tokens/s = global non-pad tokens / step time (the slower rank's time);
   (a0) `proportional_unbucketed`: the same shares, the all-reduce after the whole backward (the
       path before issue 17.5: the in-run baseline);
@@ -78,6 +78,8 @@ def main() -> None:
     ap.add_argument("--microbatch", type=int, default=4, help="microbatch size (rows)")
     ap.add_argument("--slowdown", type=float, default=3.0, help="EMULATED slowdown of the slow island")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per configuration")
+    ap.add_argument("--bucket-mb", type=float, default=25.0,
+                    help="gradient bucket size of the bucketed configurations, MiB (first bucket 1 MiB)")
     ap.add_argument("--given-shares", action="store_true",
                     help="shares proportional to the given throughputs 3:1 instead of measured in a warm-up")
     args = ap.parse_args()
@@ -116,7 +118,8 @@ def main() -> None:
     runtimes = {"proportional": PipelineRuntime(prop, config, optim, seed=0, comm=comm, rank=rank),
                 "proportional_unbucketed": PipelineRuntime(prop, config, optim, seed=0, comm=comm, rank=rank),
                 "equal": PipelineRuntime(equal, config, optim, seed=0, comm=comm, rank=rank)}
-    runtimes["proportional_unbucketed"].grad_bucket_bytes = None  # the all-reduce after the backward
+    for n in ("proportional", "equal"):  # bucketed all-reduce (off by default in the runtime), 25 MiB as DDP
+        runtimes[n].set_grad_buckets(args.bucket_mb)
     costs = None
     if not args.given_shares:  # warm-up measurement on an extra batch (equal shares to start)
         from hethub_jax.parallel.plan import balanced_shares

@@ -161,8 +161,10 @@ class PipelineRuntime:
         self.fuse_update = True
         # Heterogeneous DP: the last backward of the step runs in layer buckets whose gradients are
         # all-reduced in the background while the next bucket computes (`hethub_jax.parallel.buckets`;
-        # `_bucketing` says when it applies). None: off (the all-reduce runs after the whole backward).
-        self.grad_bucket_bytes: int | None = bk.DEFAULT_BUCKET_BYTES
+        # `_bucketing` says when it applies). None (the default, see `set_grad_buckets`): off, the
+        # all-reduce runs after the whole backward. Off by default: on the 2-core test machine the
+        # bucketed step measured slower (docs/benchmarks.md, hetero_dp, session 7).
+        self.grad_bucket_bytes: int | None = None
         self.first_grad_bucket_bytes: int = bk.DEFAULT_FIRST_BUCKET_BYTES
         self.last_bucket_stats: dict | None = None  # `BucketedReduction.stats` of the last step, + exposed_s
         self._chunks: dict[StageKey, tuple[tuple[int, int], bk.StageChunks]] = {}
