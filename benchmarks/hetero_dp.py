@@ -1,4 +1,4 @@
-"""Heterogeneous data parallelism over two CPU islands, one EMULATED 3x slower (issue 5).
+"""Heterogeneous data parallelism over two CPU islands, one EMULATED 3x slower (issues 5 and 17.5).
 
     PYTHONPATH=. python benchmarks/hetero_dp.py --json hetero_dp.json   # re-launches: mpiexec -n 2
 
@@ -10,15 +10,26 @@ runtime sleeps 2 x its measured time), not two real accelerator types. Each isla
 replica of the model (heterogeneous DP); the token-summed gradients are all-reduced over the
 MPI host bridge every step.
 
+Shares: measured in a warm-up (`PipelineRuntime.measure_step_costs`: each replica's seconds per
+sample with the gradient all-reduce as in training, and its fixed update time; `plan.balanced_shares`
+balances the step times), or with `--given-shares` proportional to the given throughputs 3:1.
+
 Measured in one run, the configurations interleaved step by step (rotating order, a barrier before
 every step; warm-up steps excluded; medians over steps):
-  (a) `proportional`: batch shares proportional to the islands' speeds (throughputs 3:1: global batch
-      16 -> shares 12/4); tokens/s = global non-pad tokens / step time (the slower rank's time);
-  (b) `equal`: equal shares 8/8;
+  (a) `proportional`: the shares above (global batch 16, microbatch 4: 12/4 unless measured
+      otherwise); the last backward runs in layer buckets whose gradient all-reduce overlaps the
+      backward of the earlier layers (`hethub_jax.parallel.buckets`, `--bucket-mb`, default 25 MiB);
+      tokens/s = global non-pad tokens / step time (the slower rank's time);
+  (a0) `proportional_unbucketed`: the same shares, the all-reduce after the whole backward (the
+      path before issue 17.5: the in-run baseline);
+  (b) `equal`: equal shares 8/8 (bucketed);
   (c) `alone`: each island trains the same model on its own (a one-replica plan on that island, no
       communicator), both at the same time on their own cores, each with the global batch of its share
       in (a) (12 and 4 rows: the same per-step work as in (a)); tokens/s of each island alone.
-Figures: `fraction_of_upper_bound` = (a) / (c_fast + c_slow), `over_equal_shares` = (a) / (b).
+Figures: `fraction_of_upper_bound` = (a) / (c_fast + c_slow), `fraction_of_upper_bound_unbucketed`
+= (a0) / (c_fast + c_slow), `over_equal_shares` = (a) / (b), `over_unbucketed` = (a) / (a0),
+`num_buckets`, and `overlap_fraction`: the share of the bucket all-reduce time (device->host copies,
+bridge, on the slow rank, which finishes last) spent before its backward ended.
 """
 
 from __future__ import annotations
@@ -51,11 +62,26 @@ def alone_plan(layers: int, island: dict, gbs: int, mbs: int) -> dict:
             "global_batch_size": gbs, "microbatch_size": mbs, "schedule": "1f1b", "recompute": "none"}
 
 
+def bucket_figures(stats: list) -> dict:
+    """Median per-step bucket figures of one rank from `PipelineRuntime.last_bucket_stats` records."""
+    from benchmarks.common import median
+    stats = [s for s in stats if s]
+    if not stats:
+        return {"num_buckets": 0, "bucket_reduce_s": 0.0, "overlap_fraction": 0.0, "bucket_exposed_s": 0.0}
+    return {"num_buckets": stats[0]["num_buckets"], "bucket_reduce_s": median([s["reduce_s"] for s in stats]),
+            "overlap_fraction": median([s["overlapped_s"] / max(s["reduce_s"], 1e-12) for s in stats]),
+            "bucket_exposed_s": median([s["exposed_s"] for s in stats])}
+
+
 def main() -> None:
     ap = training_parser(__doc__, batch=16, warmup=2, json_help="output path (written by rank 0)")
     ap.add_argument("--microbatch", type=int, default=4, help="microbatch size (rows)")
     ap.add_argument("--slowdown", type=float, default=3.0, help="EMULATED slowdown of the slow island")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per configuration")
+    ap.add_argument("--bucket-mb", type=float, default=25.0,
+                    help="gradient bucket size of the bucketed configurations, MiB (first bucket 1 MiB)")
+    ap.add_argument("--given-shares", action="store_true",
+                    help="shares proportional to the given throughputs 3:1 instead of measured in a warm-up")
     args = ap.parse_args()
     rank, core = start_pinned_rank(__file__)
 
@@ -81,16 +107,31 @@ def main() -> None:
     config = PRESETS[args.preset]
     optim = OptimConfig(learning_rate=1e-3, warmup_steps=2, decay_steps=1000)
     L = config.num_hidden_layers
-    prop = Plan.from_dict(dp_plan(L, args.batch, args.microbatch, args.slowdown, throughputs=[args.slowdown, 1.0]))
-    shares = prop.batch_shares()
+    train, _, _ = build_datasets(DataConfig(seq_len=args.seq))
+    n_steps = args.warmup + args.steps + 1
+    it = train.batches(args.batch)
+    global_batches = [next(it) for _ in range(n_steps + 1)]
     half = args.batch // 2
     equal = Plan.from_dict(dp_plan(L, args.batch, args.microbatch, args.slowdown, shares=[half, half]))
+    thr = [args.slowdown, 1.0] if args.given_shares else None
+    prop = Plan.from_dict(dp_plan(L, args.batch, args.microbatch, args.slowdown, throughputs=thr))
+    runtimes = {"proportional": PipelineRuntime(prop, config, optim, seed=0, comm=comm, rank=rank),
+                "proportional_unbucketed": PipelineRuntime(prop, config, optim, seed=0, comm=comm, rank=rank),
+                "equal": PipelineRuntime(equal, config, optim, seed=0, comm=comm, rank=rank)}
+    for n in ("proportional", "equal"):  # bucketed all-reduce (off by default in the runtime), 25 MiB as DDP
+        runtimes[n].set_grad_buckets(args.bucket_mb)
+    costs = None
+    if not args.given_shares:  # warm-up measurement on an extra batch (equal shares to start)
+        from hethub_jax.parallel.plan import balanced_shares
+        mbs = args.microbatch
+        costs = runtimes["proportional"].measure_step_costs(global_batches[-1], steps=2)
+        units = balanced_shares(args.batch // mbs, [u * mbs for u in costs[0]], costs[1])
+        for n in ("proportional", "proportional_unbucketed"):
+            runtimes[n].set_batch_shares([u * mbs for u in units])
+    shares = list(runtimes["proportional"].shares)
     my_island = dict(ISLANDS[rank], slowdown=1.0 if rank == 0 else args.slowdown)
     alone = Plan.from_dict(alone_plan(L, my_island, shares[rank], args.microbatch))
-
-    runtimes = {"proportional": PipelineRuntime(prop, config, optim, seed=0, comm=comm, rank=rank),
-                "equal": PipelineRuntime(equal, config, optim, seed=0, comm=comm, rank=rank),
-                "alone": PipelineRuntime(alone, config, optim, seed=0)}
+    runtimes["alone"] = PipelineRuntime(alone, config, optim, seed=0)
     if rank == 0:
         print(f"hetero_dp: 2 CPU islands, one process each, pinned to one core each; {args.preset} model, "
               f"seq {args.seq}, microbatch {args.microbatch}")
@@ -98,13 +139,15 @@ def main() -> None:
             print("  " + line)
         print("  NOTE: the speed difference is EMULATED (sleep after each compute action), "
               "not two real accelerator types")
-        print(f"  shares: proportional {shares}, equal {equal.batch_shares()}, alone: fast {shares[0]} rows, "
+        how = ("given throughputs 3:1" if costs is None else "measured: " + ", ".join(
+            f"{isl} {1 / u:.1f} samples/s + {f * 1e3:.0f} ms/step update" for isl, u, f in zip(("fast", "slow"), *costs)))
+        print(f"  shares: proportional {shares} ({how}), equal {equal.batch_shares()}, alone: fast {shares[0]} rows, "
               f"slow {shares[1]} rows")
         sys.stdout.flush()
 
     # the gradient all-reduce over the bridge: time spent in _reduce_shared per step (DP configs)
     reduce_time = {"t": 0.0}
-    for n in ("proportional", "equal"):
+    for n in ("proportional", "proportional_unbucketed", "equal"):
         rt = runtimes[n]
         orig = rt._reduce_shared
 
@@ -115,10 +158,6 @@ def main() -> None:
             return out
         rt._reduce_shared = wrapped
 
-    train, _, _ = build_datasets(DataConfig(seq_len=args.seq))
-    n_steps = args.warmup + args.steps + 1
-    it = train.batches(args.batch)
-    global_batches = [next(it) for _ in range(n_steps)]
     # alone: each island takes the rows of its share in the proportional run (same data, same work)
     lo = sum(shares[:rank])
     alone_batches = [{k: v[lo:lo + shares[rank]] for k, v in b.items()} for b in global_batches]
@@ -131,7 +170,9 @@ def main() -> None:
         t0 = time.perf_counter()
         res = rt.train_step(batch)
         dt = time.perf_counter() - t0
-        return {"time_s": dt, "tokens": res.num_tokens, "loss": res.loss, "reduce_s": reduce_time["t"]}
+        b = rt.last_bucket_stats if name != "alone" and rt.grad_bucket_bytes is not None else None
+        rt.last_bucket_stats = None
+        return {"time_s": dt, "tokens": res.num_tokens, "loss": res.loss, "reduce_s": reduce_time["t"], "buckets": b}
 
     names = list(runtimes)
     compile_s = {}
@@ -149,14 +190,15 @@ def main() -> None:
     load_end = loadavg()
 
     mine = {n: {"times": [r["time_s"] for r in rs], "tokens": [r["tokens"] for r in rs],
-                "reduce": [r["reduce_s"] for r in rs], "loss": [r["loss"] for r in rs]} for n, rs in results.items()}
+                "reduce": [r["reduce_s"] for r in rs], "loss": [r["loss"] for r in rs],
+                "buckets": [r["buckets"] for r in rs]} for n, rs in results.items()}
     gathered = world.gather({"rank": rank, "core": core, "mine": mine, "compile_s": compile_s,
                              "machine": machine()}, root=0)
     if rank != 0:
         return
     by_rank = sorted(gathered, key=lambda g: g["rank"])
     per_step = {}
-    for n in ("proportional", "equal"):
+    for n in ("proportional", "proportional_unbucketed", "equal"):
         # a DP step ends on both ranks together (all-reduce); its time is the slower rank's
         ts = [max(a, b) for a, b in zip(by_rank[0]["mine"][n]["times"], by_rank[1]["mine"][n]["times"])]
         toks = by_rank[0]["mine"][n]["tokens"]
@@ -168,7 +210,12 @@ def main() -> None:
     figures = {
         "emulated": True, "slowdown": args.slowdown,
         "fraction_of_upper_bound": round(tps["proportional"] / upper, 4),
+        "fraction_of_upper_bound_unbucketed": round(tps["proportional_unbucketed"] / upper, 4),
         "over_equal_shares": round(tps["proportional"] / tps["equal"], 4),
+        "over_unbucketed": round(tps["proportional"] / tps["proportional_unbucketed"], 4),
+        **bucket_figures(by_rank[1]["mine"]["proportional"]["buckets"]),
+        "shares": shares, "shares_source": "given throughputs 3:1" if costs is None else "measured",
+        "measured_unit_s": None if costs is None else costs[0], "measured_fixed_s": None if costs is None else costs[1],
         "tokens_per_s_proportional": tps["proportional"],
         "tokens_per_s_equal": tps["equal"],
         "tokens_per_s_fast_alone": alone_tps[0],
@@ -180,8 +227,9 @@ def main() -> None:
         "grad_allreduce_s_slow_rank_proportional": median(by_rank[1]["mine"]["proportional"]["reduce"]),
     }
     rows = []
-    for n, label in (("proportional", f"shares {shares}"), ("equal", f"shares {equal.batch_shares()}")):
-        rows.append({"config": n, "shares": shares if n == "proportional" else equal.batch_shares(),
+    for n, label in (("proportional", f"shares {shares}"), ("proportional_unbucketed", f"shares {shares}"),
+                     ("equal", f"shares {equal.batch_shares()}")):
+        rows.append({"config": n, "shares": shares if n.startswith("proportional") else equal.batch_shares(),
                      "tokens_per_s": tps[n],
                      "median_step_s": median([max(a, b) for a, b in zip(by_rank[0]["mine"][n]["times"],
                                                                          by_rank[1]["mine"][n]["times"])]),
@@ -212,17 +260,23 @@ def main() -> None:
     write_json(args.json, result)
     print(f"load avg {load_start} -> {load_end}; cores {[g['core'] for g in by_rank]}; "
           f"{args.steps} timed steps per configuration (median)")
-    print(f"{'configuration':<28} {'tokens/s':>9} {'step s':>8}")
+    print(f"{'configuration':<44} {'tokens/s':>9} {'step s':>8}")
     for r in rows:
         what = r.get("label") or f"{r['rows_per_step']} rows/step"
-        print(f"{r['config'] + ' (' + what + ')':<28} {r['tokens_per_s']:>9.1f} {r['median_step_s']:>8.3f}")
+        print(f"{r['config'] + ' (' + what + ')':<44} {r['tokens_per_s']:>9.1f} {r['median_step_s']:>8.3f}")
     print(f"upper bound (fast alone + slow alone) {upper:.1f} tokens/s")
     print(f"fraction_of_upper_bound = {figures['fraction_of_upper_bound']:.3f}, "
+          f"unbucketed {figures['fraction_of_upper_bound_unbucketed']:.3f}, "
           f"over_equal_shares = {figures['over_equal_shares']:.3f}  "
           f"[EMULATED slowdown {args.slowdown:g}x on island slow]")
     print(f"gradient all-reduce over the bridge (proportional, slow rank, median): "
           f"{figures['grad_allreduce_s_slow_rank_proportional'] * 1e3:.1f} ms/step "
-          f"(fast rank incl. waiting: {rows[0]['median_grad_reduce_s_per_rank'][0] * 1e3:.1f} ms)")
+          f"(fast rank incl. waiting: {rows[0]['median_grad_reduce_s_per_rank'][0] * 1e3:.1f} ms); unbucketed "
+          f"{rows[1]['median_grad_reduce_s_per_rank'][1] * 1e3:.1f} ms")
+    chunks = runtimes["proportional"]._chunks.get((0, 0))
+    print(f"buckets: {figures['num_buckets']} (layer ranges, backward order: {chunks[1].chunks if chunks else None}); slow rank, median per step: bucket all-reduce "
+          f"{figures['bucket_reduce_s'] * 1e3:.1f} ms, {figures['overlap_fraction']:.0%} of it before the "
+          f"backward ended (overlapped), exposed wait after the backward {figures['bucket_exposed_s'] * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

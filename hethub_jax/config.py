@@ -86,6 +86,10 @@ class TrainSettings(StrictModel):
       plan: path of a plan JSON (``docs/plan_format.md``); ``None``: one island ``main`` on the
         local JAX platform, one stage with all layers on one device, schedule ``1f1b``.
       trace_file: write a Chrome trace (Perfetto) of the last step's actions here (``None``: none).
+      grad_bucket_mb: heterogeneous DP: bucket size of the gradient all-reduce overlapped with the
+        backward, MiB (as PyTorch DDP's ``bucket_cap_mb``, whose default is 25; the first bucket is
+        1 MiB or this if smaller); ``None`` (default): off, the all-reduce runs after the whole
+        backward (the bucketed step measured slower on the 2-core test machine: docs/benchmarks.md).
 
     Raises:
       ValueError: on construction, naming the field and the constraint (through :func:`from_dict`:
@@ -110,6 +114,7 @@ class TrainSettings(StrictModel):
     on_nonfinite_loss: Literal["stop", "skip"] = "stop"
     plan: Optional[PathStr] = None
     trace_file: Optional[PathStr] = None
+    grad_bucket_mb: Optional[Annotated[float, Field(gt=0)]] = None
 
     @model_validator(mode="after")
     def _check(self) -> "TrainSettings":

@@ -541,6 +541,7 @@ def _set_up(args: argparse.Namespace) -> _Run:
                                  timeout_s=cfg.train.message_timeout_s)
     except ValueError as e:
         raise _ConfigError(str(e)) from None
+    run.rt.set_grad_buckets(cfg.train.grad_bucket_mb)
     run.log = run.rt.is_logging_rank
     run.emulation = run.rt.emulation_lines()
     _attach_prediction(run, planned)
@@ -610,22 +611,26 @@ def _attach_prediction(run: _Run, planned) -> None:
 
 def _warm_up_batch_shares(run: _Run) -> None:
     """Heterogeneous DP: unless the plan gives batch shares or throughputs, measure each replica's
-    throughput on one batch (forward/backward, no update) and give it a proportional share
-    (``plan.proportional_shares``, in whole microbatches). Sets ``run.share_source``."""
+    step on one batch (``PipelineRuntime.measure_step_costs``: seconds per sample with the gradient
+    all-reduce as in training, and the fixed update time; no update is applied) and give the shares
+    that balance the replicas' step times (``plan.balanced_shares``, in whole microbatches). Sets
+    ``run.share_source``."""
     plan, rt = run.plan, run.rt
     if plan.num_replicas == 1 or any(r.batch_share is not None or r.throughput is not None
                                      for r in plan.replicas):
         return
-    from hethub_jax.parallel.plan import proportional_shares
+    from hethub_jax.parallel.plan import balanced_shares
 
     if run.log:
-        print("heterogeneous DP: measuring replica throughputs in a warm-up (forward/backward on one "
-              "batch, no update)...", flush=True)
+        print("heterogeneous DP: measuring replica step costs in a warm-up (forward/backward with the "
+              "gradient all-reduce on one batch, the update on copies)...", flush=True)
     warm = next(iter(run.train_ds.batches(plan.global_batch_size)))
-    thr = rt.measure_throughputs(warm, steps=2)
-    units = proportional_shares(plan.global_batch_size // plan.microbatch_size, thr)
-    rt.set_batch_shares([u * plan.microbatch_size for u in units])
-    run.share_source = "warm-up: " + ", ".join(f"replica {r} {x:.1f} samples/s" for r, x in enumerate(thr))
+    unit_s, fixed_s = rt.measure_step_costs(warm, steps=2)
+    mbs = plan.microbatch_size
+    units = balanced_shares(plan.global_batch_size // mbs, [u * mbs for u in unit_s], fixed_s)
+    rt.set_batch_shares([u * mbs for u in units])
+    run.share_source = "warm-up: " + ", ".join(f"replica {r} {1 / u:.6g} samples/s + {f:.6g} s/step fixed"
+                                               for r, (u, f) in enumerate(zip(unit_s, fixed_s)))
     if run.log:
         print(f"heterogeneous DP: measured {run.share_source}"
               + (" (EMULATED slowdowns included)" if run.emulation else "")

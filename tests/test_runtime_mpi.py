@@ -34,6 +34,13 @@ def test_heterogeneous_dp_replicas_stay_bitwise_identical():
     assert digests[0] == digests[1], digests
 
 
+def test_heterogeneous_dp_bucketed_allreduce_over_the_bridge():
+    # the gradient all-reduce in 11 buckets (one per layer), run by a background thread over the
+    # bridge while the backward goes on; NaN-filled buffers; same checks as hdp2
+    digests = _run("hdp2_buckets", 2)
+    assert digests[0] == digests[1], digests
+
+
 def test_hybrid_two_replicas_of_two_stage_pipelines():
     digests = _run("hybrid4", 4)
     # rank 0/2 hold stage 0 of replica 0/1, rank 1/3 stage 1: replicas are bitwise identical

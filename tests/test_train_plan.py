@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hethub_jax.parallel.plan import proportional_shares
+from hethub_jax.parallel.plan import balanced_shares, proportional_shares
 from hethub_jax.train import main
 
 PLANS = Path(__file__).resolve().parents[1] / "configs" / "plans"
@@ -101,14 +101,19 @@ def test_plan_without_shares_or_throughputs_measures_them_in_a_warm_up(tmp_path,
     gbs, mbs = d["global_batch_size"], d["microbatch_size"]
     out, recs = run(tmp_path, path, capsys)
 
-    assert "heterogeneous DP: measuring replica throughputs in a warm-up" in out
+    assert "heterogeneous DP: measuring replica step costs in a warm-up" in out
     run_rec = recs[0]
     shares, source = run_rec["batch_shares"], run_rec["batch_shares_source"]
-    assert re.fullmatch(r"warm-up: replica 0 [\d.]+ samples/s, replica 1 [\d.]+ samples/s", source), source
+    num = r"[\d.e+-]+"
+    assert re.fullmatch(f"warm-up: replica 0 {num} samples/s \\+ {num} s/step fixed, "
+                        f"replica 1 {num} samples/s \\+ {num} s/step fixed", source), source
     assert len(shares) == 2 and sum(shares) == gbs and all(s >= mbs and s % mbs == 0 for s in shares), shares
-    # the measured throughputs give these shares, and they are the ones printed and used
-    thr = [float(x) for x in re.findall(r"replica \d+ ([\d.]+) samples/s", source)]
-    assert shares == [u * mbs for u in proportional_shares(gbs // mbs, thr)]
+    # the measured costs (seconds per sample, fixed seconds per step: the update) give these shares,
+    # and they are the ones printed and used
+    thr = [float(x) for x in re.findall(rf"replica \d+ ({num}) samples/s", source)]
+    fixed = [float(x) for x in re.findall(rf"({num}) s/step fixed", source)]
+    assert shares == [u * mbs for u in balanced_shares(gbs // mbs, [mbs / t for t in thr], fixed)]
+    assert fixed[1] > fixed[0] > 0, fixed  # the update on the EMULATED 8x slower island takes longer
     assert shares[0] > shares[1], (shares, thr)  # the emulated-slow replica gets the smaller share
     assert f"-> batch shares {shares}" in out and banner_shares(out) == shares
     assert "(EMULATED slowdowns included)" in out and run_rec["emulation"]["active"] is True

@@ -177,6 +177,47 @@ def proportional_shares(global_units: int, throughputs: Sequence[float]) -> List
     return shares
 
 
+def balanced_shares(global_units: int, unit_s: Sequence[float], fixed_s: Sequence[float]) -> List[int]:
+    """Split ``global_units`` (microbatches) over replicas whose step takes ``fixed_s[i] + unit_s[i] *
+    share_i`` seconds.
+
+    Heterogeneous DP's step ends when the slowest replica is done, so the shares minimise
+    ``max_i(fixed_i + unit_i * share_i)`` (each share >= 1, summing to ``global_units``). A replica's
+    per-step fixed cost (its optimizer update, stretched on an emulated slow island; the part of the
+    gradient all-reduce it pays alone) moves samples to the others; with all fixed costs equal (or
+    zero) the result is :func:`proportional_shares` of the throughputs ``1 / unit_s``. Method: every
+    replica starts at one unit, then each remaining unit goes to the replica whose time after taking it
+    is smallest; for non-decreasing per-replica costs this greedy keeps the maximum minimal at every
+    count, so the result is optimal. Ties go to the replica with the smaller ``unit_s``, then the lower
+    index; times are compared exactly (``fractions.Fraction``).
+
+    Example: 4 units, unit_s (1, 3), fixed_s (0, 0) -> [3, 1]; fixed_s (0, 2) -> [3, 1] (times 3 and
+    5; [2, 2] gives 8); 8 units at unit_s (1, 1), fixed_s (0, 2) -> [5, 3].
+
+    Raises:
+      ValueError: if the lists differ in length or are empty, a ``unit_s`` is not finite and > 0, a
+        ``fixed_s`` is not finite and >= 0, or ``global_units < len(unit_s)``.
+    """
+    n = len(unit_s)
+    if n == 0 or len(fixed_s) != n:
+        raise ValueError(f"balanced_shares needs one unit_s and one fixed_s per replica, got {n} and {len(fixed_s)}")
+    for i, (u, f) in enumerate(zip(unit_s, fixed_s)):
+        if not (isinstance(u, numbers.Real) and math.isfinite(u) and u > 0):
+            raise ValueError(f"unit_s of replica {i} must be finite and > 0 seconds, got {u!r}")
+        if not (isinstance(f, numbers.Real) and math.isfinite(f) and f >= 0):
+            raise ValueError(f"fixed_s of replica {i} must be finite and >= 0 seconds, got {f!r}")
+    if global_units < n:
+        raise ValueError(f"global batch of {global_units} units is smaller than the number of replicas ({n}): "
+                         f"every replica needs at least one")
+    unit = [Fraction(float(u)) for u in unit_s]
+    fixed = [Fraction(float(f)) for f in fixed_s]
+    shares = [1] * n
+    for _ in range(global_units - n):
+        i = min(range(n), key=lambda j: (fixed[j] + unit[j] * (shares[j] + 1), unit[j], j))
+        shares[i] += 1
+    return shares
+
+
 # ---------------------------------------------------------------------------------------------------
 
 class Plan(StrictModel):

@@ -41,6 +41,7 @@ from flax import nnx
 from hethub_jax.models.config import LlamaConfig
 from hethub_jax.models.llama import Llama
 from hethub_jax.optim import OptimConfig, make_optimizer
+from hethub_jax.parallel import buckets as bk
 from hethub_jax.parallel import exchange
 from hethub_jax.parallel import multiprocess as mp
 from hethub_jax.parallel.plan import Plan
@@ -158,6 +159,16 @@ class PipelineRuntime:
         # microbatch's forward+backward, the global norm, clipping and the update run as one jitted
         # program (`PipelineStage.forward_backward_update`), as a plain single-device step does.
         self.fuse_update = True
+        # Heterogeneous DP: the last backward of the step runs in layer buckets whose gradients are
+        # all-reduced in the background while the next bucket computes (`hethub_jax.parallel.buckets`;
+        # `_bucketing` says when it applies). None (the default, see `set_grad_buckets`): off, the
+        # all-reduce runs after the whole backward. Off by default: on the 2-core test machine the
+        # bucketed step measured slower (docs/benchmarks.md, hetero_dp, session 7).
+        self.grad_bucket_bytes: int | None = None
+        self.first_grad_bucket_bytes: int = bk.DEFAULT_FIRST_BUCKET_BYTES
+        self.last_bucket_stats: dict | None = None  # `BucketedReduction.stats` of the last step, + exposed_s
+        self._chunks: dict[StageKey, tuple[tuple[int, int], bk.StageChunks]] = {}
+        self._bucket_pool, self._pending_buckets = None, None
 
     def _stage_layout(self, k: StageKey) -> tuple[tuple[int, ...], dict[int, tuple[int, int]]]:
         """(world ranks running stage `k`, world rank -> samples [start, stop) of a microbatch it
@@ -382,13 +393,19 @@ class PipelineRuntime:
 
     def _reduce_shared(self, acc: dict[StageKey, Any]) -> dict[StageKey, Any]:
         """Sums the gradients of parameters held by several stages and gives every holder the sum."""
+        done = self._join_buckets()  # names already all-reduced during the backward (buckets)
         if not self.shared:
             return acc
         flats = {k: self.stages[k].flat(acc[k]) for k in self.local_keys}
         by_group: dict[tuple[int, ...], list[str]] = {}
         for name, hs in self.shared.items():
-            by_group.setdefault(self._holder_ranks(hs), []).append(name)
+            if name not in done:
+                by_group.setdefault(self._holder_ranks(hs), []).append(name)
         new = {k: dict(f) for k, f in flats.items()}
+        for name, total in done.items():
+            for k in self.shared[name]:
+                if k in new:
+                    new[k][name] = total
         for group, names in by_group.items():
             if self.rank not in group:
                 continue
@@ -422,6 +439,73 @@ class PipelineRuntime:
             out[k] = jax.tree.map(lambda v, like, s: jax.device_put(jnp.asarray(v, like.dtype), s),
                                   tree, acc[k], st.param_shardings)
         return out
+
+    # ---- bucketed gradient all-reduce overlapped with the backward (heterogeneous DP) ----------
+    def set_grad_buckets(self, bucket_mb: float | None) -> None:
+        """Bucket size of the overlapped gradient all-reduce, MiB (``None``: off); the first bucket
+        is `buckets.DEFAULT_FIRST_BUCKET_BYTES` or the bucket size if smaller.
+
+        Raises:
+          ValueError: if ``bucket_mb`` is not None and not > 0.
+        """
+        if bucket_mb is None:
+            self.grad_bucket_bytes = None
+            return
+        if not bucket_mb > 0:
+            raise ValueError(f"grad_bucket_mb must be > 0 MiB or None (off), got {bucket_mb}")
+        self.grad_bucket_bytes = max(1, int(bucket_mb * 2**20))
+        self.first_grad_bucket_bytes = min(bk.DEFAULT_FIRST_BUCKET_BYTES, self.grad_bucket_bytes)
+
+    def _bucketing(self) -> bool:
+        """True when the step's last backward runs in buckets (`hethub_jax.parallel.buckets`):
+        `grad_bucket_bytes` set, several replicas, each one stage on one process (every parameter is
+        then held by every replica: one group), and every replica's last two compute actions are F
+        and B of one microbatch. The same on every rank (it depends on the plan and shares only)."""
+        plan = self.plan
+        if self.grad_bucket_bytes is None or plan.num_replicas < 2 or not self.shared:
+            return False
+        if any(plan.num_stages(r) != 1 for r in range(plan.num_replicas)) or any(
+                len(o) > 1 for o in self.owners.values()):
+            return False
+        for r in range(plan.num_replicas):
+            comp = [a for a in self.train_actions[r][0] if a.kind in (ActionKind.F, ActionKind.B)]
+            if not (len(comp) >= 2 and comp[-1].kind == ActionKind.B and comp[-2].kind == ActionKind.F
+                    and comp[-1].microbatch == comp[-2].microbatch):
+                return False
+        return True
+
+    def _step_buckets(self, batch: dict[str, np.ndarray]) -> bk.BucketedReduction | None:
+        """This step's bucket reductions (None when `_bucketing` is False); compiles each local
+        stage's buckets on first use (again when the bucket sizes change)."""
+        if not self._bucketing():
+            return None
+        caps = (int(self.grad_bucket_bytes), int(self.first_grad_bucket_bytes))
+        for k in self.local_keys:
+            if self._chunks.get(k, (None,))[0] != caps:
+                self._chunks[k] = (caps, bk.StageChunks(self.stages[k], *caps))
+        if self._bucket_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._bucket_pool = ThreadPoolExecutor(1, thread_name_prefix="grad-allreduce")
+        mbs, R = self.plan.microbatch_size, self.plan.num_replicas
+        last = [batch["tokens"][self.offsets[r] + self.shares[r] - mbs:self.offsets[r] + self.shares[r]] for r in range(R)]
+        rows = np.unique(np.concatenate([t.ravel() for t in last]))
+        comm = self._group_comms.get(self._bucket_group())
+        return bk.BucketedReduction(self._bucket_pool, self.local_keys, comm, rows)
+
+    def _bucket_group(self) -> tuple[int, ...]:
+        return self._holder_ranks(next(iter(self.shared.values())))
+
+    def _join_buckets(self) -> dict[str, np.ndarray]:
+        """Waits for the step's bucket all-reduces: flat name -> host float32 total ({} if none);
+        sets `last_bucket_stats` (with exposed_s: seconds waited here, after the backward)."""
+        b, self._pending_buckets = self._pending_buckets, None
+        if b is None:
+            return {}
+        t0 = time.perf_counter()
+        with self._naming_peers(self._bucket_group()):
+            totals = b.join()
+        self.last_bucket_stats = dict(b.stats(), exposed_s=time.perf_counter() - t0)
+        return totals
 
     def _forward_backward(self, batch: dict[str, np.ndarray]):
         num_tokens = self._check_batch(batch, self.plan.global_batch_size)
@@ -499,6 +583,47 @@ class PipelineRuntime:
         busy = self._allreduce_world(busy)
         return [self.shares[r] * steps / float(busy[r].max()) for r in range(self.plan.num_replicas)]
 
+    def measure_step_costs(self, batch: dict[str, np.ndarray], steps: int = 2) -> tuple[list[float], list[float]]:
+        """Warm-up measurement for heterogeneous DP shares (`plan.balanced_shares`): per replica, the
+        seconds per sample of its step and its fixed seconds per step; identical on every rank.
+
+        Runs `steps` forward/backward passes on `batch` under the current shares, with the gradient
+        all-reduce as in training (bucketed and overlapped when `_bucketing` applies), after one
+        untimed pass that compiles. Per sample: the replica's busiest stage's compute time (F and B
+        actions, emulated slowdowns included) / its share; the device->host copies and bridge
+        traffic of the buckets that overlap the backward run on the same cores, so what they cost the
+        replica is in that time. Fixed: the optimizer update of that stage, timed once after a
+        compiling run on copies of the parameters and optimizer state (the real ones are not changed;
+        the copies cost their memory for the duration), emulated slowdown included. The all-reduce's
+        exposed tail, after the last replica's last bucket, is the same for every replica and so does
+        not move the balance: it is not counted.
+
+        Returns:
+          (unit_s, fixed_s): seconds per sample and seconds per step, one per replica.
+        """
+        self._forward_backward(batch)
+        R = self.plan.num_replicas
+        S = max(self.plan.num_stages(r) for r in range(R))
+        busy, fixed = np.zeros((R, S)), np.zeros((R, S))
+        for _ in range(steps):
+            acc, _, num_tokens, norm, records = self._forward_backward(batch)
+            for rec in records:
+                if rec.action[0] in "FB" and self._counts((rec.replica, rec.stage)):
+                    busy[rec.replica, rec.stage] += rec.end_s - rec.start_s
+        inv, gnorm = jnp.float32(1.0 / num_tokens), jnp.float32(norm)
+        for k in self.local_keys:
+            st = self.stages[k]
+            for _ in range(2):  # the first run compiles
+                p, o = jax.tree.map(jnp.copy, (st.params, st.opt_state))
+                t0 = time.perf_counter()
+                out = st.update(p, o, acc[k], inv, gnorm)
+                self._emulate(k, out, t0)
+                fixed[k] = (time.perf_counter() - t0) if self._counts(k) else 0.0
+                del p, o, out
+        busy, fixed = self._allreduce_world(busy), self._allreduce_world(fixed)
+        unit = [float(busy[r].max()) / (steps * self.shares[r]) for r in range(R)]
+        return unit, [float(fixed[r].max()) for r in range(R)]
+
     def set_batch_shares(self, shares: list[int]) -> None:
         """Changes the replicas' shares of the global batch (samples). Each share must be a multiple
         of the microbatch size, at least one microbatch, and the shares must sum to the global batch.
@@ -552,6 +677,9 @@ class PipelineRuntime:
                                         item["opt_state"], st.opt_state)
 
 
+_SELF_TIMED = object()  # `_forward`'s result when the action already waited on and emulated itself
+
+
 def _incoming(key: StageKey, a: Action) -> tuple:
     """The message that receive action `a` of stage `key` waits for: (kind, src, dst, microbatch)."""
     kind = "act" if a.kind == ActionKind.RECV_ACT else "grad"
@@ -593,6 +721,7 @@ class _StepExecutor:
         self.records: list[ActionRecord] = []
         self.pending_sends: list = []
         self.recvs = rt._post_receives(self.lists, batch) if rt.comm is not None else {}
+        self.buckets = rt._step_buckets(batch) if train else None
 
     def run(self) -> tuple[dict, dict, list[ActionRecord]]:
         """Executes every action; returns what `PipelineRuntime._run` documents."""
@@ -604,6 +733,7 @@ class _StepExecutor:
                 deadline = self._wait(deadline)
         for h in self.pending_sends:
             h.wait()
+        self.rt._pending_buckets = self.buckets  # joined by `_reduce_shared`
         return (self.norms if self.fuse_update else self.acc), self.loss_sums, self.records
 
     def _advance(self) -> bool:
@@ -665,7 +795,9 @@ class _StepExecutor:
         """Runs action `a` of stage `k` (`nxt`: the stage's next action) and records its times."""
         t0 = time.perf_counter()
         if a.kind == ActionKind.F:
-            self.rt._emulate(k, self._forward(k, a.microbatch, nxt), t0)
+            out = self._forward(k, a.microbatch, nxt)
+            if out is not _SELF_TIMED:
+                self.rt._emulate(k, out, t0)
         elif a.kind == ActionKind.B:
             self.rt._emulate(k, self._backward(k, a.microbatch), t0)
         elif a.is_send:
@@ -691,8 +823,12 @@ class _StepExecutor:
         """F: the stage's forward on microbatch `mb` (with the backward when it comes next on the last
         stage, see `PipelineRuntime.fuse_last_stage`). Returns what to wait for."""
         st, inputs = self.rt.stages[k], self._inputs(k, mb)
+        bucketed = (self.buckets is not None and nxt is not None and nxt.kind == ActionKind.B
+                    and nxt.microbatch == mb and self.n_acc[k] == self.num_b[k] - 1)
         if not self.train:
             out = st.forward(st.params, inputs)
+        elif bucketed:
+            out = self._bucketed(k, mb, inputs)
         elif (st.is_last and self.rt.fuse_last_stage and nxt is not None and nxt.kind == ActionKind.B
               and nxt.microbatch == mb):
             out = self._forward_backward(k, mb, inputs)
@@ -705,7 +841,22 @@ class _StepExecutor:
             self.loss_sums[k].append(out)
         else:
             self.outbox[("out", k, mb)] = out
+        if bucketed:
+            return _SELF_TIMED  # `_bucketed` waited on (and emulated) each bucket itself
         return out, self.fused.get((k, mb))
+
+    def _bucketed(self, k: StageKey, mb: int, inputs: StageInputs) -> Any:
+        """The step's last microbatch of a heterogeneous-DP replica: forward and backward in layer
+        buckets, each bucket's gradients handed to the background all-reduce as soon as they are
+        final (`hethub_jax.parallel.buckets`). The backward's result waits in `fused` for the B
+        action. Returns the summed loss."""
+        first = np.bool_(self.n_acc[k] == 0)
+        out, acc = self.rt._chunks[k][1].forward_backward(
+            inputs, self.acc[k], first, wait=lambda x, t0: self.rt._emulate(k, x, t0),
+            ready=lambda chunk, flat, raw: self.buckets.ready(k, chunk, flat, raw))
+        self.fused[(k, mb)] = Backward(acc, None)
+        self.acc[k] = acc
+        return out
 
     def _forward_backward(self, k: StageKey, mb: int, inputs: StageInputs) -> Any:
         """Last stage: forward and backward in one jit; the last one applies the update too when the

@@ -55,7 +55,7 @@ if case == "split3":
     plan = split_plan((5, 4, 2), islands=3)
 elif case == "tied2":
     plan = split_plan((6, 5), islands=2)
-elif case == "hdp2":
+elif case in ("hdp2", "hdp2_buckets"):  # hdp2_buckets: the all-reduce in one bucket per layer
     plan = replicas_plan(2, 1, [3.0, 1.0])
     assert plan.batch_shares() == [8, 2], plan.batch_shares()
 elif case == "hybrid4":
@@ -72,7 +72,9 @@ ref = reference(tied, plan.global_batch_size, padded=padded)
 def check(plan):
     # split3: receive buffers and gradient accumulators start NaN-filled (nothing unwritten may leak)
     rt = PipelineRuntime(plan, model_config(tied), OPTIM, seed=7, comm=world, rank=rank,
-                         debug_nan=case == "split3")
+                         debug_nan=case in ("split3", "hdp2_buckets"))
+    if case == "hdp2_buckets":
+        rt.grad_bucket_bytes, rt.first_grad_bucket_bytes = 20_000, 1
     loss0, grads = rt.gradients(data[0])
     assert_rel(loss0, ref["loss0"], "loss of batch 0")
     for name, g in grads.items():
@@ -82,6 +84,10 @@ def check(plan):
     params = rt.params()
     for name, p in params.items():
         assert_rel(p, ref["params"][name], f"rank {rank}: parameter {name} after 3 steps")
+    if case == "hdp2_buckets":  # every layer its own bucket, all-reduced over the bridge in the background
+        chunks = rt._chunks[rt.local_keys[0]][1].chunks
+        assert len(chunks) == 11, chunks  # + the dense part of the (untied) embedding gradient:
+        assert rt.last_bucket_stats["num_buckets"] == 12, rt.last_bucket_stats
     return rt, params
 
 

@@ -1,0 +1,91 @@
+"""Bucketed gradient all-reduce overlapped with the backward (heterogeneous DP, issue 17.5) and the
+share arithmetic with per-step fixed costs.
+
+References: the unsplit single-device run (loss, gradients, parameters after several steps: the
+same checks as `test_hetero_dp.py`), exhaustive search for the shares, plain arithmetic for the
+bucket cut.
+"""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from hethub_jax.parallel.buckets import layer_chunks
+from hethub_jax.parallel.plan import balanced_shares, proportional_shares
+from hethub_jax.parallel.runtime import PipelineRuntime
+from test_hetero_dp import assert_replicas_bitwise_equal, check_steps_against, dp_plan, single_device_run
+from test_runtime_equivalence import OPTIM, batches, model_config
+
+
+def exhaustive(units, unit_s, fixed_s):
+    """The smallest achievable max_i(fixed_i + unit_i * share_i) over every split."""
+    n, best = len(unit_s), None
+    for cut in itertools.combinations(range(1, units), n - 1):
+        shares = np.diff((0,) + cut + (units,))
+        t = max(f + u * s for f, u, s in zip(fixed_s, unit_s, shares))
+        best = t if best is None else min(best, t)
+    return best
+
+
+def test_balanced_shares_are_optimal_against_exhaustive_search():
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        n, units = int(rng.integers(1, 4)), int(rng.integers(3, 13))
+        if units < n:
+            continue
+        unit_s = list(rng.uniform(0.05, 1.0, n))
+        fixed_s = list(rng.uniform(0.0, 2.0, n) * (rng.random(n) > 0.3))
+        got = balanced_shares(units, unit_s, fixed_s)
+        assert sum(got) == units and min(got) >= 1
+        t = max(f + u * s for f, u, s in zip(fixed_s, unit_s, got))
+        assert t == pytest.approx(exhaustive(units, unit_s, fixed_s), rel=1e-12), (units, unit_s, fixed_s, got)
+
+
+def test_balanced_shares_without_fixed_costs_are_proportional():
+    rng = np.random.default_rng(4)
+    for _ in range(100):
+        n = int(rng.integers(1, 5))
+        units = int(rng.integers(n, 30))
+        thr = list(rng.uniform(0.1, 5.0, n))
+        assert balanced_shares(units, [1 / t for t in thr], [0.0] * n) == proportional_shares(units, thr)
+
+
+def test_a_fixed_cost_moves_samples_to_the_other_replica():
+    # per sample 1 s each; replica 1 pays 2 s per step more (e.g. its update on an emulated slow
+    # island): 8 units split 5/3 (times 5 and 5), not 4/4 (times 4 and 6).
+    assert balanced_shares(8, [1.0, 1.0], [0.0, 2.0]) == [5, 3]
+    assert balanced_shares(8, [1.0, 1.0], [0.0, 0.0]) == [4, 4]
+    with pytest.raises(ValueError, match="fixed_s of replica 1"):
+        balanced_shares(8, [1.0, 1.0], [0.0, -1.0])
+    with pytest.raises(ValueError, match="unit_s of replica 0"):
+        balanced_shares(8, [0.0, 1.0], [0.0, 0.0])
+    with pytest.raises(ValueError, match="smaller than the number of replicas"):
+        balanced_shares(1, [1.0, 1.0], [0.0, 0.0])
+
+
+def test_layer_chunks_cut_from_the_last_layer():
+    # 6 layers of 10 bytes, head 25: first bucket (cap 30) = head + layers 5 (35 >= 30); then
+    # buckets of >= 20 bytes: layers 4-3, 2-1; the rest (layer 0) is the last bucket.
+    assert layer_chunks([10] * 6, 0, 25, 20, 30) == [(5, 5), (3, 4), (1, 2), (0, 0)]
+    assert layer_chunks([10] * 6, 0, 0, 10**6, 10**6) == [(0, 5)]   # one bucket
+    assert layer_chunks([10] * 3, 4, 0, 1, 1) == [(6, 6), (5, 5), (4, 4)]  # every layer its own
+    with pytest.raises(ValueError, match="bucket sizes"):
+        layer_chunks([10], 0, 0, 0, 1)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_bucketed_dp_equals_single_device(tied):
+    """Several buckets (every 2-3 layers its own), NaN-filled buffers, right-padded rows, global-norm
+    clipping (OPTIM clips at 1.0): the same loss, gradients and parameters as the unsplit run."""
+    cfg = model_config(tied)
+    plan = dp_plan([3.0, 1.0])
+    data = batches(10, padded=True)
+    rt = PipelineRuntime(plan, cfg, OPTIM, seed=7, debug_nan=True)
+    rt.grad_bucket_bytes, rt.first_grad_bucket_bytes = 20_000, 1
+    check_steps_against(rt, single_device_run(cfg, data), data)
+    assert_replicas_bitwise_equal(rt)
+    chunks = rt._chunks[(0, 0)][1]
+    assert len(chunks.chunks) >= 4 and chunks.split_embed, chunks.chunks
+    # one bucket per chunk, plus the dense embedding part of an untied model
+    assert rt.last_bucket_stats["num_buckets"] == len(chunks.chunks) + (0 if tied else 1), rt.last_bucket_stats
