@@ -343,6 +343,18 @@ def schedule_arrays(schedule: str, num_stages: int, num_microbatches: int) -> Sc
 
 # ---- processes that run several stages one action at a time --------------------------------------------
 
+def _earliest_delivery(keys: Sequence[int], ptr: Sequence[int], hi: Sequence[int], recv_msg: Sequence[int],
+                       dlv: Sequence[float]) -> float:
+    """Seconds of the earliest known delivery among the messages the next actions of lists ``keys``
+    wait for (``inf``: none is on its way)."""
+    w = float("inf")
+    for k in keys:
+        g = ptr[k]
+        if g < hi[k] and dlv[recv_msg[g]] < w:
+            w = dlv[recv_msg[g]]
+    return w
+
+
 def run_processes(procs: Sequence[Sequence[int]], lo: Sequence[int], hi: Sequence[int], recv_msg: Sequence[int],
                   send_msg: Sequence[int], t: Sequence[float], dt: Sequence[float], num_messages: int):
     """The timing of :func:`simulate_processes` over flat lists (its docstring has the model).
@@ -412,11 +424,7 @@ def run_processes(procs: Sequence[Sequence[int]], lo: Sequence[int], hi: Sequenc
             if r != r0:  # the sweep ran something: sweep again
                 r0 = r
                 continue
-            w = inf  # a sweep with nothing ready: jump to the earliest known delivery
-            for k in keys:
-                g = ptr[k]
-                if g < hi[k] and dlv[recv_msg[g]] < w:
-                    w = dlv[recv_msg[g]]
+            w = _earliest_delivery(keys, ptr, hi, recv_msg, dlv)  # nothing was ready: jump to it
             if w == inf:
                 blocked.append(p)
                 break
