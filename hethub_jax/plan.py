@@ -18,6 +18,8 @@ import json
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
+from hethub_jax.parallel.rules import check_runtime_support
+
 __all__ = ["main", "format_candidate", "candidate_dict"]
 
 
@@ -66,6 +68,9 @@ def format_candidate(i: int, c: Any, groups: Dict[str, Any], ub: Optional[float]
                      f"{_gb(sp.memory.total):>6} ({cap:>5.0f}) {100 * sp.bubble_fraction:>6.1f}%")
     if plan.num_replicas > 1:
         lines.append(f"  batch shares (samples per replica): {shares}")
+    why = _not_runnable(plan)
+    if why:
+        lines.append(f"  NOT RUNNABLE YET: {why}")
     return "\n".join(lines)
 
 
@@ -76,7 +81,17 @@ def candidate_dict(c: Any) -> Dict[str, Any]:
     pred.pop("timeline", None)
     return {"kind": c.kind, "predicted": True, "step_time_s": c.step_time_s, "tokens_per_s": c.tokens_per_s,
             "mfu": c.mfu, "upper_bound_fraction": c.upper_bound_fraction, "layers": [list(x) for x in c.layers],
-            "plan": c.plan.to_dict(), "prediction": pred}
+            "plan": c.plan.to_dict(), "prediction": pred, "runnable": _not_runnable(c.plan) is None,
+            "not_runnable_because": _not_runnable(c.plan)}
+
+
+def _not_runnable(plan: Any) -> Optional[str]:
+    """Why today's runtime cannot run ``plan`` (``rules.check_runtime_support``), or None."""
+    try:
+        check_runtime_support(plan)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 class _GroupInfo:

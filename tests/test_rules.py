@@ -108,3 +108,42 @@ def test_plan_validates_iff_every_stage_builds(case):
     except ValueError:
         valid = False
     assert valid == _builds(cfg, plan), (cfg, plan)
+
+
+def test_runtime_support_refuses_several_stages_on_a_multiprocess_island_only():
+    from hethub_jax.parallel.rules import check_runtime_support
+    from hethub_jax.plan import candidate_dict, format_candidate
+
+    def plan(a_procs, stages):
+        return Plan.from_dict({
+            "islands": [{"name": "a", "platform": "cpu", "num_processes": a_procs, "devices_per_process": 2},
+                        {"name": "b", "platform": "cpu"}],
+            "stages": stages, "global_batch_size": 8, "microbatch_size": 2})
+    two_on_a = [{"island": "a", "first_layer": 0, "last_layer": 3}, {"island": "a", "first_layer": 4, "last_layer": 7},
+                {"island": "b", "first_layer": 8, "last_layer": 10}]
+    one_on_a = [{"island": "a", "first_layer": 0, "last_layer": 7}, {"island": "b", "first_layer": 8, "last_layer": 10}]
+    with pytest.raises(ValueError, match=r"island .a. has 2 processes and runs stages \[\(0, 0\), \(0, 1\)\]"):
+        check_runtime_support(plan(2, two_on_a))
+    check_runtime_support(plan(1, two_on_a))     # one process drives both stages: runs today
+    check_runtime_support(plan(2, one_on_a))     # one stage over both processes: runs today
+
+    class _Cand:  # what the plan CLI prints and writes for a planner candidate
+        def __init__(self, p):
+            from hethub_jax.planner.costs import DeviceCosts
+            from hethub_jax.planner.catalog import get_device
+            from hethub_jax.planner.predictor import predict
+            costs = {i.name: DeviceCosts.from_catalog(get_device("cpu")) for i in p.islands}
+            self.plan, self.kind, self.layers = p, "pipeline", ()
+            self.prediction = predict(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                                  num_hidden_layers=11, num_attention_heads=2), p, costs, seq_len=16)
+            self.step_time_s, self.tokens_per_s = self.prediction.step_time_s, self.prediction.tokens_per_s
+            self.mfu, self.upper_bound_fraction = 0.0, 0.0
+
+    class _G:
+        device, memory_gb = "cpu", 1.0
+    groups = {"a": _G(), "b": _G()}
+    bad, good = _Cand(plan(2, two_on_a)), _Cand(plan(2, one_on_a))
+    assert "NOT RUNNABLE YET: island 'a'" in format_candidate(0, bad, groups, None)
+    assert "NOT RUNNABLE" not in format_candidate(0, good, groups, None)
+    assert candidate_dict(bad)["runnable"] is False and "island 'a'" in candidate_dict(bad)["not_runnable_because"]
+    assert candidate_dict(good)["runnable"] is True and candidate_dict(good)["not_runnable_because"] is None

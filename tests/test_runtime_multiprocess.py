@@ -78,7 +78,7 @@ def _plan(stages):
 
 @pytest.mark.parametrize("stages, match", [
     ([{"island": "a", "first_layer": 0, "last_layer": 3}, {"island": "a", "first_layer": 4, "last_layer": 7},
-      {"island": "b", "first_layer": 8, "last_layer": 10}], "runs one stage of the plan"),
+      {"island": "b", "first_layer": 8, "last_layer": 10}], "runs one stage on an island of several processes"),
     ([{"island": "a", "first_layer": 0, "last_layer": 5, "dp": 1, "tp": 2, "devices": [1, 2]},
       {"island": "b", "first_layer": 6, "last_layer": 10}], "TP must fit inside one process"),
 ])

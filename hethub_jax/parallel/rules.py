@@ -5,6 +5,8 @@
   a plan that validates builds.
 * :func:`check_batch` and :func:`check_shares`: global batch, microbatch, DP degree and per-replica
   batch shares. Called by the plan, the training config (``train.*``), ``train.py`` and the runtime.
+* :func:`check_runtime_support`: does today's runtime run a valid plan? (an island of several
+  processes runs one stage). Called by the runtime and by ``python -m hethub_jax.plan``.
 
 Every function raises ``ValueError`` naming the constraint and the offending values.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-__all__ = ["check_tp", "check_batch", "check_shares"]
+__all__ = ["check_tp", "check_batch", "check_shares", "check_runtime_support"]
 
 
 def check_tp(config: Any, tp: int, where: str = "the stage") -> None:
@@ -94,3 +96,25 @@ def check_shares(shares: Sequence[int], global_batch_size: int, microbatch_size:
     if sum(shares) != global_batch_size:
         raise ValueError(f"batch shares must sum to global_batch_size: {list(shares)} sums to {sum(shares)}, "
                          f"global_batch_size is {global_batch_size}")
+
+
+def check_runtime_support(plan: Any) -> None:
+    """Raise if today's runtime cannot run ``plan`` although it is valid: an island of several
+    processes may run only one stage (its processes could order several stages' collectives
+    differently; docs/multiprocess_islands.md says what lifting it needs). A plan that puts each such
+    stage on an island of its own runs.
+
+    Args:
+      plan: a :class:`hethub_jax.parallel.plan.Plan` (``islands``, ``island_stages(name)``).
+
+    Raises:
+      ValueError: naming the first island of several processes that runs more than one stage.
+    """
+    for isl in plan.islands:
+        stages = plan.island_stages(isl.name)
+        if isl.num_processes > 1 and len(stages) > 1:
+            raise ValueError(f"island {isl.name!r} has {isl.num_processes} processes and runs stages {stages}: "
+                             f"today's runtime runs one stage on an island of several processes, as its "
+                             f"processes could order several stages' collectives differently (give each "
+                             f"multi-process island one stage; put the others on islands of their own, "
+                             f"docs/multiprocess_islands.md)")

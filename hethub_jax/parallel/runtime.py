@@ -45,7 +45,7 @@ from hethub_jax.parallel import buckets as bk
 from hethub_jax.parallel import exchange
 from hethub_jax.parallel import multiprocess as mp
 from hethub_jax.parallel.plan import Plan
-from hethub_jax.parallel.rules import check_shares
+from hethub_jax.parallel.rules import check_runtime_support, check_shares
 from hethub_jax.parallel.schedule import Action, ActionKind
 from hethub_jax.parallel.stage import Backward, PipelineStage, StageInputs
 from hethub_jax.parallel.trace import ActionRecord
@@ -188,12 +188,7 @@ class PipelineRuntime:
         start = plan.island_ranks(isl.name).start
         if isl.num_processes == 1:
             return (start,), {start: (0, mbs)}
-        if len(plan.island_stages(isl.name)) > 1:
-            raise ValueError(f"island {isl.name!r} has {isl.num_processes} processes and runs stages "
-                             f"{plan.island_stages(isl.name)}: an island of several processes runs one "
-                             f"stage of the plan, as its processes could order several stages' collectives "
-                             f"differently (give each multi-process island one stage; put the others on "
-                             f"islands of their own, docs/multiprocess_islands.md)")
+        check_runtime_support(plan)
         procs = exchange.row_processes(plan.stage_devices(*k), spec.dp, spec.tp, isl.devices_per_process)
         rows = exchange.process_rows(mbs, procs)
         return tuple(start + p for p in sorted(rows)), {start + p: r for p, r in rows.items()}
