@@ -31,7 +31,7 @@ __all__ = ["RunPrediction", "predict_run", "plan_from_cluster", "profile_device"
 #: microbatch sizes, the fastest of 2 timed calls (the machine may be shared); no co-run slowdown, runtime
 #: per-action seconds or in-process bridge (the training islands are processes, planned without them)
 PROFILE_SETTINGS = ("--microbatch-sizes", "1,2", "--tp", "1", "--repeats", "2", "--statistic", "min",
-                    "--no-progress", "--corun", "off", "--no-runtime")
+                    "--corun", "off", "--no-runtime")
 
 #: environment variables of MPI launchers; removed for the profiler child so that it starts as a
 #: single-process (singleton) MPI program instead of joining the job
