@@ -26,7 +26,9 @@ _StageCtx = P._StageCtx
 def simulate_processes(lists: Mapping[Key, Sequence[Action]], process_of: Mapping[Key, Any],
                        action_time: Callable[[Key, int], float],
                        delivery_time: Callable[[Key, Action], float]) -> Tuple[Tuple[Key, Action, float, float], ...]:
-    """Time action lists of stages that share processes, as ``hethub_jax.parallel.runtime`` runs them.
+    """The generator-per-process implementation ``hethub_jax.planner.simulator.simulate_processes`` had
+    before the flat-list rewrite, kept as the independent reference: same arguments, result and errors
+    (the model is described in that function's docstring)."""Time action lists of stages that share processes, as ``hethub_jax.parallel.runtime`` runs them.
 
     Keys are ``(replica, stage)`` pairs; a SEND/RECV's ``peer`` is a stage of the same replica. Every
     process runs one action at a time: it sweeps its stages in the order of ``lists`` (keys of one
