@@ -28,29 +28,7 @@ def simulate_processes(lists: Mapping[Key, Sequence[Action]], process_of: Mappin
                        delivery_time: Callable[[Key, Action], float]) -> Tuple[Tuple[Key, Action, float, float], ...]:
     """The generator-per-process implementation ``hethub_jax.planner.simulator.simulate_processes`` had
     before the flat-list rewrite, kept as the independent reference: same arguments, result and errors
-    (the model is described in that function's docstring)."""Time action lists of stages that share processes, as ``hethub_jax.parallel.runtime`` runs them.
-
-    Keys are ``(replica, stage)`` pairs; a SEND/RECV's ``peer`` is a stage of the same replica. Every
-    process runs one action at a time: it sweeps its stages in the order of ``lists`` (keys of one
-    process in insertion order), running each stage's next actions while they are ready (a RECV is
-    ready once its message is delivered), and waits for the next delivery when none is ready -- the
-    runtime's loop (``PipelineRuntime._run``). Processes run concurrently. With one stage per process
-    the result equals :func:`simulate`'s.
-
-    Args:
-      lists: per key, its ordered action list (``plan.actions(r)[s]``).
-      process_of: per key, the process (any hashable) that runs it.
-      action_time: ``(key, index) -> seconds`` the process is busy with ``lists[key][index]`` (F, B,
-        and the sender's / receiver's share of a SEND / RECV); >= 0.
-      delivery_time: ``(key, send_action) -> seconds`` from the end of a SEND until its message is
-        available to the receiver; >= 0.
-
-    Returns:
-      ``(key, action, start_s, end_s)`` per action, in the order they ran.
-    Raises:
-      ScheduleDeadlock: if some process waits forever.
-      ValueError: if a callback returns a negative or non-finite time.
-    """
+    (the model is described in that function's docstring)."""
     procs: Dict[Any, List[Key]] = {}
     for k in lists:
         procs.setdefault(process_of[k], []).append(k)
