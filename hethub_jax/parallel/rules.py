@@ -123,7 +123,7 @@ def check_runtime_support(plan: Any) -> None:
             shared = [(ks, ps) for ks, ps in island_components(plan, isl.name) if len(ks) > 1 and len(ps) > 1]
             if shared:
                 ks, ps = shared[0]
-                raise ValueError(f"{head}; stages {ks} share processes {ps} of it, so no split into one "
+                raise ValueError(f"{head}; stages {ks} hold processes {ps} of it, sharing some, so no split into one "
                                  f"island per stage runs them (give each stage whole processes of its own, "
                                  f"or put them on an island of one process; docs/multiprocess_islands.md)")
             raise ValueError(f"{head}; its stages hold disjoint processes: split it into one island per stage "
