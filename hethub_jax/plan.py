@@ -109,8 +109,9 @@ def _split_note(c: Any) -> Optional[str]:
     for isl, g in c.island_groups.items():
         parts.setdefault(g, []).append(isl)
     split = "; ".join(f"group {g} -> islands {', '.join(v)}" for g, v in parts.items() if v != [g])
-    return (f"split per stage (one jax.distributed runtime each; its stages run concurrently): {split}; "
-            f"as searched (one island per group, its stages one action at a time): step "
+    head = (f"split per stage (one jax.distributed runtime each; its stages run concurrently): {split}"
+            if split else "processes holding no stage left out")
+    return (f"{head}; as searched (one island per group, its stages one action at a time): step "
             f"{searched.step_time_s:.4g} s")
 
 

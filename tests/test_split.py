@@ -201,3 +201,29 @@ def test_plan_cli_prints_split_runnable_plans_and_as_searched_with_no_split(tmp_
     assert main(args[:-1]) == 0
     text = capsys.readouterr().out
     assert "split per stage" in text and "group a -> islands a.0, a.1" in text and "NOT RUNNABLE" not in text
+
+
+def test_a_candidate_no_split_runs_keeps_its_not_runnable_line():
+    from hethub_jax.models.config import LlamaConfig
+    from hethub_jax.plan import candidate_dict, format_candidate
+    from hethub_jax.planner.catalog import get_device
+    from hethub_jax.planner.cluster import load_cluster
+    from hethub_jax.planner.costs import DeviceCosts
+    from hethub_jax.planner.predictor import predict
+    from hethub_jax.planner.runnable import split_candidate
+    from hethub_jax.planner.search import Candidate
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=11, num_attention_heads=2)
+    costs = {n: DeviceCosts.from_catalog(get_device("cpu")) for n in ("a", "b")}
+    cluster = load_cluster({"name": "c", "groups": [{"name": "a", "device": "cpu", "nodes": 4, "devices_per_node": 2},
+                                                    {"name": "b", "device": "cpu", "nodes": 1}]}).resolved()
+    plan = _two_on_a([2, 6])  # stage 2 shares process 1 with stage 1 and spans processes 1 and 3
+    c = split_candidate(Candidate(plan, predict(cfg, plan, costs, seq_len=16), "pipeline", ((2, 4, 5),), 0.1),
+                        cfg, cluster, costs, 16)
+    assert c.searched is not None and [i.name for i in c.plan.islands] == ["a", "b"]  # idle process 2 dropped
+
+    class _G:
+        device, memory_gb = "cpu", 1.0
+    text = format_candidate(0, c, {"a": _G(), "b": _G()}, None)
+    assert "NOT RUNNABLE YET: island 'a' has 3 processes" in text and "sharing some" in text
+    assert "processes holding no stage left out" in text and "split per stage" not in text
+    assert candidate_dict(c)["runnable"] is False
