@@ -9,7 +9,9 @@ Prints one table per candidate (best first): per stage its device type, devices,
 predicted compute per microbatch, memory per device and bubble; the step time, tokens/s, MFU and the
 fraction of the cluster's upper bound (sum of each group's best homogeneous tokens/s). Every figure is
 PREDICTED by ``hethub_jax.planner.predictor``, none is measured. ``--out`` writes the best plan, which
-``python -m hethub_jax.train --plan`` runs unchanged.
+``python -m hethub_jax.train --plan`` runs unchanged. A plan with several stages on a multi-node group is
+printed and written with that group split into one island per stage and predicted again
+(``planner.runnable``; ``--no-split``: as searched, which today's runtime does not run).
 """
 from __future__ import annotations
 
@@ -37,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="candidate microbatch sizes (default: every divisor of the global batch)")
     p.add_argument("--no-hetero-dp", action="store_true", help="skip the heterogeneous data-parallel family")
     p.add_argument("--no-upper-bound", action="store_true", help="skip the per-group homogeneous searches")
+    p.add_argument("--no-split", action="store_true",
+                   help="print the plans as searched (one island per node group), without splitting a "
+                        "multi-node group into one island per stage (then such plans do not run today)")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
     return p
 
@@ -60,14 +65,17 @@ def format_candidate(i: int, c: Any, groups: Dict[str, Any], ub: Optional[float]
     shares = plan.batch_shares()
     for sp in pred.stages:
         st = plan.stage(sp.replica, sp.stage)
-        g = groups[st.island]
+        g = groups[_group(c, st.island)]
         dev = f"{st.island} ({g.device or 'profile'})"
-        cap = groups[st.island].memory_gb
+        cap = g.memory_gb
         lines.append(f"  {sp.replica:>3} {sp.stage:>3}  {dev:<26.26} {st.num_devices:>7} {st.dp:>4} x {st.tp:<3}"
                      f" {st.first_layer:>4}-{st.last_layer:<4} {sp.compute_s_per_microbatch:>10.4g} "
                      f"{_gb(sp.memory.total):>6} ({cap:>5.0f}) {100 * sp.bubble_fraction:>6.1f}%")
     if plan.num_replicas > 1:
         lines.append(f"  batch shares (samples per replica): {shares}")
+    split = _split_note(c)
+    if split:
+        lines.append(f"  {split}")
     why = _not_runnable(plan)
     if why:
         lines.append(f"  NOT RUNNABLE YET: {why}")
@@ -82,7 +90,29 @@ def candidate_dict(c: Any) -> Dict[str, Any]:
     return {"kind": c.kind, "predicted": True, "step_time_s": c.step_time_s, "tokens_per_s": c.tokens_per_s,
             "mfu": c.mfu, "upper_bound_fraction": c.upper_bound_fraction, "layers": [list(x) for x in c.layers],
             "plan": c.plan.to_dict(), "prediction": pred, "runnable": _not_runnable(c.plan) is None,
-            "not_runnable_because": _not_runnable(c.plan)}
+            "not_runnable_because": _not_runnable(c.plan),
+            "island_groups": dict(getattr(c, "island_groups", None) or {i.name: i.name for i in c.plan.islands}),
+            "searched_step_time_s": c.searched.step_time_s if getattr(c, "searched", None) else c.step_time_s}
+
+
+def _group(c: Any, island: str) -> str:
+    """The node group of ``island`` (a split candidate's islands map to their group)."""
+    return (getattr(c, "island_groups", None) or {}).get(island, island)
+
+
+def _split_note(c: Any) -> Optional[str]:
+    """One line saying which groups were split per stage and the step time as searched, or None."""
+    searched = getattr(c, "searched", None)
+    if searched is None:
+        return None
+    parts: Dict[str, List[str]] = {}
+    for isl, g in c.island_groups.items():
+        parts.setdefault(g, []).append(isl)
+    split = "; ".join(f"group {g} -> islands {', '.join(v)}" for g, v in parts.items() if v != [g])
+    head = (f"split per stage (one jax.distributed runtime each; its stages run concurrently): {split}"
+            if split else "processes holding no stage left out")
+    return (f"{head}; as searched (one island per group, its stages one action at a time): step "
+            f"{searched.step_time_s:.4g} s")
 
 
 def _not_runnable(plan: Any) -> Optional[str]:
@@ -103,6 +133,7 @@ class _GroupInfo:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     from hethub_jax.planner import PlanningError, SearchOptions, default_seq_len, load_cluster, load_model, search
+    from hethub_jax.planner.runnable import runnable_result
     from hethub_jax.planner.search import group_costs
     try:
         cfg = load_model(args.model)
@@ -113,7 +144,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         costs = group_costs(cluster, opt.efficiency, args.profiles)
         seq = args.seq_len or default_seq_len(cfg)
         res = search(cfg, cluster, args.global_batch, seq, costs=costs, options=opt,
-                     upper_bound=not args.no_upper_bound)
+                     upper_bound=not args.no_upper_bound and args.no_split)
+        if not args.no_split:
+            res = runnable_result(res, cfg, cluster, seq, costs=costs, options=opt,
+                                  upper_bound=not args.no_upper_bound)
     except PlanningError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

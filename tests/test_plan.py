@@ -298,7 +298,8 @@ def test_dataclasses_are_frozen_and_positions_set():
 PURE_PYTHON_MODULES = ("hethub_jax", "hethub_jax.models", "hethub_jax.models.config", "hethub_jax.typed",
                        "hethub_jax.parallel", "hethub_jax.parallel.plan", "hethub_jax.parallel.rules",
                        "hethub_jax.parallel.schedule", "hethub_jax.parallel.trace", "hethub_jax.planner",
-                       "hethub_jax.planner.simulator", "hethub_jax.parallel.exchange", "hethub_jax.rank_guard")
+                       "hethub_jax.planner.simulator", "hethub_jax.parallel.exchange", "hethub_jax.rank_guard",
+                       "hethub_jax.parallel.split", "hethub_jax.planner.runnable")
 BLOCKED = ("jax", "jaxlib", "flax", "optax", "orbax", "mpi4py")
 
 

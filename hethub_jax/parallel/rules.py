@@ -6,7 +6,8 @@
 * :func:`check_batch` and :func:`check_shares`: global batch, microbatch, DP degree and per-replica
   batch shares. Called by the plan, the training config (``train.*``), ``train.py`` and the runtime.
 * :func:`check_runtime_support`: does today's runtime run a valid plan? (an island of several
-  processes runs one stage). Called by the runtime and by ``python -m hethub_jax.plan``.
+  processes runs one stage; ``parallel.split`` splits such islands per stage). Called by the runtime
+  and by ``python -m hethub_jax.plan``.
 
 Every function raises ``ValueError`` naming the constraint and the offending values.
 """
@@ -100,21 +101,31 @@ def check_shares(shares: Sequence[int], global_batch_size: int, microbatch_size:
 
 def check_runtime_support(plan: Any) -> None:
     """Raise if today's runtime cannot run ``plan`` although it is valid: an island of several
-    processes may run only one stage (its processes could order several stages' collectives
-    differently; docs/multiprocess_islands.md says what lifting it needs). A plan that puts each such
-    stage on an island of its own runs.
+    processes may run only one stage (its processes run every stage of the island and could order
+    several stages' collectives differently; docs/multiprocess_islands.md). When the island's stages
+    hold disjoint processes (or share one process each), :func:`hethub_jax.parallel.split.split_islands`
+    gives the equivalent plan with one island per stage, which runs; the message says so.
 
     Args:
       plan: a :class:`hethub_jax.parallel.plan.Plan` (``islands``, ``island_stages(name)``).
 
     Raises:
-      ValueError: naming the first island of several processes that runs more than one stage.
+      ValueError: naming the first island of several processes that runs more than one stage, and
+        either the split that runs it or the stages that share a process (no split runs those).
     """
+    from hethub_jax.parallel.split import island_components  # split imports plan, which imports us
     for isl in plan.islands:
         stages = plan.island_stages(isl.name)
         if isl.num_processes > 1 and len(stages) > 1:
-            raise ValueError(f"island {isl.name!r} has {isl.num_processes} processes and runs stages {stages}: "
-                             f"today's runtime runs one stage on an island of several processes, as its "
-                             f"processes could order several stages' collectives differently (give each "
-                             f"multi-process island one stage; put the others on islands of their own, "
-                             f"docs/multiprocess_islands.md)")
+            head = (f"island {isl.name!r} has {isl.num_processes} processes and runs stages {stages}: "
+                    f"today's runtime runs one stage on an island of several processes, as its processes "
+                    f"could order several stages' collectives differently")
+            shared = [(ks, ps) for ks, ps in island_components(plan, isl.name) if len(ks) > 1 and len(ps) > 1]
+            if shared:
+                ks, ps = shared[0]
+                raise ValueError(f"{head}; stages {ks} hold processes {ps} of it, sharing some, so no split into one "
+                                 f"island per stage runs them (give each stage whole processes of its own, "
+                                 f"or put them on an island of one process; docs/multiprocess_islands.md)")
+            raise ValueError(f"{head}; its stages hold disjoint processes: split it into one island per stage "
+                             f"(`python -m hethub_jax.parallel.split PLAN.json OUT.json`, or "
+                             f"hethub_jax.parallel.split.split_islands; docs/multiprocess_islands.md)")

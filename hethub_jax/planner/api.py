@@ -72,17 +72,25 @@ def default_seq_len(cfg: Any) -> int:
 
 def plan(model: Any, cluster: Union[str, os.PathLike, Mapping[str, Any], ClusterSpec], global_batch: int,
          seq_len: Optional[int] = None, *, top_k: int = 3, profiles_dir: Optional[str] = None,
-         upper_bound: bool = True, **options: Any) -> SearchResult:
+         upper_bound: bool = True, split: bool = True, **options: Any) -> SearchResult:
     """Search the plans of ``model`` on ``cluster`` for ``global_batch`` samples of ``seq_len`` tokens
-    (default :func:`default_seq_len`); ``options`` are :class:`SearchOptions` fields.
+    (default :func:`default_seq_len`); ``options`` are :class:`SearchOptions` fields. ``split`` (default):
+    candidates with several stages on a multi-node group come with that group split into one island
+    per stage and predicted again, so that today's runtime runs them (``planner.runnable``); False:
+    the plans as searched (one island per group).
 
     Raises:
       ValueError: bad input (naming it). PlanningError: no plan fits (naming the binding constraint).
     """
+    from hethub_jax.planner.runnable import runnable_result
     cfg = load_model(model)
     opt = SearchOptions(top_k=top_k, **options)
-    return search(cfg, load_cluster(cluster), global_batch, seq_len or default_seq_len(cfg), options=opt,
-                  profiles_dir=profiles_dir, upper_bound=upper_bound)
+    seq = seq_len or default_seq_len(cfg)
+    res = search(cfg, load_cluster(cluster), global_batch, seq, options=opt, profiles_dir=profiles_dir,
+                 upper_bound=upper_bound and not split)
+    if not split:
+        return res
+    return runnable_result(res, cfg, cluster, seq, options=opt, profiles_dir=profiles_dir, upper_bound=upper_bound)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,10 @@ Cases:
     processes, TP inside each); island b = 2 processes x 1 device, stage 1 (layers 6-10) dp 2.
   mp21 (3 ranks): tied embeddings; island a = 2 processes x 1 device, stage 0 (layers 0-5) dp 2;
     island b = 1 process, stage 1 (layers 6-10) dp 1: the boundary re-slices 2 -> 1 and back.
+  split (4 ranks): a plan the runtime refuses, island a = 4 processes x 2 devices running two stages
+    (layers 0-5 on dp 2 x tp 2 = processes 0-1; layers 6-10 on dp 2 x tp 1, devices [4, 6] = one device
+    of each of processes 2-3), split by ``parallel.split.split_islands`` into islands a.0 and a.1 (2
+    processes each, stage 1's devices renumbered to [0, 2]): the split plan runs.
 """
 import os
 import sys
@@ -33,14 +37,29 @@ if case == "mp22":
 elif case == "mp21":
     islands = [("a", 2, 1), ("b", 1, 1)]
     stages = [("a", 0, 5, 2, 1), ("b", 6, 10, 1, 1)]
+elif case == "split":
+    islands = [("a", 4, 2)]
+    stages = [("a", 0, 5, 2, 2), ("a", 6, 10, 2, 1, [4, 6])]
 else:
     raise SystemExit(f"unknown case {case}")
 plan = Plan.from_dict({
     "islands": [{"name": n, "platform": "cpu", "num_processes": p, "devices_per_process": d}
                 for n, p, d in islands],
-    "stages": [{"island": i, "first_layer": f, "last_layer": la, "dp": dp, "tp": tp}
-               for i, f, la, dp, tp in stages],
+    "stages": [{"island": i, "first_layer": f, "last_layer": la, "dp": dp, "tp": tp,
+                **({"devices": x[0]} if x else {})} for i, f, la, dp, tp, *x in stages],
     "global_batch_size": 8, "microbatch_size": 2, "schedule": "1f1b", "recompute": "none"})
+if case == "split":
+    from hethub_jax.parallel.rules import check_runtime_support  # noqa: E402
+    from hethub_jax.parallel.split import split_islands  # noqa: E402
+    try:
+        check_runtime_support(plan)
+        raise AssertionError("the unsplit plan should be refused")
+    except ValueError as e:
+        assert "split it into one island per stage" in str(e), e
+    plan, origin = split_islands(plan)
+    assert [(i.name, i.num_processes) for i in plan.islands] == [("a.0", 2), ("a.1", 2)], plan.islands
+    assert plan.stage(0, 1).devices == (0, 2) and origin == {"a.0": "a", "a.1": "a"}, (plan, origin)
+    check_runtime_support(plan)
 rank = MPI.COMM_WORLD.Get_rank()
 assert plan.world_size == MPI.COMM_WORLD.Get_size(), (plan.world_size, MPI.COMM_WORLD.Get_size())
 name = plan.rank_island(rank).name
