@@ -36,9 +36,10 @@ def mfu_inputs(cfg: Any, plan: Any, pred: Any, seq_len: int) -> tuple:
     ``3 x (L x layer_flops + head_flops) / tokens`` (``planner.analytic``; backward = 2 x forward:
     Narayanan et al. 2021, section 5.1). peak_flops: sum over the plan's devices of the catalog's dense
     peak FLOP/s (``planner.catalog``)."""
-    if pred is None or any(i.platform == "cpu" or i.slowdown > 1 for i in plan.islands):
-        return None, None
     from hethub_jax.planner import analytic
+    from hethub_jax.planner.catalog import mfu_not_applicable
+    if pred is None or mfu_not_applicable(plan):
+        return None, None
     peak = 0.0
     for isl in plan.islands:
         spec = getattr(pred.costs.get(isl.name), "spec", None)

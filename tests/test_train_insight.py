@@ -226,3 +226,37 @@ def test_profiling_child_past_its_time_limit_is_killed():
     from hethub_jax.train_predict import _run_showing_stderr
     with pytest.raises(subprocess.TimeoutExpired):
         _run_showing_stderr([_sys.executable, "-c", "import time; time.sleep(30)"], dict(os.environ), 0.5)
+
+
+# ---- MFU only for real accelerators --------------------------------------------------------------------
+
+def test_mfu_is_na_for_cpu_and_emulated_islands_in_plan_lines_and_json():
+    """The planner's table (printed by plan-less training) and --json give no MFU figure for plans with cpu
+    islands, emulated or not (the catalog's cpu entry is no datasheet peak); a real accelerator keeps it."""
+    from hethub_jax.models.config import LlamaConfig
+    from hethub_jax.plan import candidate_dict, format_candidate
+    from hethub_jax.planner.catalog import get_device
+
+    def cand(platform, slowdown):
+        p = Plan.from_dict({**PLAN, "islands": [{"name": "fast", "platform": platform},
+                                                {"name": "slow", "platform": platform, "slowdown": slowdown}]})
+        costs = {i.name: DeviceCosts.from_catalog(get_device("H100-SXM" if platform == "cuda" else "cpu"))
+                 for i in p.islands}
+        pred = predict(LlamaConfig(**{k: v for k, v in MODEL.items() if k != "preset"}), p, costs, seq_len=16)
+
+        class C:
+            plan, prediction, kind, layers, upper_bound_fraction = p, pred, "pipeline", ((1, 1),), None
+            step_time_s, tokens_per_s, mfu = pred.step_time_s, pred.tokens_per_s, 0.123
+        return C()
+
+    class G:
+        device, memory_gb = "cpu", 16.0
+    groups = {"fast": G(), "slow": G()}
+    for slowdown in (1.0, 2.0):
+        c, why = cand("cpu", slowdown), "n/a (CPU, no peak)"
+        head = format_candidate(0, c, groups, None).splitlines()[0]
+        assert f"MFU {why}," in head and "12.3%" not in head
+        assert candidate_dict(c)["mfu"] is None and candidate_dict(c)["mfu_note"] == why
+    real = cand("cuda", 1.0)
+    assert "MFU 12.3%," in format_candidate(0, real, groups, None)
+    assert candidate_dict(real)["mfu"] == 0.123 and candidate_dict(real)["mfu_note"] is None
