@@ -260,3 +260,28 @@ def test_mfu_is_na_for_cpu_and_emulated_islands_in_plan_lines_and_json():
     real = cand("cuda", 1.0)
     assert "MFU 12.3%," in format_candidate(0, real, groups, None)
     assert candidate_dict(real)["mfu"] == 0.123 and candidate_dict(real)["mfu_note"] is None
+
+
+# ---- one shared profile reported once --------------------------------------------------------------
+
+def test_profile_shared_by_two_groups_is_measured_and_reported_once(tmp_path, monkeypatch):
+    """Both groups of the tiny 2-island cluster are device type cpu: one profile is measured (one child
+    process) and reported in ONE line naming both groups and the emulated one, reused the same way."""
+    from hethub_jax import train_predict as tp
+    from hethub_jax.planner.cluster import load_cluster
+    calls = []
+
+    def fake_profile(model, seq_len, out, timeout_s=600.0):
+        calls.append(out)
+        Path(out).write_text(json.dumps(fixed_profile()))
+        return True, "profiled in 1 s"
+    monkeypatch.setattr(tp, "profile_device", fake_profile)
+    cluster = load_cluster(str(ROOT / "configs/clusters/tiny_2island_cpu.yaml"))
+    logged = []
+    for word in ("measured profile", "reusing saved profile"):
+        profiles, notes = tp._profiles(cluster, "tiny", 16, str(tmp_path), logged.append)
+        assert len(notes) == 1 and notes[0].count(str(tmp_path / "cpu.json")) == 1, notes
+        assert notes[0].startswith("groups fast, slow (one profile; slow EMULATED 3x slower by the predictor): "
+                                   + word), notes
+        assert profiles["fast"] == profiles["slow"] == fixed_profile()
+    assert calls == [str(tmp_path / "cpu.json")] and len(logged) == 1 and "groups fast, slow" in logged[0]
