@@ -117,7 +117,8 @@ def test_train_reports_prediction_trace_png_and_tensorboard(tmp_path, capsys):
     med = sorted(r["step_time_s"] for r in steps[1:])
     assert summary["median_measured_step_time_s"] == pytest.approx(sum(med) / 2)  # median of 2
     assert "profile" in recs[0]["prediction"]["source"]
-    assert "PREDICTED step time" in out and "vs MEASURED median" in out
+    assert "step time (median of 2 step(s) after the first): " in out and " s PREDICTED (error " in out
+    assert "step 2/3: step time " in out and " s measured / " in out
     t = json.loads(trace.read_text())["traceEvents"]
     labels = {e["args"]["name"] for e in t if e["ph"] == "M" and e["name"] == "process_name"}
     assert {lab for lab in labels if lab.startswith("PREDICTED")} == {
@@ -285,3 +286,33 @@ def test_profile_shared_by_two_groups_is_measured_and_reported_once(tmp_path, mo
                                    + word), notes
         assert profiles["fast"] == profiles["slow"] == fixed_profile()
     assert calls == [str(tmp_path / "cpu.json")] and len(logged) == 1 and "groups fast, slow" in logged[0]
+
+
+# ---- the progress bar's label and the step lines ------------------------------------------------------
+
+def test_progress_label_and_step_lines_show_measured_and_predicted_seconds(tmp_path, capsys):
+    """The bar's label and the step lines give both step times in seconds, labelled, in one format
+    (not a ratio); the first step (compilation) sets no label."""
+    from types import SimpleNamespace
+
+    from hethub_jax.train_hooks import Console, MetricsWriter, TrainState
+    from hethub_jax.train_insight import PredictionHook
+    pred = SimpleNamespace(prediction=SimpleNamespace(step_time_s=0.4912, tokens_per_s=1000.0, stages=[]),
+                           bubble_fraction=0.1, source="profile x")
+    console = Console(log=True, progress=True, total=3, initial=0, mode="lines", line_interval_s=1e9)
+    hook = PredictionHook(pred, MetricsWriter(None, append=False), console, log_every=1)
+    state = TrainState(start_step=0, total_steps=3, t_start=0.0)
+    labels = []
+    for step, dt in ((1, 30.0), (2, 1.1234), (3, 1.0)):
+        state.record_step(step, SimpleNamespace(loss=2.0, grad_norm=1.0, num_tokens=100, step_time_s=dt,
+                                                records=[]), lr=1e-3)
+        hook.on_step(state)
+        labels.append(console.bar.desc)
+    console.close()
+    out = capsys.readouterr().out.splitlines()
+    assert labels == ["train", "train (step time 1.12 s measured / 0.491 s PREDICTED)",
+                      "train (step time 1 s measured / 0.491 s PREDICTED)"]
+    assert out == ["step 1/3: step time 30 s measured / 0.491 s PREDICTED (predicted/measured "
+                   f"{0.4912 / 30:.2f}) [includes compilation]",
+                   f"step 2/3: step time 1.12 s measured / 0.491 s PREDICTED (predicted/measured {0.4912 / 1.1234:.2f})",
+                   f"step 3/3: step time 1 s measured / 0.491 s PREDICTED (predicted/measured {0.4912:.2f})"]
