@@ -232,8 +232,8 @@ def _get_profile(path: str, groups: List[Any], model: str, seq_len: int, log) ->
         return f"reusing saved profile {path}"
     if not all(g.platform == "cpu" and g.device == "cpu" for g in groups):
         return f"no profile; the catalog entry {groups[0].device!r} (assumption, not measured)"
-    log(f"profiling device type cpu (for {_groups_text(groups)}; emulated slowdowns are applied by the "
-        f"predictor) into {path} (python -m hethub_jax.profile {' '.join(PROFILE_SETTINGS)})...")
+    log(f"profiling device type cpu for {_groups_text(groups)} into {path} (python -m hethub_jax.profile "
+        f"{' '.join(PROFILE_SETTINGS)}; emulated slowdowns are applied by the predictor)...")
     ok, msg = profile_device(model, seq_len, path)
     return (f"measured profile {path} ({msg})" if ok
             else f"{msg}; using the catalog 'cpu' entry (assumption, not measured)")
