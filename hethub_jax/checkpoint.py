@@ -534,22 +534,39 @@ class DirLock:
 
 
 def probe_writable(directory: str | os.PathLike, nbytes: int = 1 << 20) -> None:
-    """Write and delete a probe file of ``nbytes`` in ``directory`` (created if missing).
+    """Write ``nbytes`` (bytes) to a probe file in ``directory`` (created if missing) and sync it.
+
+    The probe leaves nothing behind even if the process is killed while writing it (e.g. aborted by
+    another rank's failed check): it is an unnamed temporary file (``tempfile.TemporaryFile``: Linux
+    ``O_TMPFILE``, elsewhere a ``.probe.*`` file unlinked right after creation, before the write), and
+    ``.probe.*`` leftovers older than :data:`STALE_PROBE_S` (of older versions, which named the probe
+    ``.probe.<pid>`` and deleted it at the end) are removed first.
 
     Raises:
       OSError: with a message naming the directory (unwritable, full disk)."""
+    import tempfile
     d = Path(directory)
-    probe = d / f".probe.{os.getpid()}"
     try:
         d.mkdir(parents=True, exist_ok=True)
-        with open(probe, "wb") as f:
+        _remove_stale_probes(d)
+        with tempfile.TemporaryFile(prefix=".probe.", dir=d) as f:
             f.write(b"\0" * nbytes)
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:
         raise OSError(f"{d} is not writable ({e.strerror or e})") from None
-    finally:
+
+
+#: seconds after which a ``.probe.*`` file in an output directory is a leftover (a probe takes < 1 s)
+STALE_PROBE_S = 600.0
+
+
+def _remove_stale_probes(d: Path) -> None:
+    """Delete ``.probe.*`` files in ``d`` last modified more than :data:`STALE_PROBE_S` ago."""
+    now = time.time()
+    for p in d.glob(".probe.*"):
         try:
-            probe.unlink()
-        except OSError:
+            if p.is_file() and now - p.stat().st_mtime > STALE_PROBE_S:
+                p.unlink()
+        except OSError:  # gone meanwhile, or not ours to delete: the write probe decides
             pass

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -56,7 +57,7 @@ def format_candidate(i: int, c: Any, groups: Dict[str, Any], ub: Optional[float]
     frac = f"{c.upper_bound_fraction:.3f} of the cluster's upper bound ({ub:,.0f} tokens/s)" if ub else \
         "upper bound not computed"
     lines = [f"Candidate {i + 1} ({c.kind}) - PREDICTED: step {pred.step_time_s:.4g} s, "
-             f"{pred.tokens_per_s:,.0f} tokens/s, MFU {100 * c.mfu:.1f}%, {frac}",
+             f"{pred.tokens_per_s:,.0f} tokens/s, MFU {_mfu_text(c)}, {frac}",
              f"  microbatch {plan.microbatch_size}, global batch {plan.global_batch_size}, schedule {plan.schedule}, "
              f"recompute {plan.recompute}; pipeline {pred.pipeline_s:.4g} s + gradient sums {pred.allreduce_s:.3g} s "
              f"+ update {pred.update_s:.3g} s",
@@ -83,12 +84,14 @@ def format_candidate(i: int, c: Any, groups: Dict[str, Any], ub: Optional[float]
 
 
 def candidate_dict(c: Any) -> Dict[str, Any]:
-    """JSON form of a candidate: the plan, its kind, MFU, fraction of the upper bound and the prediction
+    """JSON form of a candidate: the plan, its kind, MFU (null with ``mfu_note`` saying why on cpu or
+    emulated islands), fraction of the upper bound and the prediction
     (timeline left out); every figure PREDICTED."""
     pred = c.prediction.to_dict()
     pred.pop("timeline", None)
     return {"kind": c.kind, "predicted": True, "step_time_s": c.step_time_s, "tokens_per_s": c.tokens_per_s,
-            "mfu": c.mfu, "upper_bound_fraction": c.upper_bound_fraction, "layers": [list(x) for x in c.layers],
+            "mfu": _mfu(c), "mfu_note": _mfu_note(c), "upper_bound_fraction": c.upper_bound_fraction,
+            "layers": [list(x) for x in c.layers],
             "plan": c.plan.to_dict(), "prediction": pred, "runnable": _not_runnable(c.plan) is None,
             "not_runnable_because": _not_runnable(c.plan),
             "island_groups": dict(getattr(c, "island_groups", None) or {i.name: i.name for i in c.plan.islands}),
@@ -113,6 +116,26 @@ def _split_note(c: Any) -> Optional[str]:
             if split else "processes holding no stage left out")
     return (f"{head}; as searched (one island per group, its stages one action at a time): step "
             f"{searched.step_time_s:.4g} s")
+
+
+def _mfu_note(c: Any) -> Optional[str]:
+    """Why the candidate has no MFU (``catalog.mfu_not_applicable``: cpu or emulated islands; or no
+    datasheet peak for a device), or None."""
+    from hethub_jax.planner.catalog import mfu_not_applicable
+    why = mfu_not_applicable(c.plan)
+    if why is None and not (isinstance(c.mfu, (int, float)) and math.isfinite(c.mfu)):
+        why = "n/a (no datasheet peak)"
+    return why
+
+
+def _mfu(c: Any) -> Optional[float]:
+    """The candidate's PREDICTED MFU, or None where :func:`_mfu_note` gives a reason."""
+    return None if _mfu_note(c) else c.mfu
+
+
+def _mfu_text(c: Any) -> str:
+    """``"41.2%"``, or ``"n/a (CPU, no peak)"`` and the like."""
+    return _mfu_note(c) or f"{100 * c.mfu:.1f}%"
 
 
 def _not_runnable(plan: Any) -> Optional[str]:

@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="this process's island (MPI runs; else $HETHUB_ISLAND); single-process runs "
                         "run every island of the plan in-process")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (text lines only)")
+    p.add_argument("--progress", choices=("auto", "bar", "lines"), default="auto",
+                   help="progress on stderr: bar (redrawn in place), lines (a plain line every 30 s, for log "
+                        "files and pipes), auto: bar when stderr is a terminal, else lines (also under mpiexec)")
     _add_insight_flags(p)
     return p
 
@@ -921,7 +924,8 @@ def _main(run: _Run, args: argparse.Namespace) -> int:
     if run.log:
         print("\n".join(_banner(run)), flush=True)
     metrics = _open_metrics(run)
-    console = Console(run.log, progress=not args.no_progress, total=t.steps, initial=run.start_step)
+    console = Console(run.log, progress=not args.no_progress, total=t.steps, initial=run.start_step,
+                      mode=args.progress)
     hooks = _build_hooks(run, metrics, console)
     return _train_loop(run, hooks, console).status
 

@@ -25,7 +25,9 @@ import sys
 import time
 from typing import Any, Callable, Iterable, Protocol
 
-__all__ = ["TrainState", "Hook", "Console", "MetricsWriter", "EvalHook", "CheckpointHook", "TraceHook",
+from tqdm import tqdm
+
+__all__ = ["TrainState", "Hook", "Console", "PlainLinesBar", "MetricsWriter", "EvalHook", "CheckpointHook", "TraceHook",
            "MetricsHook", "ProgressHook", "ConsoleHook", "fmt_rate"]
 
 
@@ -134,32 +136,81 @@ def fmt_rate(x: float) -> str:
 # output channels
 
 class Console:
-    """Text output of the logging rank: lines on stdout, and the tqdm progress bar on stderr if
-    ``progress``. Lines go through the bar while it is open so that they do not break it. On other
-    ranks every call does nothing."""
+    """Text output of the logging rank: lines on stdout, and progress on stderr if ``progress``. On other
+    ranks every call does nothing.
 
-    def __init__(self, log: bool, progress: bool, total: int, initial: int):
+    Progress is a tqdm bar redrawn in place when stderr is a terminal (``mode="bar"``; lines then go
+    through ``tqdm.write`` so that they do not break it), else (``mode="lines"``: a log file, a pipe, every
+    rank under ``mpiexec``) a :class:`PlainLinesBar`, one plain progress line every ``line_interval_s``
+    seconds and no carriage returns. ``mode="auto"`` chooses by ``sys.stderr.isatty()``. The ETA counts
+    only steps after the first (which includes compilation): see :meth:`restart_clock`.
+    """
+
+    def __init__(self, log: bool, progress: bool, total: int, initial: int, mode: str = "auto",
+                 line_interval_s: float = 30.0):
+        if mode not in ("auto", "bar", "lines"):
+            raise ValueError(f"progress mode must be auto, bar or lines, got {mode!r}")
         self.log = log
         self.bar = None
+        self.lines = (mode == "lines") or (mode == "auto" and not sys.stderr.isatty())
         if log and progress:
-            from tqdm import tqdm
-            tty = sys.stderr.isatty()
-            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr,
-                            mininterval=0.5 if tty else 10.0, smoothing=0.1, desc="train")
+            if self.lines:
+                self.bar = PlainLinesBar(total=total, initial=initial, unit="step", file=sys.stderr,
+                                         mininterval=line_interval_s, miniters=1, smoothing=0.1, desc="train",
+                                         leave=False, bar_format=PlainLinesBar.FORMAT)
+            else:
+                self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr,
+                                mininterval=0.5, smoothing=0.1, desc="train")
 
     def say(self, msg: str) -> None:
         if not self.log:
             return
-        if self.bar is not None:
+        if self.bar is not None and not self.lines:
             self.bar.write(msg, file=sys.stdout)
         else:
             print(msg, flush=True)
 
+    def restart_clock(self, advance: int = 0) -> None:
+        """Advance the bar by ``advance`` steps and restart its clock and rate averages there (tqdm's
+        ``reset``, keeping the count), so that its rate and ETA leave out the time so far. Used for the
+        run's first step, which includes compilation (and the step-0 evaluation): the ETA shows ``?``
+        until the next step, and the bar's elapsed time counts from the end of the first step."""
+        bar = self.bar
+        if bar is None:
+            return
+        n = bar.n + advance
+        bar.quiet = True  # no line for the momentary count of 0 (PlainLinesBar)
+        bar.reset(total=bar.total)
+        bar.quiet = False
+        bar.n = bar.last_print_n = bar.initial = n
+        bar.refresh()
+
     def close(self) -> None:
-        """Close the progress bar; later lines are printed directly."""
+        """Close the progress bar (in lines mode after a last line); later lines are printed directly."""
         if self.bar is not None:
+            if self.lines and self.bar.n != self.bar.last_print_n:
+                self.bar.refresh()
             self.bar.close()
             self.bar = None
+
+
+class PlainLinesBar(tqdm):
+    """A tqdm progress bar that writes one plain line per refresh (``display``, tqdm's override point for
+    other front ends) instead of redrawing one line with carriage returns: readable in a log file or
+    through ``mpiexec``'s pipes. ``FORMAT``: steps, percentage, ETA, rate and postfix, no bar."""
+
+    FORMAT = "{desc}: {n_fmt}/{total_fmt} steps ({percentage:.0f}%), ETA {remaining}, {rate_fmt}{postfix}"
+    quiet = False  # True: display nothing (Console.restart_clock)
+
+    def display(self, msg=None, pos=None):
+        if msg == "" or self.quiet:  # tqdm clearing its line (close): nothing drawn, so no "\r" after
+            return False
+        self.fp.write((str(self) if msg is None else msg) + "\n")
+        self.fp.flush()
+        return True
+
+    def clear(self, nolock=False):
+        pass
 
 
 class MetricsWriter:
@@ -302,10 +353,12 @@ class MetricsHook(_NoOp):
 
 
 class ProgressHook(_NoOp):
-    """Advances the progress bar by one step, showing loss, tokens/s and the newest val_loss."""
+    """Advances the progress bar by one step, showing loss, tokens/s and the newest val_loss. After the
+    run's first step (which includes compilation) it restarts the bar's clock (``Console.restart_clock``)
+    so that the ETA comes from steady-state steps only."""
 
     def __init__(self, console: Console):
-        self.bar = console.bar
+        self.console, self.bar = console, console.bar
 
     def on_step(self, state: TrainState) -> None:
         if not state.finite:
@@ -314,7 +367,10 @@ class ProgressHook(_NoOp):
         if state.val_loss is not None:
             post["val_loss"] = f"{state.val_loss:.3f}"
         self.bar.set_postfix(post, refresh=False)
-        self.bar.update(1)
+        if state.step == state.start_step + 1:
+            self.console.restart_clock(advance=1)
+        else:
+            self.bar.update(1)
 
 
 class ConsoleHook(_NoOp):

@@ -198,33 +198,45 @@ def _run_showing_stderr(cmd: List[str], env: Mapping[str, str], timeout_s: float
 
 
 def _profiles(cluster: Any, model: str, seq_len: int, profiles_dir: str, log) -> Tuple[Dict[str, Any], List[str]]:
-    """Per group name, a profile dict (or None: the catalog), and lines saying which was used."""
-    c = cluster.resolved()
+    """Per group name, a profile dict (or None: the catalog), and one line per profile file (or catalog
+    entry) saying which groups use it: groups of one device type share one profile (emulated slowdowns
+    are applied by the predictor), reported once, not once per group."""
+    users: Dict[str, List[Any]] = {}  # profile path -> the groups using it, in cluster order
+    for g in cluster.resolved().groups:
+        users.setdefault(g.profile or os.path.join(profiles_dir, f"{g.device or g.name}.json"), []).append(g)
     out: Dict[str, Any] = {}
     notes: List[str] = []
-    tried: Dict[str, str] = {}  # one profile per device type, however many groups share it
-    for g in c.groups:
-        path = g.profile or os.path.join(profiles_dir, f"{g.device or g.name}.json")
-        if path in tried:
-            notes.append(f"group {g.name}: {tried[path]}")
-        elif not os.path.exists(path) and g.platform == "cpu" and g.device == "cpu":
-            log(f"profiling device type cpu (for group {g.name}; emulated slowdowns are applied by the "
-                f"predictor) into {path} (python -m hethub_jax.profile {' '.join(PROFILE_SETTINGS)})...")
-            ok, msg = profile_device(model, seq_len, path)
-            tried[path] = (f"measured profile {path} ({msg})" if ok else f"{msg}; using the catalog 'cpu' entry "
-                           f"(assumption, not measured)")
-            notes.append(f"group {g.name}: {tried[path]}")
-        elif os.path.exists(path):
-            tried[path] = f"reusing saved profile {path}"
-            notes.append(f"group {g.name}: reusing saved profile {path}")
+    for path, groups in users.items():
+        notes.append(f"{_groups_text(groups)}: {_get_profile(path, groups, model, seq_len, log)}")
+        prof = None
         if os.path.exists(path):
             with open(path) as f:
-                out[g.name] = json.load(f)
-        else:
-            out[g.name] = None
-            if not notes or not notes[-1].startswith(f"group {g.name}:"):
-                notes.append(f"group {g.name}: no profile; the catalog entry {g.device!r} (assumption, not measured)")
+                prof = json.load(f)
+        out.update({g.name: prof for g in groups})
     return out, notes
+
+
+def _groups_text(groups: List[Any]) -> str:
+    """``"group fast"``, or ``"groups fast, slow (one profile; slow EMULATED 3x slower by the predictor)"``."""
+    if len(groups) == 1:
+        return f"group {groups[0].name}"
+    emu = [f"{g.name} EMULATED {g.slowdown:g}x slower" for g in groups if g.slowdown > 1]
+    return (f"groups {', '.join(g.name for g in groups)} (one profile"
+            + (f"; {', '.join(emu)} by the predictor" if emu else "") + ")")
+
+
+def _get_profile(path: str, groups: List[Any], model: str, seq_len: int, log) -> str:
+    """Reuses the profile at ``path``, or measures it (device type cpu), or falls back to the catalog.
+    Returns the text saying which."""
+    if os.path.exists(path):
+        return f"reusing saved profile {path}"
+    if not all(g.platform == "cpu" and g.device == "cpu" for g in groups):
+        return f"no profile; the catalog entry {groups[0].device!r} (assumption, not measured)"
+    log(f"profiling device type cpu for {_groups_text(groups)} into {path} (python -m hethub_jax.profile "
+        f"{' '.join(PROFILE_SETTINGS)}; emulated slowdowns are applied by the predictor)...")
+    ok, msg = profile_device(model, seq_len, path)
+    return (f"measured profile {path} ({msg})" if ok
+            else f"{msg}; using the catalog 'cpu' entry (assumption, not measured)")
 
 
 def cluster_costs(cluster: Any, profiles: Mapping[str, Any]) -> Dict[str, Any]:

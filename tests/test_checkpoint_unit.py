@@ -1,6 +1,6 @@
 """Small pieces of issue 16 without training: the output-directory lock is not left stuck by a dead
 holder; the handshake names the first config field that differs between ranks; the unit of every
-parameter name; the probe of an unwritable directory."""
+parameter name; the probe of an unwritable directory, and that a killed probe leaves no file."""
 from __future__ import annotations
 
 import os
@@ -52,3 +52,25 @@ def test_probe_of_an_unwritable_directory_names_it(tmp_path):
         ckpt.probe_writable(tmp_path / "f" / "ckpt")
     ckpt.probe_writable(tmp_path / "ok")
     assert list((tmp_path / "ok").iterdir()) == []
+
+
+def test_probe_killed_while_writing_leaves_no_file(tmp_path):
+    """A rank killed while it writes the probe (here: the process ends inside the fsync, as an MPI abort
+    by a peer's failed check would end it, so no ``finally`` runs) leaves nothing in the directory."""
+    code = ("import os, sys; from hethub_jax import checkpoint as c\n"
+            "os.fsync = lambda fd: os._exit(7)\n"
+            "c.probe_writable(sys.argv[1])\n")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ckpt")], capture_output=True, text=True)
+    assert r.returncode == 7, r.stderr
+    assert list((tmp_path / "ckpt").iterdir()) == []
+
+
+def test_probe_removes_stale_probe_files_only(tmp_path):
+    old, fresh, other = tmp_path / ".probe.4242", tmp_path / ".probe.4343", tmp_path / "probe.keep"
+    for p in (old, fresh, other):
+        p.write_bytes(b"\0" * 16)
+    past = time.time() - 2 * ckpt.STALE_PROBE_S
+    os.utime(old, (past, past))
+    os.utime(other, (past, past))
+    ckpt.probe_writable(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".probe.4343", "probe.keep"]

@@ -224,10 +224,13 @@ def test_progress_bar_shows_step_loss_and_throughput(tmp_path, capsys):
     assert rc == 0, err
     last = [json.loads(line) for line in metrics.read_text().splitlines() if '"step"' in line][-1]
     assert last["kind"] == "step" and last["step"] == 3
-    # Not a tty: tqdm draws at start and close; the final bar carries the last step's postfix:
-    # "train: 100%|####| 3/3 [00:04<00:00,  1.33s/step, loss=10.364, tok/s=2.4k, val_loss=10.333]"
-    bars = re.findall(r"train(?: \(PREDICTED step time = [0-9.]+ x measured\))?: 100%\|[^|]*\| 3/3 \[[0-9:]+<[0-9:]+, +[0-9.]+(?:s/step|step/s), "
-                      r"loss=(\d+\.\d{3}), tok/s=([0-9.]+k?), val_loss=(\d+\.\d{3})\]", err)
+    # Not a tty: plain progress lines (no carriage returns); the last one carries the last step's postfix:
+    # "train (step time 0.5 s measured / 0.1 s PREDICTED): 3/3 steps (100%), ETA 00:00,  1.33s/step,
+    #  loss=10.364, tok/s=2.4k, val_loss=10.333"
+    assert "\r" not in err
+    bars = re.findall(r"train(?: \(step time [0-9.e+-]+ s measured / [0-9.e+-]+ s PREDICTED\))?: 3/3 steps \(100%\), "
+                      r"ETA [0-9:]+, +[0-9.]+(?:s/step|step/s), "
+                      r"loss=(\d+\.\d{3}), tok/s=([0-9.]+k?), val_loss=(\d+\.\d{3})$", err, re.M)
     assert bars, err
     loss, rate, val_loss = bars[-1]
     assert loss == f"{last['loss']:.3f}" and val_loss == f"{last['val_loss']:.3f}"

@@ -8,8 +8,10 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import pytest
+
 from hethub_jax.train_hooks import (CheckpointHook, Console, ConsoleHook, EvalHook, MetricsHook, MetricsWriter,
-                                    TrainState)
+                                    ProgressHook, TrainState)
 
 
 def _run(hooks, losses, start_step=0):
@@ -82,6 +84,71 @@ def test_console_lines(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("step 2/4: loss 3.0000, 200 tokens/s, grad_norm 1.000, lr 1.00e-03")
     assert out[1].startswith("done in ") and "loss nan" in out[1] and len(out) == 2   # step 4 not finite
+
+
+class _Clock:
+    """A stand-in for tqdm's clock (``tqdm.std.time``): seconds advanced by hand."""
+
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def _progress_lines(monkeypatch, capsys, step_seconds, start_step=0):
+    """Drive a lines-mode Console through ProgressHook with the given step times on a fake clock;
+    returns the stderr line printed after each step (None if none)."""
+    import tqdm.std
+    clock = _Clock()
+    monkeypatch.setattr(tqdm.std, "time", clock)
+    total = start_step + len(step_seconds)
+    console = Console(log=True, progress=True, total=total, initial=start_step, mode="lines", line_interval_s=0.0)
+    hook = ProgressHook(console)
+    state = TrainState(start_step=start_step, total_steps=total, t_start=0.0, step=start_step)
+    after = []
+    for i, dt in enumerate(step_seconds):
+        clock.t += dt
+        state.record_step(start_step + i + 1, SimpleNamespace(loss=2.0, grad_norm=1.0, num_tokens=100,
+                                                               step_time_s=dt, records=[]), lr=1e-3)
+        capsys.readouterr()
+        hook.on_step(state)
+        lines = capsys.readouterr().err.splitlines()
+        after.append(lines[-1] if lines else None)
+    console.close()
+    return after
+
+
+@pytest.mark.parametrize("start_step", [0, 7])
+def test_progress_eta_leaves_out_the_first_step(monkeypatch, capsys, start_step):
+    """The first step of a run includes compilation (here 100 s, then 1 s per step): no ETA right after
+    it, then the ETA of the steady steps only (not hours), also when resuming at a later step."""
+    after = _progress_lines(monkeypatch, capsys, [100.0] + [1.0] * 99, start_step)
+    assert f"{start_step + 1}/{start_step + 100} steps" in after[0] and "ETA ?," in after[0]
+    assert f"{start_step + 2}/{start_step + 100} steps" in after[1] and "ETA 01:38," in after[1], after[1]
+    assert "ETA 00:49," in after[50] and " 1.00step/s" in after[50]
+
+
+def test_progress_lines_mode_writes_whole_lines_without_carriage_returns(monkeypatch, capsys):
+    """Not a terminal (a log file, mpiexec's pipes): plain progress lines, never a carriage return, and
+    text lines printed between them, each whole."""
+    import tqdm.std
+    monkeypatch.setattr(tqdm.std, "time", _Clock())
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    console = Console(log=True, progress=True, total=3, initial=0)           # auto: not a tty -> lines
+    assert console.lines
+    state = TrainState(start_step=0, total_steps=3, t_start=0.0)
+    for step in (1, 2, 3):
+        state.record_step(step, SimpleNamespace(loss=2.0, grad_norm=1.0, num_tokens=100, step_time_s=1.0,
+                                                records=[]), lr=1e-3)
+        ProgressHook(console).on_step(state)
+        console.say(f"line {step}")
+    console.close()
+    out, err = capsys.readouterr()
+    assert "\r" not in err and "\r" not in out
+    assert out.splitlines() == ["line 1", "line 2", "line 3"]
+    assert all(x.startswith("train: ") and " steps (" in x for x in err.splitlines()), err
+    assert err.splitlines()[-1].startswith("train: 3/3 steps (100%)")
 
 
 def test_imports_without_jax():

@@ -117,7 +117,8 @@ def test_train_reports_prediction_trace_png_and_tensorboard(tmp_path, capsys):
     med = sorted(r["step_time_s"] for r in steps[1:])
     assert summary["median_measured_step_time_s"] == pytest.approx(sum(med) / 2)  # median of 2
     assert "profile" in recs[0]["prediction"]["source"]
-    assert "PREDICTED step time" in out and "vs MEASURED median" in out
+    assert "step time (median of 2 step(s) after the first): " in out and " s PREDICTED (error " in out
+    assert "step 2/3: step time " in out and " s measured / " in out
     t = json.loads(trace.read_text())["traceEvents"]
     labels = {e["args"]["name"] for e in t if e["ph"] == "M" and e["name"] == "process_name"}
     assert {lab for lab in labels if lab.startswith("PREDICTED")} == {
@@ -226,3 +227,92 @@ def test_profiling_child_past_its_time_limit_is_killed():
     from hethub_jax.train_predict import _run_showing_stderr
     with pytest.raises(subprocess.TimeoutExpired):
         _run_showing_stderr([_sys.executable, "-c", "import time; time.sleep(30)"], dict(os.environ), 0.5)
+
+
+# ---- MFU only for real accelerators --------------------------------------------------------------------
+
+def test_mfu_is_na_for_cpu_and_emulated_islands_in_plan_lines_and_json():
+    """The planner's table (printed by plan-less training) and --json give no MFU figure for plans with cpu
+    islands, emulated or not (the catalog's cpu entry is no datasheet peak); a real accelerator keeps it."""
+    from hethub_jax.models.config import LlamaConfig
+    from hethub_jax.plan import candidate_dict, format_candidate
+    from hethub_jax.planner.catalog import get_device
+
+    def cand(platform, slowdown):
+        p = Plan.from_dict({**PLAN, "islands": [{"name": "fast", "platform": platform},
+                                                {"name": "slow", "platform": platform, "slowdown": slowdown}]})
+        costs = {i.name: DeviceCosts.from_catalog(get_device("H100-SXM" if platform == "cuda" else "cpu"))
+                 for i in p.islands}
+        pred = predict(LlamaConfig(**{k: v for k, v in MODEL.items() if k != "preset"}), p, costs, seq_len=16)
+
+        class C:
+            plan, prediction, kind, layers, upper_bound_fraction = p, pred, "pipeline", ((1, 1),), None
+            step_time_s, tokens_per_s, mfu = pred.step_time_s, pred.tokens_per_s, 0.123
+        return C()
+
+    class G:
+        device, memory_gb = "cpu", 16.0
+    groups = {"fast": G(), "slow": G()}
+    for slowdown in (1.0, 2.0):
+        c, why = cand("cpu", slowdown), "n/a (CPU, no peak)"
+        head = format_candidate(0, c, groups, None).splitlines()[0]
+        assert f"MFU {why}," in head and "12.3%" not in head
+        assert candidate_dict(c)["mfu"] is None and candidate_dict(c)["mfu_note"] == why
+    real = cand("cuda", 1.0)
+    assert "MFU 12.3%," in format_candidate(0, real, groups, None)
+    assert candidate_dict(real)["mfu"] == 0.123 and candidate_dict(real)["mfu_note"] is None
+
+
+# ---- one shared profile reported once --------------------------------------------------------------
+
+def test_profile_shared_by_two_groups_is_measured_and_reported_once(tmp_path, monkeypatch):
+    """Both groups of the tiny 2-island cluster are device type cpu: one profile is measured (one child
+    process) and reported in ONE line naming both groups and the emulated one, reused the same way."""
+    from hethub_jax import train_predict as tp
+    from hethub_jax.planner.cluster import load_cluster
+    calls = []
+
+    def fake_profile(model, seq_len, out, timeout_s=600.0):
+        calls.append(out)
+        Path(out).write_text(json.dumps(fixed_profile()))
+        return True, "profiled in 1 s"
+    monkeypatch.setattr(tp, "profile_device", fake_profile)
+    cluster = load_cluster(str(ROOT / "configs/clusters/tiny_2island_cpu.yaml"))
+    logged = []
+    for word in ("measured profile", "reusing saved profile"):
+        profiles, notes = tp._profiles(cluster, "tiny", 16, str(tmp_path), logged.append)
+        assert len(notes) == 1 and notes[0].count(str(tmp_path / "cpu.json")) == 1, notes
+        assert notes[0].startswith("groups fast, slow (one profile; slow EMULATED 3x slower by the predictor): "
+                                   + word), notes
+        assert profiles["fast"] == profiles["slow"] == fixed_profile()
+    assert calls == [str(tmp_path / "cpu.json")] and len(logged) == 1 and "groups fast, slow" in logged[0]
+
+
+# ---- the progress bar's label and the step lines ------------------------------------------------------
+
+def test_progress_label_and_step_lines_show_measured_and_predicted_seconds(tmp_path, capsys):
+    """The bar's label and the step lines give both step times in seconds, labelled, in one format
+    (not a ratio); the first step (compilation) sets no label."""
+    from types import SimpleNamespace
+
+    from hethub_jax.train_hooks import Console, MetricsWriter, TrainState
+    from hethub_jax.train_insight import PredictionHook
+    pred = SimpleNamespace(prediction=SimpleNamespace(step_time_s=0.4912, tokens_per_s=1000.0, stages=[]),
+                           bubble_fraction=0.1, source="profile x")
+    console = Console(log=True, progress=True, total=3, initial=0, mode="lines", line_interval_s=1e9)
+    hook = PredictionHook(pred, MetricsWriter(None, append=False), console, log_every=1)
+    state = TrainState(start_step=0, total_steps=3, t_start=0.0)
+    labels = []
+    for step, dt in ((1, 30.0), (2, 1.1234), (3, 1.0)):
+        state.record_step(step, SimpleNamespace(loss=2.0, grad_norm=1.0, num_tokens=100, step_time_s=dt,
+                                                records=[]), lr=1e-3)
+        hook.on_step(state)
+        labels.append(console.bar.desc)
+    console.close()
+    out = capsys.readouterr().out.splitlines()
+    assert labels == ["train", "train (step time 1.12 s measured / 0.491 s PREDICTED)",
+                      "train (step time 1 s measured / 0.491 s PREDICTED)"]
+    assert out == ["step 1/3: step time 30 s measured / 0.491 s PREDICTED (predicted/measured "
+                   f"{0.4912 / 30:.2f}) [includes compilation]",
+                   f"step 2/3: step time 1.12 s measured / 0.491 s PREDICTED (predicted/measured {0.4912 / 1.1234:.2f})",
+                   f"step 3/3: step time 1 s measured / 0.491 s PREDICTED (predicted/measured {0.4912:.2f})"]

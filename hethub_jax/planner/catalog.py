@@ -14,9 +14,9 @@ it.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
-__all__ = ["DeviceSpec", "CATALOG", "get_device"]
+__all__ = ["DeviceSpec", "CATALOG", "get_device", "mfu_not_applicable"]
 
 
 @dataclass(frozen=True)
@@ -115,3 +115,14 @@ def get_device(name: str) -> DeviceSpec:
         if norm(k) == norm(name):
             return v
     raise ValueError(f"unknown device type {name!r}; known: {sorted(CATALOG)}")
+
+
+def mfu_not_applicable(plan: Any) -> Optional[str]:
+    """Why model FLOPs utilisation would mislead for ``plan`` (a ``parallel.plan.Plan``), or None.
+
+    MFU divides achieved model FLOP/s by the devices' datasheet peak. A ``cpu`` island has no datasheet
+    peak (the catalog's ``cpu`` entry is this project's assumption), and EMULATED slowdowns exist only on
+    cpu islands, so a plan with any cpu island gets ``"n/a (CPU, no peak)"`` (``None`` in JSON)."""
+    if any(i.platform == "cpu" for i in plan.islands):
+        return "n/a (CPU, no peak)"
+    return None
