@@ -39,7 +39,8 @@ from hethub_jax.parallel.plan import Plan, proportional_shares
 from hethub_jax.parallel.schedule import get_schedule, in_flight_bound
 from hethub_jax.planner.cluster import ClusterSpec, islands_of, load_cluster
 from hethub_jax.planner.pipeline_time import makespan
-from hethub_jax.planner.search_bounds import SplitBounds, cycle_bound
+from hethub_jax.planner.search_best_first import best_first
+from hethub_jax.planner.search_bounds import SplitBounds, cycle_bound, process_bound
 
 __all__ = ["SearchOptions", "Skeleton", "Candidate", "SearchResult", "PlanningError", "search",
            "exhaustive_search", "min_bottleneck_split", "greedy_bottleneck_split", "group_costs", "bridge_for", "valid_tp_degrees",
@@ -447,15 +448,16 @@ class _Planner:
     def step_lb(self, sk: Skeleton, counts: Sequence[int]) -> float:
         """A lower bound of ``predict``'s step time for ``sk`` split as ``counts``: the larger of the
         makespan (:func:`pipeline_time.makespan`) with every action at most as long as ``predict`` makes
-        it and :func:`island_bound` (each island runs its stages one action at a time: its load plus the
-        pipeline fill before and the drain after it), plus, for S >= 2 stages, the optimizer updates (the
+        it and :func:`search_bounds.process_bound` (each island runs its stages one action at a time: its load
+        plus the pipeline fill before and the drain after it, and under GPipe the round trip after its
+        forwards; at least :func:`island_bound`), plus, for S >= 2 stages, the optimizer updates (the
         busiest island's sum over its stages, as ``predict`` adds them). The makespan is nondecreasing in
         every action time, and an island that runs several stages one action at a time only delays
-        actions. The island bound and, for 1F1B, :func:`search_bounds.cycle_bound` (closed forms) are computed
+        actions. The process bound and, for 1F1B, :func:`search_bounds.cycle_bound` (closed forms) are computed
         first; the makespan only when they cannot prune."""
         M, S = self.gbs // sk.microbatch_size, len(counts)
         fw, bw, act, grad, upd = self.action_times(sk, counts)
-        lb = island_bound(sk.stages, M, fw, bw, act, grad) + (upd if S > 1 else 0.0)
+        lb = process_bound(sk.schedule, sk.stages, M, fw, bw, act, grad) + (upd if S > 1 else 0.0)
         if self.prunes(lb):
             return lb
         if sk.schedule == "1f1b":
@@ -730,9 +732,12 @@ class _Planner:
         beta, per_group = greedy_bottleneck_split(gt, L, sk.stages)
         if not per_group or self.prunes(M * beta):
             return
+        bounds = self.split_bounds(sk, times)
+        if sk.schedule == "gpipe" and self.prunes(M * beta + sum(bounds.rt)):  # process_bound: + the crossings
+            return
         self.expanded += 1
         self.evaluate(sk, _stage_counts(sk, per_group))
-        self._dfs(sk, times, gt, self.split_bounds(sk, times), 0, L, 0.0, [])
+        self._dfs(sk, times, gt, bounds, 0, L, 0.0, [])
 
     def split_bounds(self, sk: Skeleton, times: List[List[float]]) -> SplitBounds:
         """:class:`search_bounds.SplitBounds` of ``sk``: the host copies and deliveries ``predict`` charges
@@ -742,7 +747,8 @@ class _Planner:
         act, _ = self.message_times(sk, [1] * S, fw, bw)
         one = [t[1] for t in times]
         slope = [t[2] - t[1] if self.L >= 2 and t[2] < math.inf else 0.0 for t in times]
-        return SplitBounds(sk.stages, M, [f + b for f, b in zip(fw, bw)], act, one, slope, sk.schedule == "1f1b")
+        return SplitBounds(sk.stages, M, [f + b for f, b in zip(fw, bw)], act, one, slope, sk.schedule == "1f1b",
+                           sk.schedule == "gpipe")
 
     def _dfs(self, sk: Skeleton, times, gt, bounds: SplitBounds, j: int, left: int, head: float,
              cur: List[int]) -> None:
@@ -823,9 +829,12 @@ class _Planner:
         one action at a time). ``(seconds, skeleton, counts)`` or None."""
         best = None
         for k, tp, dp in self.choices(g, mbs):
-            sk = Skeleton(mbs, sched, rec, (g,), (k,), (tp,), (dp,))
             if self.L < k:
                 continue
+            if best is not None and k * self.stage_constant(g, tp, dp, mbs, rec) + self.L * self.layer_lb(
+                    g, tp, dp, mbs, rec) >= best[0]:  # a lower bound of per_mb (hetero_lb): cannot win
+                continue
+            sk = Skeleton(mbs, sched, rec, (g,), (k,), (tp,), (dp,))
             per_mb = self.group_tables(sk, self.tables(sk, M))[0][self.L]
             if per_mb < math.inf and (best is None or per_mb < best[0]):
                 best = (per_mb, sk, tuple(balanced(self.L, k)))
@@ -971,14 +980,7 @@ def search(cfg: Any, cluster: Any, global_batch: int, seq_len: int, *, costs: Op
     """
     t0 = time.perf_counter()
     p = _setup(cfg, cluster, global_batch, seq_len, costs, options, profiles_dir)
-    for lb0, mbs, rec, sched, combo in p.combo_streams():
-        if p.prunes(lb0):
-            break
-        for sk in p.skeletons_of(mbs, rec, combo, (sched,)):
-            if not p.prunes(lb0):  # the k-th best may have improved since
-                p.expand(sk)
-            else:
-                p.skeletons += 1
+    best_first(p)
     if p.opt.hetero_dp and len(p.groups) > 1:
         p.hetero()
     if not p.top:

@@ -16,7 +16,10 @@ its stages one action at a time), with ``n_g <= cap_g`` and ``sum_g n_g = L``; t
 load over such splits (water filling) is a bound. Microbatch 0 passes every stage forward and backward and
 crosses at least ``G - 1`` group boundaries each way: ``sum_g K_g + L min_g w_g + R``; under 1F1B every
 round of ``S`` microbatches waits for such a round trip at stage 0 (``search_bounds.cycle_bound``), so it
-counts ``ceil(M / S)`` times.
+counts ``ceil(M / S)`` times. Under GPipe an island's last stage runs all its forwards before its first
+backward, which waits for the round trip through the later stages, and the island's first action waits for
+the earlier ones (``search_bounds.process_bound``): at every position in the order the island's load is
+accompanied by at least ``G - 1`` crossings each way, so the island term gains the crossings' seconds.
 """
 from __future__ import annotations
 
@@ -74,6 +77,8 @@ def configuration_bounds(per_group: Sequence[dict], L: int, M: int, schedule: st
         grids[name] = np.stack(cols, axis=1)
     k, w, K, cap = grids["k"], grids["w"], grids["K"], grids["cap"]
     island = M * water_fill(K, w, cap, L)
+    if schedule == "gpipe":  # search_bounds.process_bound: an island's forwards, the round trip, its backwards
+        island = island + round_trip
     chain = K.sum(axis=1) + L * w.min(axis=1) + round_trip
     if schedule == "1f1b":
         chain = chain * np.ceil(M / k.sum(axis=1))
