@@ -145,3 +145,37 @@ def test_best_first_search_equals_exhaustive_enumeration_over_slow_bridges(probl
     assert got.best.step_time_s == pytest.approx(ref.best.step_time_s, rel=1e-12)
     assert got.candidates[-1].step_time_s >= ref.candidates[-1].step_time_s * (1 - 1e-12)
     assert got.evaluated <= ref.evaluated
+
+
+def test_bounds_use_the_dp_mesh_figures_predict_uses():
+    """A profile whose (dp=2, tp=1) mesh and dp=2 update are measured 10x faster than one device's: the
+    search's stage lines, layer bound and update must ask the costs for the same mesh as ``predict`` (else
+    a bound exceeds ``predict`` on dp=2 plans and the search misses the optimum). Checked against
+    ``predict`` on every split of some dp=2 configurations and against exhaustive search."""
+    from hethub_jax.planner.costs import PROFILE_FORMAT, DeviceCosts
+    from hethub_jax.planner.predictor import predict
+    line = lambda c0, c1: {"c0": c0, "c1": c1}
+    parts = lambda s: {"layer": line(1e-3 * s, 1e-9 * s), "embed": line(1e-4 * s, 0.0),
+                       "head": line(2e-4 * s, 1e-9 * s), "base": line(1e-4 * s, 0.0)}
+    phases = lambda s: {ph: parts(s * (2.0 if ph.startswith("B") else 1.0)) for ph in ("F", "F_nosave", "B",
+                                                                                       "B_recompute")}
+    prof = {"format": PROFILE_FORMAT, "device_type": "cpu", "memory_bytes": 10**12,
+            "fits": {"compute": {"1": phases(1.0)}, "compute_dp": {"2x1": phases(0.1)},
+                     "update": line(1e-3, 1e-9), "update_dp": {"2": line(1e-4, 1e-10)},
+                     "allreduce": line(0.0, 0.0)}}
+    costs = {g: DeviceCosts.from_profile(prof) for g in ("fast", "slow")}
+    cfg = small_model(layers=4)
+    cluster = cluster_from_dict({"groups": [{"name": n, "device": "cpu", "nodes": 1, "devices_per_node": 2,
+                                             "slowdown": sd} for n, sd in (("fast", 1.0), ("slow", 2.0))]})
+    opt = SearchOptions(top_k=2, max_stages_per_group=1, hetero_dp=False, microbatch_sizes=(2,))
+    p = _setup(cfg, cluster, 4, 16, costs, opt, None)
+    for sched in ("1f1b", "gpipe"):
+        sk = Skeleton(2, sched, "none", ("fast", "slow"), (1, 1), (1, 1), (2, 2))
+        for n in range(1, 4):
+            pred = predict(cfg, p.pipeline_plan(sk, (n, 4 - n)), costs, seq_len=16,
+                           bridge=bridge_for(p.cluster, [("fast", "slow")]))
+            assert p.step_lb(sk, (n, 4 - n)) <= pred.step_time_s * (1 + 1e-9)
+            assert p.step_lb(sk, (n, 4 - n)) >= 0.5 * pred.step_time_s  # the dp=2 figures, not 10x off
+    got = search(cfg, cluster, 4, 16, costs=costs, options=opt)
+    ref = exhaustive_search(cfg, cluster, 4, 16, costs=costs, options=opt)
+    assert got.best.step_time_s == pytest.approx(ref.best.step_time_s, rel=1e-12)

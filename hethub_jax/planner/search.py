@@ -390,7 +390,7 @@ class _Planner:
         key = (g, tp, dp, mbs, rec)
         if key not in self._layer_lb:
             c, tokens = self.costs[g], mbs // dp * self.seq
-            lt = lambda ph: c.layer_time_s(self.cfg, tokens, self.seq, tp, ph)
+            lt = lambda ph: c.layer_time_s(self.cfg, tokens, self.seq, tp, ph, dp)
             fb = lt("F") + lt("B") if rec == "none" else lt("F_nosave") + lt("B_recompute")
             self._layer_lb[key] = self.factor[g] * min(fb, lt("B_recompute"))
         return self._layer_lb[key]
@@ -406,7 +406,8 @@ class _Planner:
         if key not in self._lines:
             from hethub_jax.planner.predictor import stage_compute_s
             c, f, tokens = self.costs[g], self.factor[g], mbs // dp * self.seq
-            sc = lambda n, ph: f * stage_compute_s(self.cfg, c, 0, n - 1, first, last, tokens, self.seq, tp, ph)
+            sc = lambda n, ph: f * stage_compute_s(self.cfg, c, 0, n - 1, first, last, tokens, self.seq, tp, ph,
+                                                   dp)  # the (dp, tp) mesh's figures, as predict asks
             line = lambda ph: (sc(1, ph), sc(2, ph) - sc(1, ph))
             fph, bph = ("F", "B") if rec == "none" else ("F_nosave", "B_recompute")
             fl, bl = line(fph), line(bph)
@@ -480,7 +481,7 @@ class _Planner:
                                                   first, last, fu if last else "none")
             fw.append(fa + (n - 1) * fs)
             bw.append(ba + (n - 1) * bs)
-            upd[g] = upd.get(g, 0.0) + self.update_s(g, sk.tp[j], n, first, last)
+            upd[g] = upd.get(g, 0.0) + self.update_s(g, sk.tp[j], n, first, last, sk.dp[j])
         act, grad = self.message_times(sk, counts, fw, bw)
         return fw, bw, act, grad, max(upd.values())
 
@@ -510,15 +511,15 @@ class _Planner:
             self._bridges[pairs] = bridge_for(self.cluster, pairs)
         return self._bridges[pairs]
 
-    def update_s(self, g: str, tp: int, n: int, first: bool, last: bool) -> float:
+    def update_s(self, g: str, tp: int, n: int, first: bool, last: bool, dp: int = 1) -> float:
         """Seconds of one stage's optimizer update (``DeviceCosts.update_time_s`` of its parameters per
-        device, x the slowdown factor), as ``predict`` counts it."""
-        key = (g, tp, n, first, last)
+        device on a ``dp``-way mesh, x the slowdown factor), as ``predict`` counts it."""
+        key = (g, tp, n, first, last, dp)
         if key not in self._upd:
             from hethub_jax.planner import analytic
             nparam = analytic.stage_params_per_device(self.cfg, 0, n - 1, first, last, tp)
             self._upd[key] = self.factor[g] * self.costs[g].update_time_s(
-                nparam, analytic.dtype_bytes(self.cfg.param_dtype))
+                nparam, analytic.dtype_bytes(self.cfg.param_dtype), dp)
         return self._upd[key]
 
     def stage_cap(self, g: str, tp: int, dp: int, mbs: int, rec: str, first: bool, last: bool,
