@@ -827,18 +827,22 @@ class _Planner:
     def replica_of(self, g: str, mbs: int, sched: str, rec: str, M: int):
         """The group's own pipeline for the hetero-DP family: over its choices (layers spread evenly over
         the stages), the one with the least island compute per microbatch (the island runs its stages
-        one action at a time). ``(seconds, skeleton, counts)`` or None."""
-        best = None
-        for k, tp, dp in self.choices(g, mbs):
-            if self.L < k:
-                continue
-            if best is not None and k * self.stage_constant(g, tp, dp, mbs, rec) + self.L * self.layer_lb(
-                    g, tp, dp, mbs, rec) >= best[0]:  # a lower bound of per_mb (hetero_lb): cannot win
-                continue
+        one action at a time; ties to the earlier choice). ``(seconds, skeleton, counts)`` or None. Choices
+        are visited in increasing order of a lower bound of that compute (``k x`` :meth:`stage_constant`
+        ``+ L x`` :meth:`layer_lb`, as :meth:`hetero_lb`) and skipped once it exceeds the best found."""
+        best, key = None, None
+        lbs = []
+        for i, (k, tp, dp) in enumerate(self.choices(g, mbs)):
+            if self.L >= k:
+                lbs.append((k * self.stage_constant(g, tp, dp, mbs, rec) + self.L * self.layer_lb(g, tp, dp, mbs, rec),
+                            i, (k, tp, dp)))
+        for lb, i, (k, tp, dp) in sorted(lbs):
+            if key is not None and lb > key[0]:
+                break
             sk = Skeleton(mbs, sched, rec, (g,), (k,), (tp,), (dp,))
             per_mb = self.group_tables(sk, self.tables(sk, M))[0][self.L]
-            if per_mb < math.inf and (best is None or per_mb < best[0]):
-                best = (per_mb, sk, tuple(balanced(self.L, k)))
+            if per_mb < math.inf and (key is None or (per_mb, i) < key):
+                key, best = (per_mb, i), (per_mb, sk, tuple(balanced(self.L, k)))
         return best
 
     def hetero(self) -> None:
