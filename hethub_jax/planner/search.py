@@ -596,7 +596,8 @@ class _Planner:
                 if any(not cs for cs in choices):
                     continue
                 for sched in self.opt.schedules:
-                    per = [self.choice_figures(g, cs, mbs, rec, M if sched == "gpipe" else 0, len(names) > 1)
+                    per = [self.choice_figures(g, cs, mbs, rec, M if sched == "gpipe" else 0, len(names) > 1,
+                                               M if sched == "1f1b" else 0)
                            for g, cs in zip(names, choices)]
                     lb = configuration_bounds(per, self.L, M, sched, self.delivery_lb(mbs))
                     keep = np.nonzero(np.isfinite(lb))[0]
@@ -612,12 +613,17 @@ class _Planner:
             idx = np.unravel_index(int(flat), [len(cs) for cs in choices])
             yield float(lb0), mbs, rec, sched, tuple(cs[int(x)] for cs, x in zip(choices, idx))
 
-    def choice_figures(self, g: str, choices, mbs: int, rec: str, in_flight: int, copies: bool) -> dict:
+    def choice_figures(self, g: str, choices, mbs: int, rec: str, in_flight: int, copies: bool,
+                       one_f_one_b: int = 0) -> dict:
         """Per choice ``(k, tp, dp)`` of group ``g``: ``k``; ``w`` (:meth:`layer_lb`); ``K``, the island's
         per-microbatch seconds that do not grow with its layers, at least ``k`` x the least stage constant
         (:meth:`stage_constant`) plus, in a pipeline of >= 2 islands, ``2 k`` host copies (each stage
         RECVs at least once, each island SENDs across at least once; ``message_times``); ``cap``: ``k`` x
-        the layers a middle stage holds with ``in_flight`` microbatches (:meth:`stage_cap`)."""
+        the layers a middle stage holds with ``in_flight`` microbatches (:meth:`stage_cap`). With
+        ``one_f_one_b = M`` (1F1B with M microbatches) the caps follow 1F1B's in-flight counts instead:
+        the group's stages sit at ``k`` consecutive positions ``s..s+k-1``, and position ``s + i`` holds
+        ``min(S - s - i, M) >= min(k - i, M)`` microbatches, except the pipeline's last stage (none, fused);
+        memory grows with them, so ``sum_{i<k-1} cap(min(k - i, M)) + cap(0)`` is an upper bound."""
         from hethub_jax.planner import analytic
         nbytes = mbs * self.seq * self.cfg.hidden_size * analytic.dtype_bytes(self.cfg.dtype)
         c = self.costs[g].host_copy_s(nbytes) if copies else 0.0
@@ -626,7 +632,11 @@ class _Planner:
             out["k"].append(k)
             out["w"].append(self.layer_lb(g, tp, dp, mbs, rec))
             out["K"].append(k * (self.stage_constant(g, tp, dp, mbs, rec) + 2 * c))
-            out["cap"].append(k * self.stage_cap(g, tp, dp, mbs, rec, False, False, in_flight))
+            cap = lambda f: self.stage_cap(g, tp, dp, mbs, rec, False, False, f)
+            if one_f_one_b:
+                out["cap"].append(sum(cap(min(k - i, one_f_one_b)) for i in range(k - 1)) + cap(0))
+            else:
+                out["cap"].append(k * cap(in_flight))
         return out
 
     def stage_constant(self, g: str, tp: int, dp: int, mbs: int, rec: str) -> float:
