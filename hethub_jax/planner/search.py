@@ -27,6 +27,7 @@ Python and numpy: no JAX import.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import json
@@ -304,8 +305,9 @@ def _stage_counts(sk: "Skeleton", per_group: Sequence[int]) -> Tuple[int, ...]:
     return tuple(c for n, k in zip(per_group, sk.stages) for c in balanced(n, k))
 
 
-def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+@functools.lru_cache(maxsize=1024)
+def _divisors(n: int) -> Tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
 def _largest_divisor_at_most(n: int, cap: int) -> int:
@@ -364,6 +366,7 @@ class _Planner:
         self._layer_lb: Dict[tuple, float] = {}
         self._capped: Dict[tuple, List[float]] = {}
         self._preds: Dict[str, Any] = {}
+        self._choices: Dict[tuple, List[Tuple[int, int, int]]] = {}
         self.top: List[Tuple[float, str, Candidate]] = []
         self.skeletons = self.expanded = self.evaluated = 0
 
@@ -408,7 +411,9 @@ class _Planner:
             c, f, tokens = self.costs[g], self.factor[g], mbs // dp * self.seq
             sc = lambda n, ph: f * stage_compute_s(self.cfg, c, 0, n - 1, first, last, tokens, self.seq, tp, ph,
                                                    dp)  # the (dp, tp) mesh's figures, as predict asks
-            line = lambda ph: (sc(1, ph), sc(2, ph) - sc(1, ph))
+            def line(ph):
+                one = sc(1, ph)
+                return one, sc(2, ph) - one
             fph, bph = ("F", "B") if rec == "none" else ("F_nosave", "B_recompute")
             fl, bl = line(fph), line(bph)
             if last and fused == "all":
@@ -569,8 +574,10 @@ class _Planner:
     def choices(self, g: str, mbs: int) -> List[Tuple[int, int, int]]:
         """Levels 2 and 3 for group ``g``: ``(stages, tp, dp)`` with ``dp`` the largest divisor of
         ``mbs`` such that ``stages * dp * tp`` devices fit the group."""
+        if (g, mbs) in self._choices:
+            return self._choices[(g, mbs)]
         grp = self.groups[g]
-        out = []
+        out = self._choices[(g, mbs)] = []
         for tp in valid_tp_degrees(self.cfg, grp.devices_per_node, self.opt.tp_degrees):
             for k in range(1, min(self.opt.max_stages_per_group, self.L) + 1):
                 if k * tp > grp.num_devices:
