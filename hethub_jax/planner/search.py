@@ -18,8 +18,10 @@ least the pipeline makespan, which is at least ``max_b(M t_b + sum_{s<b} t_s)`` 
 island's per-microbatch compute (``planner.pipeline_time``), both plus the bridge crossings before them, and
 at least microbatch 0's chain through every stage and crossing (:func:`island_bound`, ``round_trip_lb``);
 under 1F1B at least the cycle bound (every ``S - b`` microbatches wait one round trip from stage ``b``:
-``search_bounds``). Configurations are bounded all at once with numpy (``search_configs``) and visited in
-increasing bound order; a configuration or a partial split whose bound is not below the k-th best step
+``search_bounds``); and the process bound (an island's stages run from one process; under GPipe its
+backwards wait for the round trip after its forwards: ``search_bounds.process_bound``). Configurations are
+bounded all at once with numpy (``search_configs``) and merged into one best-first queue with pipeline
+orders, partial and complete splits (``search_best_first``); work whose bound is above the k-th best step
 time found so far cannot enter the top k and is skipped. All other splits are evaluated with ``predict``:
 the result equals exhaustive enumeration (``exhaustive_search``).
 
