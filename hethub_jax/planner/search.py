@@ -18,8 +18,10 @@ least the pipeline makespan, which is at least ``max_b(M t_b + sum_{s<b} t_s)`` 
 island's per-microbatch compute (``planner.pipeline_time``), both plus the bridge crossings before them, and
 at least microbatch 0's chain through every stage and crossing (:func:`island_bound`, ``round_trip_lb``);
 under 1F1B at least the cycle bound (every ``S - b`` microbatches wait one round trip from stage ``b``:
-``search_bounds``). Configurations are bounded all at once with numpy (``search_configs``) and visited in
-increasing bound order; a configuration or a partial split whose bound is not below the k-th best step
+``search_bounds``); and the process bound (an island's stages run from one process; under GPipe its
+backwards wait for the round trip after its forwards: ``search_bounds.process_bound``). Configurations are
+bounded all at once with numpy (``search_configs``) and merged into one best-first queue with pipeline
+orders, partial and complete splits (``search_best_first``); work whose bound is above the k-th best step
 time found so far cannot enter the top k and is skipped. All other splits are evaluated with ``predict``:
 the result equals exhaustive enumeration (``exhaustive_search``).
 
@@ -27,6 +29,7 @@ Python and numpy: no JAX import.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import json
@@ -39,7 +42,8 @@ from hethub_jax.parallel.plan import Plan, proportional_shares
 from hethub_jax.parallel.schedule import get_schedule, in_flight_bound
 from hethub_jax.planner.cluster import ClusterSpec, islands_of, load_cluster
 from hethub_jax.planner.pipeline_time import makespan
-from hethub_jax.planner.search_bounds import SplitBounds, cycle_bound
+from hethub_jax.planner.search_best_first import best_first
+from hethub_jax.planner.search_bounds import SplitBounds, cycle_bound, process_bound
 
 __all__ = ["SearchOptions", "Skeleton", "Candidate", "SearchResult", "PlanningError", "search",
            "exhaustive_search", "min_bottleneck_split", "greedy_bottleneck_split", "group_costs", "bridge_for", "valid_tp_degrees",
@@ -303,8 +307,9 @@ def _stage_counts(sk: "Skeleton", per_group: Sequence[int]) -> Tuple[int, ...]:
     return tuple(c for n, k in zip(per_group, sk.stages) for c in balanced(n, k))
 
 
-def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+@functools.lru_cache(maxsize=1024)
+def _divisors(n: int) -> Tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
 def _largest_divisor_at_most(n: int, cap: int) -> int:
@@ -363,6 +368,7 @@ class _Planner:
         self._layer_lb: Dict[tuple, float] = {}
         self._capped: Dict[tuple, List[float]] = {}
         self._preds: Dict[str, Any] = {}
+        self._choices: Dict[tuple, List[Tuple[int, int, int]]] = {}
         self.top: List[Tuple[float, str, Candidate]] = []
         self.skeletons = self.expanded = self.evaluated = 0
 
@@ -389,7 +395,7 @@ class _Planner:
         key = (g, tp, dp, mbs, rec)
         if key not in self._layer_lb:
             c, tokens = self.costs[g], mbs // dp * self.seq
-            lt = lambda ph: c.layer_time_s(self.cfg, tokens, self.seq, tp, ph)
+            lt = lambda ph: c.layer_time_s(self.cfg, tokens, self.seq, tp, ph, dp)
             fb = lt("F") + lt("B") if rec == "none" else lt("F_nosave") + lt("B_recompute")
             self._layer_lb[key] = self.factor[g] * min(fb, lt("B_recompute"))
         return self._layer_lb[key]
@@ -405,8 +411,11 @@ class _Planner:
         if key not in self._lines:
             from hethub_jax.planner.predictor import stage_compute_s
             c, f, tokens = self.costs[g], self.factor[g], mbs // dp * self.seq
-            sc = lambda n, ph: f * stage_compute_s(self.cfg, c, 0, n - 1, first, last, tokens, self.seq, tp, ph)
-            line = lambda ph: (sc(1, ph), sc(2, ph) - sc(1, ph))
+            sc = lambda n, ph: f * stage_compute_s(self.cfg, c, 0, n - 1, first, last, tokens, self.seq, tp, ph,
+                                                   dp)  # the (dp, tp) mesh's figures, as predict asks
+            def line(ph):
+                one = sc(1, ph)
+                return one, sc(2, ph) - one
             fph, bph = ("F", "B") if rec == "none" else ("F_nosave", "B_recompute")
             fl, bl = line(fph), line(bph)
             if last and fused == "all":
@@ -447,15 +456,16 @@ class _Planner:
     def step_lb(self, sk: Skeleton, counts: Sequence[int]) -> float:
         """A lower bound of ``predict``'s step time for ``sk`` split as ``counts``: the larger of the
         makespan (:func:`pipeline_time.makespan`) with every action at most as long as ``predict`` makes
-        it and :func:`island_bound` (each island runs its stages one action at a time: its load plus the
-        pipeline fill before and the drain after it), plus, for S >= 2 stages, the optimizer updates (the
+        it and :func:`search_bounds.process_bound` (each island runs its stages one action at a time: its load
+        plus the pipeline fill before and the drain after it, and under GPipe the round trip after its
+        forwards; at least :func:`island_bound`), plus, for S >= 2 stages, the optimizer updates (the
         busiest island's sum over its stages, as ``predict`` adds them). The makespan is nondecreasing in
         every action time, and an island that runs several stages one action at a time only delays
-        actions. The island bound and, for 1F1B, :func:`search_bounds.cycle_bound` (closed forms) are computed
+        actions. The process bound and, for 1F1B, :func:`search_bounds.cycle_bound` (closed forms) are computed
         first; the makespan only when they cannot prune."""
         M, S = self.gbs // sk.microbatch_size, len(counts)
         fw, bw, act, grad, upd = self.action_times(sk, counts)
-        lb = island_bound(sk.stages, M, fw, bw, act, grad) + (upd if S > 1 else 0.0)
+        lb = process_bound(sk.schedule, sk.stages, M, fw, bw, act, grad) + (upd if S > 1 else 0.0)
         if self.prunes(lb):
             return lb
         if sk.schedule == "1f1b":
@@ -478,7 +488,7 @@ class _Planner:
                                                   first, last, fu if last else "none")
             fw.append(fa + (n - 1) * fs)
             bw.append(ba + (n - 1) * bs)
-            upd[g] = upd.get(g, 0.0) + self.update_s(g, sk.tp[j], n, first, last)
+            upd[g] = upd.get(g, 0.0) + self.update_s(g, sk.tp[j], n, first, last, sk.dp[j])
         act, grad = self.message_times(sk, counts, fw, bw)
         return fw, bw, act, grad, max(upd.values())
 
@@ -508,15 +518,15 @@ class _Planner:
             self._bridges[pairs] = bridge_for(self.cluster, pairs)
         return self._bridges[pairs]
 
-    def update_s(self, g: str, tp: int, n: int, first: bool, last: bool) -> float:
+    def update_s(self, g: str, tp: int, n: int, first: bool, last: bool, dp: int = 1) -> float:
         """Seconds of one stage's optimizer update (``DeviceCosts.update_time_s`` of its parameters per
-        device, x the slowdown factor), as ``predict`` counts it."""
-        key = (g, tp, n, first, last)
+        device on a ``dp``-way mesh, x the slowdown factor), as ``predict`` counts it."""
+        key = (g, tp, n, first, last, dp)
         if key not in self._upd:
             from hethub_jax.planner import analytic
             nparam = analytic.stage_params_per_device(self.cfg, 0, n - 1, first, last, tp)
             self._upd[key] = self.factor[g] * self.costs[g].update_time_s(
-                nparam, analytic.dtype_bytes(self.cfg.param_dtype))
+                nparam, analytic.dtype_bytes(self.cfg.param_dtype), dp)
         return self._upd[key]
 
     def stage_cap(self, g: str, tp: int, dp: int, mbs: int, rec: str, first: bool, last: bool,
@@ -566,8 +576,10 @@ class _Planner:
     def choices(self, g: str, mbs: int) -> List[Tuple[int, int, int]]:
         """Levels 2 and 3 for group ``g``: ``(stages, tp, dp)`` with ``dp`` the largest divisor of
         ``mbs`` such that ``stages * dp * tp`` devices fit the group."""
+        if (g, mbs) in self._choices:
+            return self._choices[(g, mbs)]
         grp = self.groups[g]
-        out = []
+        out = self._choices[(g, mbs)] = []
         for tp in valid_tp_degrees(self.cfg, grp.devices_per_node, self.opt.tp_degrees):
             for k in range(1, min(self.opt.max_stages_per_group, self.L) + 1):
                 if k * tp > grp.num_devices:
@@ -593,7 +605,8 @@ class _Planner:
                 if any(not cs for cs in choices):
                     continue
                 for sched in self.opt.schedules:
-                    per = [self.choice_figures(g, cs, mbs, rec, M if sched == "gpipe" else 0, len(names) > 1)
+                    per = [self.choice_figures(g, cs, mbs, rec, M if sched == "gpipe" else 0, len(names) > 1,
+                                               M if sched == "1f1b" else 0)
                            for g, cs in zip(names, choices)]
                     lb = configuration_bounds(per, self.L, M, sched, self.delivery_lb(mbs))
                     keep = np.nonzero(np.isfinite(lb))[0]
@@ -609,12 +622,17 @@ class _Planner:
             idx = np.unravel_index(int(flat), [len(cs) for cs in choices])
             yield float(lb0), mbs, rec, sched, tuple(cs[int(x)] for cs, x in zip(choices, idx))
 
-    def choice_figures(self, g: str, choices, mbs: int, rec: str, in_flight: int, copies: bool) -> dict:
+    def choice_figures(self, g: str, choices, mbs: int, rec: str, in_flight: int, copies: bool,
+                       one_f_one_b: int = 0) -> dict:
         """Per choice ``(k, tp, dp)`` of group ``g``: ``k``; ``w`` (:meth:`layer_lb`); ``K``, the island's
         per-microbatch seconds that do not grow with its layers, at least ``k`` x the least stage constant
         (:meth:`stage_constant`) plus, in a pipeline of >= 2 islands, ``2 k`` host copies (each stage
         RECVs at least once, each island SENDs across at least once; ``message_times``); ``cap``: ``k`` x
-        the layers a middle stage holds with ``in_flight`` microbatches (:meth:`stage_cap`)."""
+        the layers a middle stage holds with ``in_flight`` microbatches (:meth:`stage_cap`). With
+        ``one_f_one_b = M`` (1F1B with M microbatches) the caps follow 1F1B's in-flight counts instead:
+        the group's stages sit at ``k`` consecutive positions ``s..s+k-1``, and position ``s + i`` holds
+        ``min(S - s - i, M) >= min(k - i, M)`` microbatches, except the pipeline's last stage (none, fused);
+        memory grows with them, so ``sum_{i<k-1} cap(min(k - i, M)) + cap(0)`` is an upper bound."""
         from hethub_jax.planner import analytic
         nbytes = mbs * self.seq * self.cfg.hidden_size * analytic.dtype_bytes(self.cfg.dtype)
         c = self.costs[g].host_copy_s(nbytes) if copies else 0.0
@@ -623,7 +641,11 @@ class _Planner:
             out["k"].append(k)
             out["w"].append(self.layer_lb(g, tp, dp, mbs, rec))
             out["K"].append(k * (self.stage_constant(g, tp, dp, mbs, rec) + 2 * c))
-            out["cap"].append(k * self.stage_cap(g, tp, dp, mbs, rec, False, False, in_flight))
+            cap = lambda f: self.stage_cap(g, tp, dp, mbs, rec, False, False, f)
+            if one_f_one_b:
+                out["cap"].append(sum(cap(min(k - i, one_f_one_b)) for i in range(k - 1)) + cap(0))
+            else:
+                out["cap"].append(k * cap(in_flight))
         return out
 
     def stage_constant(self, g: str, tp: int, dp: int, mbs: int, rec: str) -> float:
@@ -730,9 +752,12 @@ class _Planner:
         beta, per_group = greedy_bottleneck_split(gt, L, sk.stages)
         if not per_group or self.prunes(M * beta):
             return
+        bounds = self.split_bounds(sk, times)
+        if sk.schedule == "gpipe" and self.prunes(M * beta + sum(bounds.rt)):  # process_bound: + the crossings
+            return
         self.expanded += 1
         self.evaluate(sk, _stage_counts(sk, per_group))
-        self._dfs(sk, times, gt, self.split_bounds(sk, times), 0, L, 0.0, [])
+        self._dfs(sk, times, gt, bounds, 0, L, 0.0, [])
 
     def split_bounds(self, sk: Skeleton, times: List[List[float]]) -> SplitBounds:
         """:class:`search_bounds.SplitBounds` of ``sk``: the host copies and deliveries ``predict`` charges
@@ -742,7 +767,8 @@ class _Planner:
         act, _ = self.message_times(sk, [1] * S, fw, bw)
         one = [t[1] for t in times]
         slope = [t[2] - t[1] if self.L >= 2 and t[2] < math.inf else 0.0 for t in times]
-        return SplitBounds(sk.stages, M, [f + b for f, b in zip(fw, bw)], act, one, slope, sk.schedule == "1f1b")
+        return SplitBounds(sk.stages, M, [f + b for f, b in zip(fw, bw)], act, one, slope, sk.schedule == "1f1b",
+                           sk.schedule == "gpipe")
 
     def _dfs(self, sk: Skeleton, times, gt, bounds: SplitBounds, j: int, left: int, head: float,
              cur: List[int]) -> None:
@@ -820,15 +846,22 @@ class _Planner:
     def replica_of(self, g: str, mbs: int, sched: str, rec: str, M: int):
         """The group's own pipeline for the hetero-DP family: over its choices (layers spread evenly over
         the stages), the one with the least island compute per microbatch (the island runs its stages
-        one action at a time). ``(seconds, skeleton, counts)`` or None."""
-        best = None
-        for k, tp, dp in self.choices(g, mbs):
+        one action at a time; ties to the earlier choice). ``(seconds, skeleton, counts)`` or None. Choices
+        are visited in increasing order of a lower bound of that compute (``k x`` :meth:`stage_constant`
+        ``+ L x`` :meth:`layer_lb`, as :meth:`hetero_lb`) and skipped once it exceeds the best found."""
+        best, key = None, None
+        lbs = []
+        for i, (k, tp, dp) in enumerate(self.choices(g, mbs)):
+            if self.L >= k:
+                lbs.append((k * self.stage_constant(g, tp, dp, mbs, rec) + self.L * self.layer_lb(g, tp, dp, mbs, rec),
+                            i, (k, tp, dp)))
+        for lb, i, (k, tp, dp) in sorted(lbs):
+            if key is not None and lb > key[0]:
+                break
             sk = Skeleton(mbs, sched, rec, (g,), (k,), (tp,), (dp,))
-            if self.L < k:
-                continue
             per_mb = self.group_tables(sk, self.tables(sk, M))[0][self.L]
-            if per_mb < math.inf and (best is None or per_mb < best[0]):
-                best = (per_mb, sk, tuple(balanced(self.L, k)))
+            if per_mb < math.inf and (key is None or (per_mb, i) < key):
+                key, best = (per_mb, i), (per_mb, sk, tuple(balanced(self.L, k)))
         return best
 
     def hetero(self) -> None:
@@ -971,14 +1004,7 @@ def search(cfg: Any, cluster: Any, global_batch: int, seq_len: int, *, costs: Op
     """
     t0 = time.perf_counter()
     p = _setup(cfg, cluster, global_batch, seq_len, costs, options, profiles_dir)
-    for lb0, mbs, rec, sched, combo in p.combo_streams():
-        if p.prunes(lb0):
-            break
-        for sk in p.skeletons_of(mbs, rec, combo, (sched,)):
-            if not p.prunes(lb0):  # the k-th best may have improved since
-                p.expand(sk)
-            else:
-                p.skeletons += 1
+    best_first(p)
     if p.opt.hetero_dp and len(p.groups) > 1:
         p.hetero()
     if not p.top:

@@ -14,9 +14,9 @@ not depend on the split) and a linear lower bound of their compute.
 from __future__ import annotations
 
 import math
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
-__all__ = ["cycle_bound", "SplitBounds"]
+__all__ = ["cycle_bound", "process_bound", "SplitBounds"]
 
 
 def cycle_bound(num_microbatches: int, fw: Sequence[float], bw: Sequence[float], act: Sequence[float],
@@ -53,6 +53,63 @@ def cycle_bound(num_microbatches: int, fw: Sequence[float], bw: Sequence[float],
     return best
 
 
+def process_bound(schedule: str, stages: Sequence[int], M: int, fw: Sequence[float], bw: Sequence[float],
+                  act: Sequence[float], grad: Sequence[float]) -> float:
+    """Lower bound (seconds) of ``predict``'s pipeline seconds when each group (island) runs its ``stages[j]``
+    consecutive stages from ONE process, one action at a time (``predict(concurrency="runtime")``), for
+    GPipe and 1F1B; at least ``search.island_bound``.
+
+    Args:
+      schedule: ``"gpipe"`` or ``"1f1b"`` (``parallel.schedule``; any other name gives the island bound).
+      stages: stage count per group in pipeline order (sum S); M: microbatches.
+      fw, bw: per stage, seconds of one microbatch's F and B with their host copies (S entries).
+      act, grad: per stage boundary (S - 1 entries), activation / gradient delivery seconds.
+
+    Derivation, island ``I`` holding stages ``f..l``: let ``X`` be the start of stage ``l``'s first backward
+    slot (its RECV_GRAD; the process starts a RECV only once delivered). Every backward slot of ``I``
+    (``RECV_GRAD``, ``B``, ``SEND_GRAD`` of every microbatch on every stage of ``I``) starts at or after ``X``
+    (stage ``s < l`` of ``I`` needs stage ``s + 1``'s backward of the same microbatch; stage ``l`` runs its
+    backwards in list order) and ends by the end of stage ``f``'s last backward slot, after which that
+    microbatch's backwards and gradient deliveries of stages ``f-1..0`` still run (``tail``). The process
+    runs one action at a time, so the pipeline takes at least ``tail + max(head + M sum_I (F + B), X + M
+    sum_I B)`` where ``head = sum_{t<f} (F_t + act_t)`` (the island's first action waits for microbatch 0).
+    ``X`` is at least microbatch 0's chain ``head_l + F_l + C_l`` with ``head_l = sum_{t<l} (F_t + act_t)`` and
+    ``C_l = sum_{t>l} (F_t + B_t) + sum_{t=l}^{S-2} (act_t + grad_t)`` (through the later stages and back).
+    GPipe: stage ``l`` runs all M forward slots before its first backward slot, and stage ``l + 1``'s first
+    backward follows ITS last forward (and so on to the last stage), so ``X >= head + M sum_I F + C_l``
+    (every forward slot of ``I`` precedes stage ``l``'s last one). 1F1B: stage ``l`` runs ``W = min(S - l, M)``
+    forward slots before its first backward slot (``schedule.one_f_one_b``), each needing the same
+    microbatch's forwards on the earlier stages of ``I``: ``X >= head + W sum_I F``. A fused last stage
+    (``fw`` the fused F+B, ``bw`` 0) fits the same argument with its (empty) backward slot.
+    """
+    S = len(fw)
+    after = [0.0] * S  # C_l: round trip after stage l
+    for b in range(S - 2, -1, -1):
+        after[b] = after[b + 1] + fw[b + 1] + bw[b + 1] + act[b] + grad[b]
+    best, head, tail, s0 = 0.0, 0.0, 0.0, 0
+    for k in stages:
+        f, l = s0, s0 + k - 1
+        F = sum(fw[f:l + 1])
+        B = sum(bw[f:l + 1])
+        head_l = head + sum(fw[t] + act[t] for t in range(f, l))
+        x = head_l + fw[l] + after[l]
+        if schedule == "gpipe":
+            x = max(x, head + M * F + after[l])
+        elif schedule == "1f1b":
+            x = max(x, head + min(S - l, M) * F)
+        else:
+            x = 0.0
+        v = tail + max(head + M * (F + B), x + M * B)
+        if v > best:
+            best = v
+        for t in range(f, l + 1):
+            if t < S - 1:
+                head += fw[t] + act[t]
+                tail += bw[t] + grad[t]
+        s0 += k
+    return best
+
+
 class SplitBounds:
     """Lower bounds of the step's pipeline seconds for every split that starts with a given prefix, for one
     configuration (pipeline order, stage counts, TP/DP degrees, microbatch size, schedule).
@@ -67,11 +124,12 @@ class SplitBounds:
         further layer's (a stage's time is a line in its layer count: ``stage_lines``; 0 where unknown, a
         stage holding one layer at most); used only for stages after the prefix.
       cycle: apply :func:`cycle_bound`'s terms (1F1B only).
+      gpipe: the island bound counts the round trip after the island (:func:`process_bound`; GPipe only).
     """
 
     def __init__(self, stages: Sequence[int], M: int, copies: Sequence[float], delivery: Sequence[float],
-                 one_layer: Sequence[float], slope: Sequence[float], cycle: bool):
-        self.stages, self.M, self.cycle = list(stages), M, cycle
+                 one_layer: Sequence[float], slope: Sequence[float], cycle: bool, gpipe: bool = False):
+        self.stages, self.M, self.cycle, self.gpipe = list(stages), M, cycle, gpipe
         S, G = sum(stages), len(stages)
         self.S = S
         self.copies = list(copies)
@@ -98,28 +156,35 @@ class SplitBounds:
     def group(self, j: int, head: float, times: Sequence[float], layers_after: int, ub: float) -> float:
         """For group ``j`` whose stages take compute ``times`` (F + B per microbatch, no copies) after a
         prefix worth ``head`` seconds (``sum_{t<b} (F_t + B_t + act_t + grad_t)`` up to the group's first
-        stage): returns the head for the next group, or ``math.inf`` when a bound exceeds ``ub``.
+        stage): returns the head for the next group, or ``math.inf`` when a bound of :meth:`group_lb`
+        exceeds ``ub``."""
+        h, lb = self.group_lb(j, head, times, layers_after)
+        return math.inf if lb > ub else h
 
-        Bounds: per stage ``head_b + M t_b``; per island ``head + M sum_b t_b`` (the island runs its stages
-        one action at a time; ``search.island_bound``); with ``cycle``, per stage ``head_b + ceil(M / (S -
-        b)) C_b`` with ``C_b`` bounded below by this group's known stages and :meth:`suffix_lb`."""
+    def group_lb(self, j: int, head: float, times: Sequence[float], layers_after: int) -> Tuple[float, float]:
+        """``(head for the next group, lower bound)`` for group ``j`` (arguments as :meth:`group`): the
+        lower bound of the pipeline seconds of every split that starts with this prefix is the largest of:
+        per stage ``head_b + M t_b``; per island ``head + M sum_b t_b`` (the island runs its stages one
+        action at a time; ``search.island_bound``), under GPipe plus the round trip after the island
+        (:meth:`suffix_lb` and the island's outgoing crossing both ways: :func:`process_bound`); with
+        ``cycle``, per stage ``head_b + ceil(M / (S - b)) C_b`` with ``C_b`` bounded below by this group's
+        known stages and :meth:`suffix_lb`."""
         M, b0 = self.M, self.first[j]
-        load, h = 0.0, head
+        load, h, lb = 0.0, head, 0.0
         tt = [t + self.copies[b0 + i] for i, t in enumerate(times)]
         for i, t in enumerate(tt):
-            if h + M * t > ub:
-                return math.inf
+            lb = max(lb, h + M * t)
             load += t
             h += t + self.rt[b0 + i]
-        if head + M * load > ub:
-            return math.inf
+        isl = head + M * load
+        if self.gpipe:  # process_bound: the island's backwards wait for the round trip after its forwards
+            isl += self.suffix_lb(j, layers_after) + self.rt[b0 + len(tt) - 1]
+        lb = max(lb, isl)
         if self.cycle:
-            rest = self.suffix_lb(j, layers_after)
-            c, hb = rest, h
+            c, hb = self.suffix_lb(j, layers_after), h
             for i in range(len(tt) - 1, -1, -1):
                 b = b0 + i
                 c += tt[i] + self.rt[b]
                 hb -= tt[i] + self.rt[b]
-                if hb + -(-M // (self.S - b)) * c > ub:
-                    return math.inf
-        return h
+                lb = max(lb, hb + -(-M // (self.S - b)) * c)
+        return h, lb

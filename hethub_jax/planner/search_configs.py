@@ -16,7 +16,10 @@ its stages one action at a time), with ``n_g <= cap_g`` and ``sum_g n_g = L``; t
 load over such splits (water filling) is a bound. Microbatch 0 passes every stage forward and backward and
 crosses at least ``G - 1`` group boundaries each way: ``sum_g K_g + L min_g w_g + R``; under 1F1B every
 round of ``S`` microbatches waits for such a round trip at stage 0 (``search_bounds.cycle_bound``), so it
-counts ``ceil(M / S)`` times.
+counts ``ceil(M / S)`` times. Under GPipe an island's last stage runs all its forwards before its first
+backward, which waits for the round trip through the later stages, and the island's first action waits for
+the earlier ones (``search_bounds.process_bound``): at every position in the order the island's load is
+accompanied by at least ``G - 1`` crossings each way, so the island term gains the crossings' seconds.
 """
 from __future__ import annotations
 
@@ -27,27 +30,42 @@ import numpy as np
 __all__ = ["configuration_bounds", "water_fill"]
 
 
-def water_fill(K: np.ndarray, w: np.ndarray, cap: np.ndarray, L: int, iters: int = 48) -> np.ndarray:
+def water_fill(K: np.ndarray, w: np.ndarray, cap: np.ndarray, L: int, iters: int = 40) -> np.ndarray:
     """Per configuration (rows), a lower bound of ``min over n of max_g (K_g + n_g w_g)`` subject to
     ``1 <= n_g <= cap_g`` (integers) and ``sum_g n_g = L``: the larger of ``max_g (K_g + w_g)`` and the
     minimum over real ``0 <= n_g <= cap_g``; ``K, w, cap``: arrays of shape ``(N, G)``, ``w >= 0``
     (``w = 0``: the group's island takes ``cap`` layers at no cost beyond ``K``). Bisection on the level
-    ``T`` (the held layers ``sum_g clip((T - K_g) / w_g, 0, cap_g)`` grow with ``T``); returns the lower end
-    of the final bracket, so the value never exceeds the exact minimum. ``inf`` where ``sum cap < L`` or a
+    ``T`` (the held layers ``sum_g clip((T - K_g) / w_g, 0, cap_g)`` grow with ``T``) from ``max_g (K_g + w_g)``
+    (only on the feasible rows); returns the lower end of the final bracket, so the value never exceeds the
+    exact minimum. ``inf`` where ``sum cap < L`` or a
     group holds no layer (every group of a pipeline holds >= 1)."""
     K, w, cap = (np.asarray(a, dtype=float) for a in (K, w, cap))
-    feasible = (cap.sum(axis=1) >= L) & (cap >= 1).all(axis=1)  # every group holds >= 1 layer
-    lo = np.zeros(K.shape[0])
-    hi = np.max(np.where(cap > 0, K + cap * w, 0.0), axis=1) + 1e-300
+    out = np.full(K.shape[0], np.inf)
+    rows = np.nonzero((cap.sum(axis=1) >= L) & (cap >= 1).all(axis=1))[0]  # every group holds >= 1 layer
+    if rows.size == 0:
+        return out
+    K, w, cap = K[rows], w[rows], cap[rows]
+    floor = (K + w).max(axis=1)  # the answer is at least this: start the bracket there
+    lo = floor.copy()
+    hi = np.maximum(np.max(K + cap * w, axis=1), lo) + 1e-300
+    pos = w > 0
+    fast = bool(pos.all())
+    with np.errstate(divide="ignore"):
+        inv = np.where(pos, 1.0 / w, 0.0)
+    buf = np.empty_like(K)
     for _ in range(iters):
         mid = 0.5 * (lo + hi)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            room = np.where(w > 0, (mid[:, None] - K) / w, np.where(mid[:, None] >= K, np.inf, 0.0))
-        held = np.clip(room, 0.0, cap).sum(axis=1)
-        ok = held >= L
+        if fast:
+            np.subtract(mid[:, None], K, out=buf)
+            buf *= inv
+        else:  # w = 0: the island holds cap layers once the level reaches K
+            buf = np.where(pos, (mid[:, None] - K) * inv, np.where(mid[:, None] >= K, np.inf, 0.0))
+        np.clip(buf, 0.0, cap, out=buf)
+        ok = buf.sum(axis=1) >= L
         hi = np.where(ok, mid, hi)
         lo = np.where(ok, lo, mid)
-    return np.where(feasible, np.maximum(lo, (K + w).max(axis=1)), np.inf)  # every group holds >= 1 layer
+    out[rows] = np.maximum(lo, floor)
+    return out
 
 
 def configuration_bounds(per_group: Sequence[dict], L: int, M: int, schedule: str, round_trip: float) -> np.ndarray:
@@ -74,6 +92,8 @@ def configuration_bounds(per_group: Sequence[dict], L: int, M: int, schedule: st
         grids[name] = np.stack(cols, axis=1)
     k, w, K, cap = grids["k"], grids["w"], grids["K"], grids["cap"]
     island = M * water_fill(K, w, cap, L)
+    if schedule == "gpipe":  # search_bounds.process_bound: an island's forwards, the round trip, its backwards
+        island = island + round_trip
     chain = K.sum(axis=1) + L * w.min(axis=1) + round_trip
     if schedule == "1f1b":
         chain = chain * np.ceil(M / k.sum(axis=1))
