@@ -11,7 +11,8 @@ microbatches of 4, shares 12/4). Configurations, interleaved step by step:
   - `bucketed_spin`: the same, the thread spinning (`spin_s`) from the start of each wait;
   - `chunked_deferred`: the same chunked last microbatch, but every bucket's reduction runs on the
     main thread after the backward (no background thread): separates the cost of chunking from the
-    cost of the background thread's interference.
+    cost of the background thread's interference;
+  - `alone`: each island alone on the rows of its share (as `hetero_dp.py`'s (c)), both at once.
 Phases per rank and step (seconds, medians): `fb` (F/B actions, sleep included), `sleep` (emulated
 wait), `compute` = fb - sleep, `d2h` (device->host copies of gradients), `bridge` (all-reduce calls),
 `bg_cpu` (CPU time of the bucket thread), `cpu_process` / `cpu_main_thread` (CPU time of the
@@ -85,7 +86,13 @@ def main() -> None:
     batches = [next(it) for _ in range(n_steps)]
     plan = Plan.from_dict(dp_plan(L, args.batch, args.microbatch, args.slowdown, throughputs=[args.slowdown, 1.0]))
     names = args.configs.split(",")
-    rts = {n: PipelineRuntime(plan, config, optim, seed=0, comm=comm, rank=rank) for n in names}
+    rts = {n: PipelineRuntime(plan, config, optim, seed=0, comm=comm, rank=rank) for n in names if n != "alone"}
+    shares = plan.batch_shares()
+    if "alone" in names:  # this rank's island alone on its share's rows (as hetero_dp.py's (c))
+        from benchmarks.hetero_dp import ISLANDS, alone_plan
+        isl = dict(ISLANDS[rank], slowdown=1.0 if rank == 0 else args.slowdown)
+        rts["alone"] = PipelineRuntime(Plan.from_dict(alone_plan(L, isl, shares[rank], args.microbatch)),
+                                       config, optim, seed=0)
     for n in names:
         if n != "unbucketed":
             rts[n].set_grad_buckets(args.bucket_mb)
@@ -140,8 +147,19 @@ def main() -> None:
         return out
     type(comm).allreduce_tree = allreduce_tree
 
+    lo = sum(shares[:rank])
+    alone_batches = [{k: v[lo:lo + shares[rank]] for k, v in b.items()} for b in batches]
     for n, rt in rts.items():
-        for meth in ("_run", "_reduce_shared", "_forward_backward"):
+        for st in rt.stages.values():
+            orig_sq = st.sq_norm
+
+            def sq_norm(*a, _o=orig_sq):
+                t0 = time.perf_counter()
+                out = jax.block_until_ready(_o(*a))
+                add("sq_norm", time.perf_counter() - t0)
+                return out
+            st.sq_norm = sq_norm
+        for meth in ("_run", "_reduce_shared", "_forward_backward", "_allreduce_world", "_loss_sum"):
             orig = getattr(rt, meth)
 
             def timed(*a, _o=orig, _m=meth, **k):
@@ -158,7 +176,7 @@ def main() -> None:
             ph.clear()
             world.Barrier()
             t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
-            res = rts[n].train_step(batches[i])
+            res = rts[n].train_step(alone_batches[i] if n == "alone" else batches[i])
             step = time.perf_counter() - t0
             cpu, cpu_main = time.process_time() - c0, time.thread_time() - m0
             fb = sum(r.end_s - r.start_s for r in res.records if r.action[0] in "FB")
@@ -176,7 +194,7 @@ def main() -> None:
     print(f"load avg {load0} -> {load1}; medians of {args.steps} steps, seconds")
     print(f"{'phase':<18}" + "".join(f"{n[:10] + '/' + r[0]:>13}" for n in names for r in ("fast", "slow")))
     for k in keys:
-        print(f"{k:<18}" + "".join(f"{allr[r][n][k]:>13.4f}" for n in names for r in (0, 1)))
+        print(f"{k:<18}" + "".join(f"{allr[r][n].get(k, 0.0):>13.4f}" for n in names for r in (0, 1)))
     write_json(args.json, {"benchmark": "hetero_dp_phases", "loadavg": [load0, load1],
                            "figures": {n: {"fast": allr[0][n], "slow": allr[1][n]} for n in names}})
 
