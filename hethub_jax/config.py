@@ -89,7 +89,9 @@ class TrainSettings(StrictModel):
       grad_bucket_mb: heterogeneous DP: bucket size of the gradient all-reduce overlapped with the
         backward, MiB (as PyTorch DDP's ``bucket_cap_mb``, whose default is 25; the first bucket is
         1 MiB or this if smaller); ``None`` (default): off, the all-reduce runs after the whole
-        backward (the bucketed step measured slower on the 2-core test machine: docs/benchmarks.md).
+        backward (the bucketed step measured slower on the 2-core test machine in session 7; its extra cost was
+        found and removed in session 8, but it is not yet measured faster on a quiet machine:
+        docs/benchmarks.md).
 
     Raises:
       ValueError: on construction, naming the field and the constraint (through :func:`from_dict`:

@@ -89,3 +89,25 @@ def test_bucketed_dp_equals_single_device(tied):
     assert len(chunks.chunks) >= 4 and chunks.split_embed, chunks.chunks
     # one bucket per chunk, plus the dense embedding part of an untied model
     assert rt.last_bucket_stats["num_buckets"] == len(chunks.chunks) + (0 if tied else 1), rt.last_bucket_stats
+
+
+def test_emulated_wait_leaves_out_the_bucket_threads_cpu_time(monkeypatch):
+    """On an emulated slow island the wait after an action is (factor - 1) x the island's own compute:
+    the action's wall time less the CPU time the bucket all-reduce thread took meanwhile (it shares the
+    core; on a real accelerator it runs on the host beside the compute). Reference: that arithmetic on
+    a recorded wait, with the thread's CPU clock replaced by known values."""
+    import time
+
+    import hethub_jax.parallel.runtime as runtime_mod
+    rt = PipelineRuntime(dp_plan([3.0, 1.0], slowdown=3.0), model_config(False), OPTIM, seed=0)
+    waits, bg = [], iter([10.0, 10.04])  # the thread's CPU clock at the action's start and at its end
+    monkeypatch.setattr(runtime_mod, "emulated_wait", waits.append)
+    monkeypatch.setattr(rt, "_bg_cpu", lambda: next(bg))
+    t0, bg0 = rt._mark()
+    time.sleep(0.1)
+    t1 = time.perf_counter()
+    rt._emulate((1, 0), np.zeros(1), t0, bg0)
+    wall = time.perf_counter() - t0
+    assert 2 * (t1 - t0 - 0.04) <= waits[0] <= 2 * (wall - 0.04), (waits, wall)
+    rt._emulate((0, 0), np.zeros(1), time.perf_counter())  # the fast island: no wait
+    assert len(waits) == 1

@@ -413,6 +413,18 @@ class MPIHostBridge(Communicator):
         # sends that timed out or failed: (requests, buffers kept alive until MPI is done with them)
         self._abandoned: list[tuple[list, tuple]] = []
 
+    def with_spin(self, spin_s: float) -> "MPIHostBridge":
+        """A bridge over the same MPI communicator whose waits poll without sleeping for ``spin_s``
+        seconds (same chunk size and timeout). For a background thread that should sleep while its
+        peers have not arrived rather than take a CPU core from compute (``spin_s=0``: back off at
+        once, at most ``max_sleep_s`` = 1 ms late). The two objects share the communicator: use
+        both from one thread only (MPI matches collectives in the order they are called).
+
+        Raises:
+          ValueError: if spin_s is negative.
+        """
+        return MPIHostBridge(self._comm, chunk_bytes=self._chunk_bytes, timeout=self._timeout, spin_s=spin_s)
+
     @property
     def spin_s(self) -> float:
         """Seconds a wait polls without sleeping before backing off (fixed at construction)."""

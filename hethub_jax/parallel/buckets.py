@@ -10,8 +10,16 @@ bucket (`BucketedReduction.join`).
 
 Each bucket is one `chunk`: a contiguous layer range of the stage, instantiated as its own `Llama`
 range (same graph as a pipeline stage of those layers) with its own jitted forward (saving the
-`jax.vjp` residuals) and backward. Only the last microbatch of the step runs chunked; earlier
-microbatches run the stage's own functions and accumulate as before.
+`jax.vjp` residuals) and backward; the head chunk of the last stage (last layers, norm, LM head and
+loss, first in backward order) runs its forward and backward in one jit, so that its residuals (the
+`[mb, S, vocab]` logits: most of a small model's activation memory) never leave the program
+(measured on `tiny`, one CPU core: the chunked microbatch then costs the same CPU time as the fused
+forward+backward, against +20 % with the logits saved between two jits). Only the last microbatch
+of the step runs chunked; earlier microbatches run the stage's own functions and accumulate as before.
+
+Each bucket's all-reduce first waits, sleeping, in a barrier until every replica has the bucket
+(``arrive``), and only then polls without sleeping while the data moves: the thread shares the CPU
+core of a CPU island with its compute.
 
 The embedding matrix: its gradient is final only after the first layers' backward, and it is most of
 a small model's parameters. It is split in two exact parts:
@@ -105,10 +113,16 @@ class StageChunks:
         self.chunks = layer_chunks(layer_bytes, st.first_layer, _nbytes(head), bucket_bytes, first_bucket_bytes)
         self.split_embed = st.is_first and len(self.chunks) > 1
         self._fwd, self._bwd = {}, {}
+        # the last stage's head chunk (last layers, norm, LM head, loss) runs its forward and backward
+        # in one jit: its residuals (the [mb, S, vocab] logits) never leave it
+        self.head = self.chunks[0] if st.is_last else None
         for a, b in self.chunks:
             gd = nnx.split(nnx.eval_shape(partial(Llama, cfg, first_layer=a, last_layer=b)))[0]
-            self._fwd[(a, b)] = jax.jit(partial(self._vjp, gd, a, b))
             raw = self.split_embed and a == 0
+            if (a, b) == self.head:
+                self._fwd_bwd = jax.jit(partial(self._forward_backward, gd, a, b, raw), donate_argnames="acc")
+                continue
+            self._fwd[(a, b)] = jax.jit(partial(self._vjp, gd, a, b))
             self._bwd[(a, b)] = jax.jit(partial(self._backward, a, b, raw), donate_argnames="acc")
         self.zero_if_first = jax.jit(lambda acc, first: jnp.where(first, jnp.zeros_like(acc), acc))
 
@@ -169,27 +183,43 @@ class StageChunks:
         new = jax.lax.with_sharding_constraint(new, shard)
         return new, (grads[1] if a > 0 else None), raw
 
-    def forward_backward(self, inputs: StageInputs, acc: dict, first, wait: Callable[[Any, float], None],
-                         ready: Callable[[tuple[int, int] | None, dict[str, Any], Any], None]):
+    def _forward_backward(self, graphdef, a: int, b: int, raw_embed: bool, params: dict, inputs: StageInputs,
+                          acc: dict, first):
+        """The head chunk's forward and backward in one program -> (summed loss f32, acc + its
+        parameter gradients, input gradient or None, raw embedding gradient or None)."""
+        loss, f = self._vjp(graphdef, a, b, params, inputs)
+        return (loss,) + self._backward(a, b, raw_embed, f, jnp.ones((), jnp.float32), acc, first)
+
+    def forward_backward(self, inputs: StageInputs, acc: dict, first, wait: Callable[[Any, Any], None],
+                         ready: Callable[[tuple[int, int] | None, dict[str, Any], Any], None],
+                         mark: Callable[[], Any] = time.perf_counter):
         """Last microbatch of the step: chunked forward (saving residuals) and backward, last layers
-        first. ``wait(x, t0)`` blocks on a result (and emulates a slower island); ``ready(chunk,
-        flat_grads, raw_embed)`` hands each bucket's final gradients over as soon as they exist
-        (``chunk`` None: the dense embedding part, before the first chunk).
+        first. ``wait(x, m)`` blocks on a result (and emulates a slower island), ``m`` being what
+        ``mark()`` returned before the computation was dispatched; ``ready(chunk, flat_grads,
+        raw_embed)`` hands each bucket's final gradients over as soon as they exist (``chunk`` None:
+        the dense embedding part, before the first chunk).
         -> (summed loss f32, the stage's gradient accumulator: a full tree, donated parts replaced)."""
-        params, t0 = self.st.params, time.perf_counter()
+        params, t0 = self.st.params, mark()
         h, saved = inputs.x, []
         for a, b in reversed(self.chunks):
+            if (a, b) == self.head:
+                break
             x_in = inputs._replace(x=h) if b == self.num_layers - 1 else StageInputs(h, inputs.positions)
             h, res = self._fwd[(a, b)](self.part(params, a, b), x_in)
             saved.append(res)
-        wait(h, t0)
+        if saved:
+            wait(h, t0)
         loss, g, parts, embed = h, jnp.ones((), jnp.float32), {}, None
         if self.split_embed and not self.st.config.tie_word_embeddings:
             embed = self.zero_if_first(acc["embed_tokens"], first)  # earlier microbatches' lookups
             ready(None, {"embed_tokens": embed}, None)
         for a, b in self.chunks:
-            t = time.perf_counter()
-            parts[(a, b)], g, raw = self._bwd[(a, b)](saved.pop(), g, self.part(acc, a, b, accumulator=True), first)
+            t, part = mark(), self.part(acc, a, b, accumulator=True)
+            if (a, b) == self.head:
+                x_in = inputs if a == self.st.first_layer else inputs._replace(x=h)
+                loss, parts[(a, b)], g, raw = self._fwd_bwd(self.part(params, a, b), x_in, part, first)
+            else:
+                parts[(a, b)], g, raw = self._bwd[(a, b)](saved.pop(), g, part, first)
             wait(parts[(a, b)], t)
             if self.split_embed and b == self.num_layers - 1 and "embed_tokens" in parts[(a, b)]:
                 embed = parts[(a, b)]["embed_tokens"]  # tied: accumulator + the head's contribution
@@ -206,10 +236,14 @@ class BucketedReduction:
         the host in float32 in this order first, as `PipelineRuntime._reduce_shared` does).
       comm: the replicas' group communicator, or None when every holder is local.
       rows: embedding rows (token ids) of every replica's last microbatch, sorted, for the sparse part.
+      arrive: None, or a communicator over the same group whose waits sleep (``with_spin(0)`` of an
+        `MPIHostBridge`): each bucket first waits there in a barrier until every replica has it, so
+        that the thread spins (``comm.spin_s``) only while the data moves, not while a slower peer
+        still computes and this replica's compute needs the same CPU core.
     """
 
-    def __init__(self, pool: ThreadPoolExecutor, holders: list, comm: Any, rows: np.ndarray):
-        self.pool, self.holders, self.comm, self.rows = pool, list(holders), comm, rows
+    def __init__(self, pool: ThreadPoolExecutor, holders: list, comm: Any, rows: np.ndarray, arrive: Any = None):
+        self.pool, self.holders, self.comm, self.rows, self.arrive = pool, list(holders), comm, rows, arrive
         self.pending: dict[Any, dict] = {}
         self.futures: list[Future] = []
         self.jobs: list[tuple[float, float]] = []  # (start, end) perf_counter of each bucket's reduction
@@ -237,6 +271,8 @@ class BucketedReduction:
     def _reduce(self, flats: list[dict], raws: list) -> tuple[dict, Any]:
         t0 = time.perf_counter()
         local = {n: sum(np.asarray(f[n]).astype(np.float32) for f in flats) for n in flats[0]}
+        if self.arrive is not None and self.comm is not None:
+            self.arrive.barrier()
         total = self._sum(local)
         sparse = None
         if raws[0] is not None:

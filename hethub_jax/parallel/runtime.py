@@ -163,12 +163,16 @@ class PipelineRuntime:
         # all-reduced in the background while the next bucket computes (`hethub_jax.parallel.buckets`;
         # `_bucketing` says when it applies). None (the default, see `set_grad_buckets`): off, the
         # all-reduce runs after the whole backward. Off by default: on the 2-core test machine the
-        # bucketed step measured slower (docs/benchmarks.md, hetero_dp, session 7).
+        # bucketed step measured slower (docs/benchmarks.md, hetero_dp, session 7; its extra compute is gone
+        # since session 8, a quiet-machine comparison is pending).
         self.grad_bucket_bytes: int | None = None
         self.first_grad_bucket_bytes: int = bk.DEFAULT_FIRST_BUCKET_BYTES
+        # each bucket's all-reduce first waits (sleeping) until every replica has the bucket
+        # (`buckets.BucketedReduction`, ``arrive``); False: it spins from the start (`spin_s`)
+        self.bucket_arrival_sleeps = True
         self.last_bucket_stats: dict | None = None  # `BucketedReduction.stats` of the last step, + exposed_s
         self._chunks: dict[StageKey, tuple[tuple[int, int], bk.StageChunks]] = {}
-        self._bucket_pool, self._pending_buckets = None, None
+        self._bucket_pool, self._pending_buckets, self._bucket_clock = None, None, None
 
     def _stage_layout(self, k: StageKey) -> tuple[tuple[int, ...], dict[int, tuple[int, int]]]:
         """(world ranks running stage `k`, world rank -> samples [start, stop) of a microbatch it
@@ -276,13 +280,30 @@ class PipelineRuntime:
         microbatch; records: one `ActionRecord` per executed action."""
         return _StepExecutor(self, batch, train, update_inv_tokens).run()
 
-    def _emulate(self, k: StageKey, out: Any, t0: float) -> None:
+    def _emulate(self, k: StageKey, out: Any, t0: float, bg0: float | None = None) -> None:
         """Waits for the action's (or update's) result; on an emulated slow island also sleeps
-        (factor-1) x its time."""
+        (factor-1) x its own compute time: the wall time since ``t0`` (``time.perf_counter()``)
+        less the CPU time the bucket all-reduce thread took since ``bg0`` (`_bg_cpu` at ``t0``).
+        That thread (device->host copies, bridge) shares the island's one CPU core with the compute
+        here; on a real accelerator it runs on the host beside it, so only the island's own compute
+        is stretched by the factor (the interference itself is paid once, as measured)."""
         jax.block_until_ready(out)
         factor = self.plan.island(self.plan.stage(*k).island).slowdown
         if factor > 1:
-            emulated_wait((factor - 1) * (time.perf_counter() - t0))
+            busy = time.perf_counter() - t0
+            if bg0 is not None:
+                busy -= max(0.0, self._bg_cpu() - bg0)
+            emulated_wait((factor - 1) * max(busy, 0.0))
+
+    def _bg_cpu(self) -> float:
+        """CPU seconds used so far by the bucket all-reduce thread (0.0 before it exists or where
+        the platform has no per-thread CPU clock)."""
+        clock = getattr(self, "_bucket_clock", None)
+        return time.clock_gettime(clock) if clock is not None else 0.0
+
+    def _mark(self) -> tuple[float, float]:
+        """(`time.perf_counter()`, `_bg_cpu()`): the start of a compute action for `_emulate`."""
+        return time.perf_counter(), self._bg_cpu()
 
     def _send(self, m: tuple, x: Any, mailbox: dict, pending: list) -> None:
         kind, src, dst, mb = m
@@ -481,10 +502,15 @@ class PipelineRuntime:
         if self._bucket_pool is None:
             from concurrent.futures import ThreadPoolExecutor
             self._bucket_pool = ThreadPoolExecutor(1, thread_name_prefix="grad-allreduce")
+            self._bucket_clock = _thread_cpu_clock(self._bucket_pool)
         mbs, R = self.plan.microbatch_size, self.plan.num_replicas
         last = [batch["tokens"][self.offsets[r] + self.shares[r] - mbs:self.offsets[r] + self.shares[r]] for r in range(R)]
         rows = np.unique(np.concatenate([t.ravel() for t in last]))
         comm = self._group_comms.get(self._bucket_group())
+        if comm is not None and self.bucket_arrival_sleeps and hasattr(comm, "with_spin"):
+            if getattr(self, "_bucket_arrive", (None,))[0] is not comm:
+                self._bucket_arrive = (comm, comm.with_spin(0.0))
+            return bk.BucketedReduction(self._bucket_pool, self.local_keys, comm, rows, self._bucket_arrive[1])
         return bk.BucketedReduction(self._bucket_pool, self.local_keys, comm, rows)
 
     def _bucket_group(self) -> tuple[int, ...]:
@@ -672,6 +698,15 @@ class PipelineRuntime:
                                         item["opt_state"], st.opt_state)
 
 
+def _thread_cpu_clock(pool: Any) -> int | None:
+    """The CPU-time clock id of a one-thread executor's thread (`time.pthread_getcpuclockid`), or
+    None where the platform has none."""
+    import threading
+    if not hasattr(time, "pthread_getcpuclockid"):
+        return None
+    return time.pthread_getcpuclockid(pool.submit(threading.get_ident).result())
+
+
 _SELF_TIMED = object()  # `_forward`'s result when the action already waited on and emulated itself
 
 
@@ -788,13 +823,13 @@ class _StepExecutor:
 
     def _execute(self, k: StageKey, a: Action, nxt: Action | None) -> None:
         """Runs action `a` of stage `k` (`nxt`: the stage's next action) and records its times."""
-        t0 = time.perf_counter()
+        t0, bg0 = self.rt._mark()
         if a.kind == ActionKind.F:
             out = self._forward(k, a.microbatch, nxt)
             if out is not _SELF_TIMED:
-                self.rt._emulate(k, out, t0)
+                self.rt._emulate(k, out, t0, bg0)
         elif a.kind == ActionKind.B:
-            self.rt._emulate(k, self._backward(k, a.microbatch), t0)
+            self.rt._emulate(k, self._backward(k, a.microbatch), t0, bg0)
         elif a.is_send:
             self._send(k, a)
         else:  # receive: the message is in the mailbox (_ready checked)
@@ -847,7 +882,7 @@ class _StepExecutor:
         action. Returns the summed loss."""
         first = np.bool_(self.n_acc[k] == 0)
         out, acc = self.rt._chunks[k][1].forward_backward(
-            inputs, self.acc[k], first, wait=lambda x, t0: self.rt._emulate(k, x, t0),
+            inputs, self.acc[k], first, wait=lambda x, m: self.rt._emulate(k, x, *m), mark=self.rt._mark,
             ready=lambda chunk, flat, raw: self.buckets.ready(k, chunk, flat, raw))
         self.fused[(k, mb)] = Backward(acc, None)
         self.acc[k] = acc
