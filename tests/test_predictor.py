@@ -245,7 +245,7 @@ def _import_blocked(modules):
 
 def test_planner_imports_without_jax():
     r = _import_blocked(["hethub_jax.planner.analytic", "hethub_jax.planner.catalog", "hethub_jax.planner.costs",
-                         "hethub_jax.planner.predictor", "hethub_jax.planner.simulator",
+                         "hethub_jax.planner.predictor", "hethub_jax.planner.simulator", "hethub_jax.planner.accuracy",
                          "hethub_jax.planner.xla_cost", "hethub_jax.parallel.plan", "hethub_jax.parallel.trace"])
     assert r.returncode == 0, r.stderr
 
