@@ -9,7 +9,7 @@ per configuration (docs/benchmarks.md, "Predictor accuracy").
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Mapping, Tuple
+from typing import Any, Dict, Iterable, Mapping, Sequence, Tuple
 
 __all__ = ["action_kind", "action_breakdown", "format_breakdown"]
 
@@ -30,24 +30,38 @@ def action_kind(action: str) -> str:
     raise ValueError(f"not a pipeline action: {action!r}")
 
 
+def _arrivals(records: Sequence[Any]) -> Dict[Tuple[int, str, int, int, int], float]:
+    """Per message ``(replica, kind, microbatch, src stage, dst stage)`` the end of its SEND."""
+    out = {}
+    for r in records:
+        if r.action.startswith("SEND"):
+            head, peer = r.action.split("->")
+            kind, mb = head.rstrip("0123456789")[len("SEND_"):], int(head[len(head.rstrip("0123456789")):])
+            out[(r.replica, kind, mb, r.stage, int(peer))] = r.end_s
+    return out
+
+
+def _recv_wait(r: Any, arrivals: Mapping[Tuple[int, str, int, int, int], float]) -> float:
+    """Seconds a predicted RECV record waits for its message: from its start until its SEND ended
+    (0 when the SEND is not in the records)."""
+    head, peer = r.action.split("<-")
+    kind, mb = head.rstrip("0123456789")[len("RECV_"):], int(head[len(head.rstrip("0123456789")):])
+    sent = arrivals.get((r.replica, kind, mb, int(peer), r.stage))
+    return 0.0 if sent is None else min(r.end_s - r.start_s, max(0.0, sent - r.start_s))
+
+
 def _side(records: Iterable[Any], start_s: float, predicted: bool) -> Tuple[Dict[str, list], Dict[str, list]]:
     """(per ``"island/stage/kind"`` ``[count, seconds]``, per island ``[pipeline end, busy seconds]``).
     A predicted RECV's record runs from when its process is free until its message has arrived and
-    been placed: its own cost is the shortest predicted RECV of its stage (the model gives every RECV
-    of a stage the same seconds), the rest is waiting and counts as idle. A measured RECV starts
-    once its message has arrived (the runtime runs it only then)."""
+    been placed: the part before its SEND ended is waiting (idle), not the RECV's own cost. A
+    measured RECV starts once its message has arrived (the runtime runs it only then)."""
     records = list(records)
-    own: Dict[Tuple[Any, int], float] = {}
-    if predicted:
-        for r in records:
-            if action_kind(r.action) == "RECV":
-                k = (r.island, r.stage)
-                own[k] = min(own.get(k, float("inf")), r.end_s - r.start_s)
+    arrivals = _arrivals(records) if predicted else {}
     acts: Dict[str, list] = {}
     ends: Dict[str, list] = {}
     for r in records:
         kind = action_kind(r.action)
-        dur = own[(r.island, r.stage)] if predicted and kind == "RECV" else r.end_s - r.start_s
+        dur = r.end_s - r.start_s - (_recv_wait(r, arrivals) if predicted and kind == "RECV" else 0.0)
         a = acts.setdefault(f"{r.island}/{r.stage}/{kind}", [0, 0.0])
         a[0], a[1] = a[0] + 1, a[1] + dur
         e = ends.setdefault(str(r.island), [0.0, 0.0])
@@ -76,7 +90,9 @@ def action_breakdown(prediction: Any, measured: Iterable[Any], start_s: float,
       ``start_s``, its busy seconds (summed durations), idle = end - busy (waits on other islands and
       the runtime's work between actions), and the tail after the pipeline (measured: the island's
       step end - its pipeline end; predicted: ``allreduce_s + update_s``). Keys missing on one side
-      read 0.
+      read 0. When every process of the prediction runs one stage, the predictor folds the SEND and
+      RECV host copies into the neighbouring compute records (docs/predictor.md, "Timeline"): its
+      SEND rows read 0 there and its F/B rows include the copies.
     """
     m_acts, m_ends = _side(measured, start_s, False)
     p_acts, p_ends = _side(prediction.timeline, 0.0, True)
