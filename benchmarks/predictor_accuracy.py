@@ -12,11 +12,17 @@
    microbatches, fake-device DP and TP, an EMULATED slowdown, recompute on and off, GPipe and 1F1B,
    heterogeneous DP. Measured with the real ``PipelineRuntime``, one thread per island in this
    process, joined by ``LocalCommunicator``; the median step time over ``--steps`` steps after
-   ``--warmup`` untimed ones (and the compiling step), a step's time being the slowest island's.
+   ``--warmup`` untimed ones (and the compiling step), a step's time being the slowest island's;
+   with ``--trials N`` N fresh runtimes per configuration, the minimum of their statistics (their
+   spread is recorded: one configuration's fresh runtimes differ by 1.1-3.4x on this machine, see
+   docs/benchmarks.md). ``--breakdown`` lays each configuration's measured step beside its predicted
+   timeline per island, stage and action kind (``hethub_jax.planner.accuracy.action_breakdown``).
 3. ``figures``: ``mape`` (mean absolute percentage error of the predicted median step time; with
    ``--statistic min`` the minimum step time against a profile of minimum call times) and
    ``max_ape`` over the configurations, every configuration's row, and the same for a BASELINE in the
-   same run: the catalog's ``cpu`` entry at its stated efficiency instead of the profile.
+   same run: the catalog's ``cpu`` entry at its stated efficiency instead of the profile;
+   ``max_trial_spread`` (slowest / fastest trial of one configuration) and ``mape_trials_median``
+   (against the median of the trials).
 
 XLA runs one compute thread per computation (``--xla_cpu_multi_thread_eigen=false``) so that two
 islands on two cores do not fight over one thread pool; 8 fake CPU devices, 4 per island.
@@ -152,6 +158,31 @@ def run_profile(args) -> str:
     return path
 
 
+def cpu_snapshot():
+    """``(wall s, busy CPU seconds of the whole machine, CPU seconds of this process)`` now: the
+    machine's from ``/proc/stat`` (user + nice + system + irq + softirq + steal jiffies over
+    ``SC_CLK_TCK``; None where it cannot be read), this process's from ``os.times()``."""
+    busy = None
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+        busy = (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        pass
+    t = os.times()
+    return time.time(), busy, t.user + t.system
+
+
+def others_share(before, after):
+    """Fraction of the machine's CPU time (all cores) between two :func:`cpu_snapshot` s that OTHER
+    processes used (the machine's busy seconds minus this process's, over wall x cores); None when
+    ``/proc/stat`` is unreadable. On a quiet machine about 0: the benchmark's figures assume it."""
+    if before[1] is None or after[1] is None or after[0] <= before[0]:
+        return None
+    others = (after[1] - before[1]) - (after[2] - before[2])  # /proc/stat sums every core of the machine
+    return max(0.0, others) / ((after[0] - before[0]) * (os.cpu_count() or 1))
+
+
 def measure_row(name: str, cfg, costs, base, bridge, args) -> dict:
     """Predicts and measures configuration ``name`` (``--trials`` fresh runtimes, the statistic over
     their timed steps: the minimum of the trials' statistics) and prints its line (and, with
@@ -162,20 +193,25 @@ def measure_row(name: str, cfg, costs, base, bridge, args) -> dict:
     plan = Plan.from_dict(configs()[name]).validate(cfg)
     pred = predict(cfg, plan, {i.name: costs for i in plan.islands}, seq_len=args.seq, bridge=bridge)
     pred_base = predict(cfg, plan, {i.name: base for i in plan.islands}, seq_len=args.seq, bridge=bridge)
+    snap = cpu_snapshot()
     trials = [measure_steps(plan, cfg, args.seq, args.steps, args.warmup, args.statistic)
               for _ in range(args.trials)]
+    share = others_share(snap, cpu_snapshot())
     best = min(trials, key=lambda t: t["statistic_s"])
     meas = best["statistic_s"]
     row = {"config": name, "predicted_step_s": pred.step_time_s, "measured_step_s": meas,
            "ape": abs(pred.step_time_s - meas) / meas, "baseline_catalog_step_s": pred_base.step_time_s,
            "baseline_ape": abs(pred_base.step_time_s - meas) / meas, "critical_path": pred.critical_path,
            "trials_statistic_s": [t["statistic_s"] for t in trials], "trials_steps_s": [t["steps_s"] for t in trials],
-           "loadavg": loadavg()}
+           "loadavg": loadavg(), "others_cpu_share": share}
+    row["trials_median_s"] = median(row["trials_statistic_s"])
+    row["ape_trials_median"] = abs(pred.step_time_s - row["trials_median_s"]) / row["trials_median_s"]
     spread = max(row["trials_statistic_s"]) / min(row["trials_statistic_s"])
     print(f"{name:28s} predicted {pred.step_time_s:8.4f} s  measured {meas:8.4f} s  "
           f"APE {100 * row['ape']:5.1f}%  (catalog baseline {100 * row['baseline_ape']:6.1f}%)"
           + (f"  trials {', '.join(f'{x:.4f}' for x in row['trials_statistic_s'])} (spread {spread:.2f}x)"
-             if args.trials > 1 else "") + f"  load {row['loadavg'][0]}", flush=True)
+             if args.trials > 1 else "") + f"  load {row['loadavg'][0]}"
+          + ("" if share is None else f", other processes {100 * share:.0f}% of the CPUs"), flush=True)
     if args.breakdown:
         row["breakdown"] = action_breakdown(pred, best["records"], best["t0"], best["islands"])
         print(format_breakdown(row["breakdown"]))
@@ -210,7 +246,7 @@ def main() -> None:
     if args.trials < 1 or args.steps < 1:
         raise SystemExit("--trials and --steps must be >= 1")
     cfg = get_preset("tiny")
-    load_before, t_start = loadavg(), time.time()
+    load_before, t_start, snap0 = loadavg(), time.time(), cpu_snapshot()
     prof_path = run_profile(args)
     # the islands are threads of this process: they share its cores (the profile's measured co-run factor)
     costs = DeviceCosts.from_profile(prof_path).on_shared_host("this process")
@@ -226,9 +262,17 @@ def main() -> None:
                "baseline_catalog_mape": sum(r["baseline_ape"] for r in rows) / len(rows),
                "configurations": len(rows), "goal_mape": 0.05, "trials": args.trials,
                # the measurement's own reproducibility: slowest / fastest trial of one configuration
-               "max_trial_spread": max(max(r["trials_statistic_s"]) / min(r["trials_statistic_s"]) for r in rows)}
+               "max_trial_spread": max(max(r["trials_statistic_s"]) / min(r["trials_statistic_s"]) for r in rows),
+               # against the median of the trials' statistics instead of their minimum (equal with one trial)
+               "mape_trials_median": sum(r["ape_trials_median"] for r in rows) / len(rows),
+               # CPU used by other processes during the whole run (profile included): ~0 on a quiet machine
+               "others_cpu_share": others_share(snap0, cpu_snapshot())}
     print(f"MAPE {100 * mape:.1f}% (max {100 * figures['max_ape']:.1f}%) over {len(rows)} configurations; "
-          f"catalog baseline {100 * figures['baseline_catalog_mape']:.1f}%")
+          f"catalog baseline {100 * figures['baseline_catalog_mape']:.1f}%"
+          + ("" if figures["others_cpu_share"] is None else
+             f"; other processes used {100 * figures['others_cpu_share']:.0f}% of the CPUs during the run")
+          + (f"; against the median of {args.trials} trials {100 * figures['mape_trials_median']:.1f}%, largest "
+             f"spread between trials {figures['max_trial_spread']:.2f}x" if args.trials > 1 else ""))
     write_json(args.json, {"benchmark": "predictor_accuracy", "command": command_line(), "figures": figures,
                            "rows": rows, "profile": prof_path, "machine": machine(),
                            "loadavg_before": load_before, "loadavg_after": loadavg(),
