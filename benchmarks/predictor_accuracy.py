@@ -247,7 +247,9 @@ def main() -> None:
         raise SystemExit("--trials and --steps must be >= 1")
     cfg = get_preset("tiny")
     load_before, t_start, snap0 = loadavg(), time.time(), cpu_snapshot()
+    profiled = not (args.profile and os.path.exists(args.profile))
     prof_path = run_profile(args)
+    share_profile = others_share(snap0, cpu_snapshot()) if profiled else None  # while this run profiled
     # the islands are threads of this process: they share its cores (the profile's measured co-run factor)
     costs = DeviceCosts.from_profile(prof_path).on_shared_host("this process")
     base = DeviceCosts.from_catalog("cpu")
@@ -266,11 +268,13 @@ def main() -> None:
                # against the median of the trials' statistics instead of their minimum (equal with one trial)
                "mape_trials_median": sum(r["ape_trials_median"] for r in rows) / len(rows),
                # CPU used by other processes during the whole run (profile included): ~0 on a quiet machine
-               "others_cpu_share": others_share(snap0, cpu_snapshot())}
+               "others_cpu_share": others_share(snap0, cpu_snapshot()),
+               "others_cpu_share_profile": share_profile}
     print(f"MAPE {100 * mape:.1f}% (max {100 * figures['max_ape']:.1f}%) over {len(rows)} configurations; "
           f"catalog baseline {100 * figures['baseline_catalog_mape']:.1f}%"
           + ("" if figures["others_cpu_share"] is None else
              f"; other processes used {100 * figures['others_cpu_share']:.0f}% of the CPUs during the run")
+          + ("" if share_profile is None else f" ({100 * share_profile:.0f}% while profiling)")
           + (f"; against the median of {args.trials} trials {100 * figures['mape_trials_median']:.1f}%, largest "
              f"spread between trials {figures['max_trial_spread']:.2f}x" if args.trials > 1 else ""))
     write_json(args.json, {"benchmark": "predictor_accuracy", "command": command_line(), "figures": figures,
