@@ -48,6 +48,7 @@ os.environ["XLA_FLAGS"] = _flags.strip()
 
 from benchmarks.common import command_line, loadavg, machine, median, write_json  # noqa: E402
 from hethub_jax.planner.accuracy import action_breakdown, format_breakdown  # noqa: E402
+from hethub_jax.profile import cpu_snapshot, others_share  # noqa: E402
 
 DEVICES_PER_ISLAND = 4
 
@@ -156,31 +157,6 @@ def run_profile(args) -> str:
                       "--microbatch-sizes", args.profile_mbs, "--dp", args.profile_dp, "--repeats", str(args.repeats),
                       "--statistic", args.statistic])
     return path
-
-
-def cpu_snapshot():
-    """``(wall s, busy CPU seconds of the whole machine, CPU seconds of this process)`` now: the
-    machine's from ``/proc/stat`` (user + nice + system + irq + softirq + steal jiffies over
-    ``SC_CLK_TCK``; None where it cannot be read), this process's from ``os.times()``."""
-    busy = None
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:9]]
-        busy = (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        pass
-    t = os.times()
-    return time.time(), busy, t.user + t.system
-
-
-def others_share(before, after):
-    """Fraction of the machine's CPU time (all cores) between two :func:`cpu_snapshot` s that OTHER
-    processes used (the machine's busy seconds minus this process's, over wall x cores); None when
-    ``/proc/stat`` is unreadable. On a quiet machine about 0: the benchmark's figures assume it."""
-    if before[1] is None or after[1] is None or after[0] <= before[0]:
-        return None
-    others = (after[1] - before[1]) - (after[2] - before[2])  # /proc/stat sums every core of the machine
-    return max(0.0, others) / ((after[0] - before[0]) * (os.cpu_count() or 1))
 
 
 def measure_row(name: str, cfg, costs, base, bridge, args) -> dict:
