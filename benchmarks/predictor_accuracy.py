@@ -12,11 +12,17 @@
    microbatches, fake-device DP and TP, an EMULATED slowdown, recompute on and off, GPipe and 1F1B,
    heterogeneous DP. Measured with the real ``PipelineRuntime``, one thread per island in this
    process, joined by ``LocalCommunicator``; the median step time over ``--steps`` steps after
-   ``--warmup`` untimed ones (and the compiling step), a step's time being the slowest island's.
+   ``--warmup`` untimed ones (and the compiling step), a step's time being the slowest island's;
+   with ``--trials N`` N fresh runtimes per configuration, the minimum of their statistics (their
+   spread is recorded: one configuration's fresh runtimes differ by 1.1-3.4x on this machine, see
+   docs/benchmarks.md). ``--breakdown`` lays each configuration's measured step beside its predicted
+   timeline per island, stage and action kind (``hethub_jax.planner.accuracy.action_breakdown``).
 3. ``figures``: ``mape`` (mean absolute percentage error of the predicted median step time; with
    ``--statistic min`` the minimum step time against a profile of minimum call times) and
    ``max_ape`` over the configurations, every configuration's row, and the same for a BASELINE in the
-   same run: the catalog's ``cpu`` entry at its stated efficiency instead of the profile.
+   same run: the catalog's ``cpu`` entry at its stated efficiency instead of the profile;
+   ``max_trial_spread`` (slowest / fastest trial of one configuration) and ``mape_trials_median``
+   (against the median of the trials).
 
 XLA runs one compute thread per computation (``--xla_cpu_multi_thread_eigen=false``) so that two
 islands on two cores do not fight over one thread pool; 8 fake CPU devices, 4 per island.
@@ -41,6 +47,8 @@ if "xla_cpu_multi_thread_eigen" not in _flags:
 os.environ["XLA_FLAGS"] = _flags.strip()
 
 from benchmarks.common import command_line, loadavg, machine, median, write_json  # noqa: E402
+from hethub_jax.planner.accuracy import action_breakdown, format_breakdown  # noqa: E402
+from hethub_jax.profile import cpu_snapshot, others_share  # noqa: E402
 
 DEVICES_PER_ISLAND = 4
 
@@ -85,6 +93,16 @@ def configs() -> dict:
 def measure(plan, cfg, seq: int, steps: int, warmup: int, statistic: str = "median") -> float:
     """Median (or minimum) over timed steps of the slowest island's step time (seconds), one thread
     per island."""
+    return measure_steps(plan, cfg, seq, steps, warmup, statistic)["statistic_s"]
+
+
+def measure_steps(plan, cfg, seq: int, steps: int, warmup: int, statistic: str = "median") -> dict:
+    """One trial: a fresh ``PipelineRuntime`` per island (one thread each), ``warmup`` untimed steps
+    after the compiling one, then ``steps`` timed ones. Returns ``{"statistic_s"`` (median or minimum
+    over the timed steps of the slowest island's step time), ``"steps_s"`` (every timed step's
+    slowest island, seconds), ``"records"`` (the measured ``ActionRecord``s of the step that gave
+    ``statistic_s``, or of the median step), ``"t0"`` (that step's start, ``perf_counter`` seconds),
+    ``"islands"`` (that step's ``(start, seconds)`` per island name)}``."""
     import jax
     import numpy as np
 
@@ -100,16 +118,18 @@ def measure(plan, cfg, seq: int, steps: int, warmup: int, statistic: str = "medi
              "loss_mask": np.ones((gbs, seq), np.float32)}
     devs = jax.devices()
     barrier = threading.Barrier(n)
-    times = [[0.0] * n for _ in range(1 + warmup + steps)]
+    runs = [[None] * n for _ in range(1 + warmup + steps)]  # (start, step seconds, records) per island
     errors = []
 
     def body(rank):
         try:
             rt = PipelineRuntime(plan, cfg, OptimConfig(), seed=0, comm=comms[rank], rank=rank,
                                  devices=devs[rank * DEVICES_PER_ISLAND:(rank + 1) * DEVICES_PER_ISLAND])
-            for i in range(len(times)):
+            for i in range(len(runs)):
                 barrier.wait()
-                times[i][rank] = rt.train_step(batch).step_time_s
+                t0 = time.perf_counter()
+                res = rt.train_step(batch)
+                runs[i][rank] = (t0, res.step_time_s, res.records)
         except BaseException as e:  # noqa: BLE001 -- reported after the join
             errors.append(e)
             barrier.abort()
@@ -120,8 +140,13 @@ def measure(plan, cfg, seq: int, steps: int, warmup: int, statistic: str = "medi
         t.join()
     if errors:
         raise errors[0]
-    steps_s = [max(row) for row in times[1 + warmup:]]
-    return min(steps_s) if statistic == "min" else median(steps_s)
+    timed = runs[1 + warmup:]
+    steps_s = [max(x[1] for x in row) for row in timed]
+    order = sorted(range(len(timed)), key=steps_s.__getitem__)
+    pick = order[0] if statistic == "min" else order[(len(order) - 1) // 2]
+    return {"statistic_s": min(steps_s) if statistic == "min" else median(steps_s), "steps_s": steps_s,
+            "records": [r for x in timed[pick] for r in x[2]], "t0": min(x[0] for x in timed[pick]),
+            "islands": {plan.islands[i].name: (x[0], x[1]) for i, x in enumerate(timed[pick])}}
 
 
 def run_profile(args) -> str:
@@ -132,6 +157,41 @@ def run_profile(args) -> str:
                       "--microbatch-sizes", args.profile_mbs, "--dp", args.profile_dp, "--repeats", str(args.repeats),
                       "--statistic", args.statistic])
     return path
+
+
+def measure_row(name: str, cfg, costs, base, bridge, args) -> dict:
+    """Predicts and measures configuration ``name`` (``--trials`` fresh runtimes, the statistic over
+    their timed steps: the minimum of the trials' statistics) and prints its line (and, with
+    ``--breakdown``, its measured-against-predicted seconds per action class,
+    :func:`hethub_jax.planner.accuracy.action_breakdown`)."""
+    from hethub_jax.parallel.plan import Plan
+    from hethub_jax.planner.predictor import predict
+    plan = Plan.from_dict(configs()[name]).validate(cfg)
+    pred = predict(cfg, plan, {i.name: costs for i in plan.islands}, seq_len=args.seq, bridge=bridge)
+    pred_base = predict(cfg, plan, {i.name: base for i in plan.islands}, seq_len=args.seq, bridge=bridge)
+    snap = cpu_snapshot()
+    trials = [measure_steps(plan, cfg, args.seq, args.steps, args.warmup, args.statistic)
+              for _ in range(args.trials)]
+    share = others_share(snap, cpu_snapshot())
+    best = min(trials, key=lambda t: t["statistic_s"])
+    meas = best["statistic_s"]
+    row = {"config": name, "predicted_step_s": pred.step_time_s, "measured_step_s": meas,
+           "ape": abs(pred.step_time_s - meas) / meas, "baseline_catalog_step_s": pred_base.step_time_s,
+           "baseline_ape": abs(pred_base.step_time_s - meas) / meas, "critical_path": pred.critical_path,
+           "trials_statistic_s": [t["statistic_s"] for t in trials], "trials_steps_s": [t["steps_s"] for t in trials],
+           "loadavg": loadavg(), "others_cpu_share": share}
+    row["trials_median_s"] = median(row["trials_statistic_s"])
+    row["ape_trials_median"] = abs(pred.step_time_s - row["trials_median_s"]) / row["trials_median_s"]
+    spread = max(row["trials_statistic_s"]) / min(row["trials_statistic_s"])
+    print(f"{name:28s} predicted {pred.step_time_s:8.4f} s  measured {meas:8.4f} s  "
+          f"APE {100 * row['ape']:5.1f}%  (catalog baseline {100 * row['baseline_ape']:6.1f}%)"
+          + (f"  trials {', '.join(f'{x:.4f}' for x in row['trials_statistic_s'])} (spread {spread:.2f}x)"
+             if args.trials > 1 else "") + f"  load {row['loadavg'][0]}"
+          + ("" if share is None else f", other processes {100 * share:.0f}% of the CPUs"), flush=True)
+    if args.breakdown:
+        row["breakdown"] = action_breakdown(pred, best["records"], best["t0"], best["islands"])
+        print(format_breakdown(row["breakdown"]))
+    return row
 
 
 def main() -> None:
@@ -147,17 +207,25 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="existing profile JSON to use (else one is made)")
     ap.add_argument("--only", default=None, help="comma-separated configuration names")
     ap.add_argument("--quick", action="store_true", help="3 configurations (a validation run)")
+    ap.add_argument("--trials", type=int, default=1,
+                    help="fresh runtimes per configuration (the minimum of their statistics is the measured "
+                         "figure; the spread between trials is recorded)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="print (and record in each row) measured against predicted seconds per island, stage "
+                         "and action kind (F, B, SEND, RECV), idle time and the tail after the pipeline")
     ap.add_argument("--statistic", choices=("median", "min"), default="median",
                     help="statistic of the profile's calls and of the measured steps (min: on a machine shared "
                          "with other jobs; the issue's figure is the median)")
     args = ap.parse_args()
     from hethub_jax.models.config import get_preset
-    from hethub_jax.parallel.plan import Plan
     from hethub_jax.planner.costs import DeviceCosts, LinkModel
-    from hethub_jax.planner.predictor import predict
+    if args.trials < 1 or args.steps < 1:
+        raise SystemExit("--trials and --steps must be >= 1")
     cfg = get_preset("tiny")
-    load_before, t_start = loadavg(), time.time()
+    load_before, t_start, snap0 = loadavg(), time.time(), cpu_snapshot()
+    profiled = not (args.profile and os.path.exists(args.profile))
     prof_path = run_profile(args)
+    share_profile = others_share(snap0, cpu_snapshot()) if profiled else None  # while this run profiled
     # the islands are threads of this process: they share its cores (the profile's measured co-run factor)
     costs = DeviceCosts.from_profile(prof_path).on_shared_host("this process")
     base = DeviceCosts.from_catalog("cpu")
@@ -166,25 +234,25 @@ def main() -> None:
     bridge = costs.local_bridge_link or costs.host_link or LinkModel(0.0, 1e12)
     names = list(configs())
     names = args.only.split(",") if args.only else names[:3] if args.quick else names
-    rows = []
-    for name in names:
-        plan = Plan.from_dict(configs()[name]).validate(cfg)
-        pred = predict(cfg, plan, {i.name: costs for i in plan.islands}, seq_len=args.seq, bridge=bridge)
-        pred_base = predict(cfg, plan, {i.name: base for i in plan.islands}, seq_len=args.seq, bridge=bridge)
-        meas = measure(plan, cfg, args.seq, args.steps, args.warmup, args.statistic)
-        row = {"config": name, "predicted_step_s": pred.step_time_s, "measured_step_s": meas,
-               "ape": abs(pred.step_time_s - meas) / meas, "baseline_catalog_step_s": pred_base.step_time_s,
-               "baseline_ape": abs(pred_base.step_time_s - meas) / meas, "critical_path": pred.critical_path,
-               "loadavg": loadavg()}
-        rows.append(row)
-        print(f"{name:28s} predicted {pred.step_time_s:8.4f} s  measured {meas:8.4f} s  "
-              f"APE {100 * row['ape']:5.1f}%  (catalog baseline {100 * row['baseline_ape']:6.1f}%)", flush=True)
+    rows = [measure_row(name, cfg, costs, base, bridge, args) for name in names]
     mape = sum(r["ape"] for r in rows) / len(rows)
     figures = {"mape": mape, "statistic": args.statistic, "max_ape": max(r["ape"] for r in rows),
                "baseline_catalog_mape": sum(r["baseline_ape"] for r in rows) / len(rows),
-               "configurations": len(rows), "goal_mape": 0.05}
+               "configurations": len(rows), "goal_mape": 0.05, "trials": args.trials,
+               # the measurement's own reproducibility: slowest / fastest trial of one configuration
+               "max_trial_spread": max(max(r["trials_statistic_s"]) / min(r["trials_statistic_s"]) for r in rows),
+               # against the median of the trials' statistics instead of their minimum (equal with one trial)
+               "mape_trials_median": sum(r["ape_trials_median"] for r in rows) / len(rows),
+               # CPU used by other processes during the whole run (profile included): ~0 on a quiet machine
+               "others_cpu_share": others_share(snap0, cpu_snapshot()),
+               "others_cpu_share_profile": share_profile}
     print(f"MAPE {100 * mape:.1f}% (max {100 * figures['max_ape']:.1f}%) over {len(rows)} configurations; "
-          f"catalog baseline {100 * figures['baseline_catalog_mape']:.1f}%")
+          f"catalog baseline {100 * figures['baseline_catalog_mape']:.1f}%"
+          + ("" if figures["others_cpu_share"] is None else
+             f"; other processes used {100 * figures['others_cpu_share']:.0f}% of the CPUs during the run")
+          + ("" if share_profile is None else f" ({100 * share_profile:.0f}% while profiling)")
+          + (f"; against the median of {args.trials} trials {100 * figures['mape_trials_median']:.1f}%, largest "
+             f"spread between trials {figures['max_trial_spread']:.2f}x" if args.trials > 1 else ""))
     write_json(args.json, {"benchmark": "predictor_accuracy", "command": command_line(), "figures": figures,
                            "rows": rows, "profile": prof_path, "machine": machine(),
                            "loadavg_before": load_before, "loadavg_after": loadavg(),

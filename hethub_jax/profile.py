@@ -515,6 +515,32 @@ def fit_corun(samples: List[dict]) -> Optional[Dict[str, Any]]:
             "neighbour": "the last stage's fused forward + backward in a loop on another device of the process"}
 
 
+def cpu_snapshot():
+    """``(wall s, busy CPU seconds of the whole machine, CPU seconds of this process)`` now: the
+    machine's from ``/proc/stat`` (user + nice + system + irq + softirq + steal jiffies over
+    ``SC_CLK_TCK``; None where it cannot be read), this process's from ``os.times()``."""
+    busy = None
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+        busy = (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        pass
+    t = os.times()
+    return time.time(), busy, t.user + t.system
+
+
+def others_share(before, after):
+    """Fraction of the machine's CPU time (all cores) between two :func:`cpu_snapshot` s that OTHER
+    processes used (the machine's busy seconds minus this process's, over wall x cores); None when
+    ``/proc/stat`` is unreadable. On a quiet machine about 0: profiles and benchmarks assume it
+    (under ``mpiexec`` the other ranks count as other processes)."""
+    if before[1] is None or after[1] is None or after[0] <= before[0]:
+        return None
+    others = (after[1] - before[1]) - (after[2] - before[2])  # /proc/stat sums every core of the machine
+    return max(0.0, others) / ((after[0] - before[0]) * (os.cpu_count() or 1))
+
+
 def _scaled(samples: List[dict], factor: float) -> List[dict]:
     return [dict(s, seconds=s["seconds"] * factor) for s in samples]
 
@@ -588,7 +614,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     platform_name = devices[0].platform
     if args.slowdown != 1 and platform_name != "cpu":
         raise SystemExit("--slowdown (emulation) applies only to cpu islands")
-    t0 = time.perf_counter()
+    t0, snap = time.perf_counter(), cpu_snapshot()
     samples, updates = profile_compute(cfg, args.seq_len, mbs_list, tps, args.repeats, devices,
                                        not args.no_progress, dps)
     corun = (measure_corun(cfg, devices, args.seq_len, args.repeats)
@@ -602,11 +628,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     allreduce = measure_allreduce(devices[:max(tps)], sizes, args.repeats)
     copies += measure_shared_sum(cfg, devices, args.repeats)
     prof = build_profile(cfg, args, samples, updates, copies, allreduce, bridge, platform_name, corun)
+    prof["others_cpu_share"] = others_share(snap, cpu_snapshot())
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(prof, fh, indent=1)
     print(f"profile of {prof['device_type']} ({len(prof['samples'])} samples, {time.perf_counter() - t0:.0f} s) "
           f"written to {args.out}" + (f"; EMULATED slowdown {args.slowdown:g}" if args.slowdown != 1 else ""))
+    if (prof["others_cpu_share"] or 0) > 0.05:
+        print(f"note: other processes used {100 * prof['others_cpu_share']:.0f}% of this machine's CPUs while "
+              f"profiling; the figures include their load (profile on an idle machine)")
     return prof
 
 

@@ -245,7 +245,7 @@ def _import_blocked(modules):
 
 def test_planner_imports_without_jax():
     r = _import_blocked(["hethub_jax.planner.analytic", "hethub_jax.planner.catalog", "hethub_jax.planner.costs",
-                         "hethub_jax.planner.predictor", "hethub_jax.planner.simulator",
+                         "hethub_jax.planner.predictor", "hethub_jax.planner.simulator", "hethub_jax.planner.accuracy",
                          "hethub_jax.planner.xla_cost", "hethub_jax.parallel.plan", "hethub_jax.parallel.trace"])
     assert r.returncode == 0, r.stderr
 
@@ -442,9 +442,22 @@ def test_profiler_writes_dp_mesh_corun_runtime_and_local_bridge_fits(tmp_path):
     assert set(prof["fits"]["compute_dp"]) == {"2x1"} and set(prof["fits"]["update_dp"]) == {"2"}
     assert {s["call"] for s in prof["samples"] if s["kind"] == "corun"} == {"first_F", "first_B", "last_FB",
                                                                             "last_update"}
+    assert prof["others_cpu_share"] is None or 0.0 <= prof["others_cpu_share"] <= 1.0
     c = DeviceCosts.from_profile(prof)
     assert c.corun_factor >= 1.0 and c.action_overhead_s > 0 and c.local_bridge_link is not None
     assert (2, 1) in c.dp_fits and c.update_dp_fits[2] is not None
+
+
+def test_others_cpu_share_from_two_snapshots():
+    """(wall, machine busy CPU s, own CPU s) snapshots: others = (busy delta - own delta) / (wall x cores)."""
+    from hethub_jax.profile import cpu_snapshot, others_share
+    n = os.cpu_count() or 1
+    assert others_share((0.0, 10.0, 1.0), (2.0, 10.0 + 2.0 * n * 0.5 + 0.5, 1.5)) == pytest.approx(0.5)
+    assert others_share((0.0, 10.0, 1.0), (1.0, 10.5, 1.5)) == 0.0  # all of it was this process
+    assert others_share((0.0, None, 1.0), (1.0, 11.0, 1.5)) is None
+    assert others_share((1.0, 10.0, 1.0), (1.0, 11.0, 1.5)) is None  # no time passed
+    wall, busy, own = cpu_snapshot()
+    assert wall > 0 and own >= 0 and (busy is None or busy >= 0)
 
 
 def test_an_emulated_wait_does_not_slow_the_other_island():
