@@ -568,6 +568,24 @@ class _Planner:
             out.append(self._capped[key])
         return out
 
+    def order_fits(self, sk: Skeleton) -> bool:
+        """Whether some layer split of ``sk`` may fit memory: every stage holds >= 1 layer and the stages'
+        layer caps at their pipeline positions (:meth:`stage_cap` with the in-flight microbatches
+        :meth:`tables` uses) sum to >= L. A cheap test before :meth:`tables` (the configuration bound's caps
+        do not know the positions: under 1F1B an early stage holds more microbatches)."""
+        S, sg = sk.num_stages, sk.stage_group()
+        M = self.gbs // sk.microbatch_size
+        total = 0
+        for s in range(S):
+            j, first, last = sg[s], s == 0, s == S - 1
+            inflight = 0 if (last and sk.schedule == "1f1b") else in_flight_bound(sk.schedule, S, s, M)
+            cap = self.stage_cap(sk.groups[j], sk.tp[j], sk.dp[j], sk.microbatch_size, sk.recompute, first, last,
+                                 inflight)
+            if cap < 1:
+                return False
+            total += cap
+        return total >= self.L
+
     # ---- configurations --------------------------------------------------------------------------
     def microbatch_sizes(self) -> List[int]:
         given = self.opt.microbatch_sizes
@@ -768,7 +786,7 @@ class _Planner:
         one = [t[1] for t in times]
         slope = [t[2] - t[1] if self.L >= 2 and t[2] < math.inf else 0.0 for t in times]
         return SplitBounds(sk.stages, M, [f + b for f, b in zip(fw, bw)], act, one, slope, sk.schedule == "1f1b",
-                           sk.schedule == "gpipe")
+                           sk.schedule == "gpipe", self.L)
 
     def _dfs(self, sk: Skeleton, times, gt, bounds: SplitBounds, j: int, left: int, head: float,
              cur: List[int]) -> None:

@@ -19,7 +19,11 @@ round of ``S`` microbatches waits for such a round trip at stage 0 (``search_bou
 counts ``ceil(M / S)`` times. Under GPipe an island's last stage runs all its forwards before its first
 backward, which waits for the round trip through the later stages, and the island's first action waits for
 the earlier ones (``search_bounds.process_bound``): at every position in the order the island's load is
-accompanied by at least ``G - 1`` crossings each way, so the island term gains the crossings' seconds.
+accompanied by at least ``G - 1`` crossings each way, so the island term gains the crossings' seconds;
+and the process bound's fill and drain also hold one microbatch's F + B of every OTHER island (before the
+island: its forwards and, after the island's last backward, its backwards; after it: the round trip), so
+the step is at least ``max_g (M load_g + sum_{h != g} load_h) + R >= (M - 1) max_g load_g + sum_h load_h +
+R``, bounded by ``(M - 1)`` x the water filling plus the chain (the least sum of the loads).
 """
 from __future__ import annotations
 
@@ -91,10 +95,10 @@ def configuration_bounds(per_group: Sequence[dict], L: int, M: int, schedule: st
             cols.append(np.broadcast_to(np.asarray(pg[name], dtype=float).reshape(shape), sizes).reshape(-1))
         grids[name] = np.stack(cols, axis=1)
     k, w, K, cap = grids["k"], grids["w"], grids["K"], grids["cap"]
-    island = M * water_fill(K, w, cap, L)
-    if schedule == "gpipe":  # search_bounds.process_bound: an island's forwards, the round trip, its backwards
-        island = island + round_trip
+    wf = water_fill(K, w, cap, L)
     chain = K.sum(axis=1) + L * w.min(axis=1) + round_trip
+    if schedule == "gpipe":  # search_bounds.process_bound: the island's M loads + every other island once
+        return np.maximum(M * wf + round_trip, chain + ((M - 1) * wf if M > 1 else 0.0))  # no 0 x inf
     if schedule == "1f1b":
         chain = chain * np.ceil(M / k.sum(axis=1))
-    return np.maximum(island, chain)
+    return np.maximum(M * wf, chain)
