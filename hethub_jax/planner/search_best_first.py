@@ -43,7 +43,9 @@ def best_first(p: Any) -> None:
                 break
             for sk in p.skeletons_of(mbs, rec, combo, (sched,)):
                 p.skeletons += 1
-                heapq.heappush(heap, (lb0, 0, next(seq), "sk", sk))
+                lb = max(lb0, p.order_lb(sk))
+                if lb <= ub:
+                    heapq.heappush(heap, (lb, 0, next(seq), "sk", sk))
             nxt = next(stream, None)
             continue
         lb, _, _, kind, data = heapq.heappop(heap)

@@ -87,7 +87,7 @@ def configuration_bounds(per_group: Sequence[dict], L: int, M: int, schedule: st
     G = len(per_group)
     sizes = [len(pg["k"]) for pg in per_group]
     grids = {}
-    for name in ("k", "w", "K", "cap"):
+    for name in [n for n in ("k", "w", "K", "cap", "own") if n in per_group[0]]:
         cols = []
         for j, pg in enumerate(per_group):
             shape = [1] * G
@@ -101,4 +101,39 @@ def configuration_bounds(per_group: Sequence[dict], L: int, M: int, schedule: st
         return np.maximum(M * wf + round_trip, chain + ((M - 1) * wf if M > 1 else 0.0))  # no 0 x inf
     if schedule == "1f1b":
         chain = chain * np.ceil(M / k.sum(axis=1))
+        live = np.nonzero(np.isfinite(wf))[0]  # only configurations that fit memory
+        if G <= 5 and live.size:
+            d = round_trip / max(1, 2 * (G - 1))
+            own = grids["own"][live] if "own" in grids else w[live]
+            chain[live] = np.maximum(chain[live], order_cycle_bounds(k[live], (K + k * w)[live], own, M, d).min(axis=1))
     return np.maximum(M * wf, chain)
+
+
+def order_cycle_bounds(k: np.ndarray, load: np.ndarray, own: np.ndarray, M: int, d: float) -> np.ndarray:
+    """1F1B lower bounds (seconds) per configuration (rows) and pipeline order (columns, in
+    ``itertools.permutations(range(G))`` order): :func:`search_bounds.cycle_bound` at the LAST stage ``b``
+    of the island at each position ``p < G - 1``: ``head_b + ceil(M / (S - b)) C_b`` with ``S - b = 1 +``
+    the stages after the island, ``C_b >= 2 (G - 1 - p) d +`` stage ``b``'s own F + B (``own``) and the
+    later islands' least one-microbatch compute, and ``head_b >= 2 p d +`` the earlier islands' (every
+    crossing both ways costs at least ``d`` seconds of delivery each way).
+
+    Args:
+      k: stage counts, shape ``(N, G)``; load: per island a lower bound of one microbatch's F + B with host
+        copies over its stages (``K + k w``: every stage holds >= 1 layer), ``(N, G)``; M: microbatches;
+      own: per island, a lower bound of ONE of its stages' F + B with host copies (a stage holds >= 1
+        layer and RECVs at least once), ``(N, G)``; d: least delivery seconds of one message over any
+        group pair."""
+    import itertools
+    N, G = k.shape
+    perms = list(itertools.permutations(range(G)))
+    out = np.zeros((N, len(perms)))
+    for c, perm in enumerate(perms):
+        kp, lp, op = k[:, list(perm)], load[:, list(perm)], own[:, list(perm)]
+        after_k = np.cumsum(kp[:, ::-1], axis=1)[:, ::-1]   # stages at positions >= p
+        after_l = np.cumsum(lp[:, ::-1], axis=1)[:, ::-1]
+        before = np.cumsum(lp, axis=1) - lp                  # load at positions < p
+        for q in range(G - 1):
+            cyc = 2 * (G - 1 - q) * d + after_l[:, q + 1] + op[:, q]
+            v = 2 * q * d + before[:, q] + np.ceil(M / (1 + after_k[:, q + 1])) * cyc
+            np.maximum(out[:, c], v, out=out[:, c])
+    return out
