@@ -212,3 +212,77 @@ def test_configuration_memory_caps_admit_every_plan_that_fits(sched):
         assert pred2.fits and lb <= pred2.step_time_s * (1 + 1e-9), (sk, counts, lb)
         binding += sum(f["cap"][0] for f in figs) < 6 + 2
     assert binding > 0
+
+
+def test_suffix_minimax_equals_brute_force():
+    """``suffix_minimax`` against enumerating every split of x layers over the groups j.. (random
+    nondecreasing tables with inf below each group's stage count and above a memory cap)."""
+    import itertools
+    import math
+
+    from hethub_jax.planner.search_bounds import suffix_minimax
+    rnd = random.Random(5)
+    for _ in range(30):
+        G, L = rnd.randint(1, 4), rnd.randint(1, 9)
+        tabs = []
+        for _ in range(G):
+            k, cap, v, t = rnd.randint(1, 2), rnd.randint(1, L + 1), 0.0, [math.inf]
+            for n in range(1, L + 1):
+                v += rnd.random()
+                t.append(v if k <= n <= cap else math.inf)
+            tabs.append(t)
+        R = suffix_minimax(tabs, L)
+        for j in range(G):
+            for x in range(L + 1):
+                best = math.inf
+                for ns in itertools.product(range(L + 1), repeat=G - j - 1):
+                    last = x - sum(ns)
+                    if last < 0:
+                        continue
+                    best = min(best, max(tabs[g][n] for g, n in zip(range(j, G), ns + (last,))))
+                assert R[j][x] == best, (j, x)
+
+
+@pytest.mark.parametrize("bandwidth", [2e6, 1e9])
+def test_order_and_rest_bounds_never_exceed_predict(bandwidth):
+    """The 1F1B order bound (``search_configs.order_cycle_bounds``, the cycle bound at each island's last
+    stage with the crossings of its position) and ``search_bounds.rest_lb`` on each island of a complete
+    split (GPipe: ``(M - 1)`` x the island + one microbatch of everything) against ``predict`` on random
+    plans; each must also exceed the bound it strengthens on some plan (else it would add nothing)."""
+    import itertools
+
+    import numpy as np
+
+    from hethub_jax.planner.predictor import predict
+    from hethub_jax.planner.search_bounds import rest_lb
+    from hethub_jax.planner.search_configs import order_cycle_bounds
+    cfg = small_model()
+    p = _setup(cfg, three_islands(bandwidth), 8, 16, None, SearchOptions(), None)
+    rnd, order_gain, rest_gain = random.Random(31), 0, 0
+    perms = list(itertools.permutations(range(3)))
+    for sk, counts in random_plans(p, rnd, 40):
+        mbs, M = sk.microbatch_size, 8 // sk.microbatch_size
+        pred = predict(cfg, p.pipeline_plan(sk, counts), p.costs, seq_len=16,
+                       bridge=bridge_for(p.cluster, list(zip(sk.groups, sk.groups[1:]))))
+        names = list(p.groups)
+        figs = [p.choice_figures(g, [(sk.stages[sk.groups.index(g)], 1, 1)], mbs, sk.recompute, 0, True, M)
+                for g in names]
+        k = np.array([[f["k"][0] for f in figs]], dtype=float)
+        load = np.array([[f["K"][0] + f["k"][0] * f["w"][0] for f in figs]])
+        own = np.array([[f["own"][0] for f in figs]])
+        col = perms.index(tuple(names.index(g) for g in sk.groups))
+        ob = float(order_cycle_bounds(k, load, own, M, p.delivery_lb(mbs) / 4)[0, col])
+        if sk.schedule == "1f1b":
+            assert ob <= pred.pipeline_s * (1 + 1e-9), (sk, counts)
+            assert p.order_lb(sk) == pytest.approx(ob, rel=1e-9)
+            order_gain += ob > 1.05 * (load.sum() + p.delivery_lb(mbs)) * -(-M // sum(sk.stages))
+        times = p.tables(sk)
+        sb = p.split_bounds(sk, times)
+        s0 = 0
+        for kk in sk.stages:
+            isl = sum(times[s0 + i][c] for i, c in enumerate(counts[s0:s0 + kk]))
+            r = rest_lb(M, sk.schedule == "gpipe", sb.total_lb, sum(sb.rt), isl)
+            assert r <= pred.pipeline_s * (1 + 1e-9), (sk, counts)
+            rest_gain += sk.schedule == "gpipe" and r > 1.01 * (M * isl + sum(sb.rt))
+            s0 += kk
+    assert order_gain > 0 and rest_gain > 0

@@ -568,6 +568,54 @@ class _Planner:
             out.append(self._capped[key])
         return out
 
+    def order_lb(self, sk: Skeleton) -> float:
+        """1F1B: lower bound (seconds) of the step time of every split of ``sk`` from its pipeline order,
+        :func:`search_configs.order_cycle_bounds` for this order alone (pure Python, the same figures as
+        :meth:`choice_figures`); 0 for other schedules."""
+        G = len(sk.groups)
+        if sk.schedule != "1f1b" or G < 2:
+            return 0.0
+        from hethub_jax.planner import analytic
+        mbs, M = sk.microbatch_size, self.gbs // sk.microbatch_size
+        nbytes = mbs * self.seq * self.cfg.hidden_size * analytic.dtype_bytes(self.cfg.dtype)
+        key = ("order_lb", mbs, sk.recompute)
+        if key not in self._const:
+            self._const[key] = self.delivery_lb(mbs) / (2 * (len(self.groups) - 1))
+        d = self._const[key]
+        load, own = [], []
+        for g, k, tp, dp in zip(sk.groups, sk.stages, sk.tp, sk.dp):
+            c, w = self.costs[g].host_copy_s(nbytes), self.layer_lb(g, tp, dp, mbs, sk.recompute)
+            cst = self.stage_constant(g, tp, dp, mbs, sk.recompute)
+            load.append(k * (cst + 2 * c + w))
+            own.append(cst + c + w)
+        best, before = 0.0, 0.0
+        after_k, after_l = sum(sk.stages), sum(load)
+        for q in range(G - 1):
+            after_k -= sk.stages[q]
+            after_l -= load[q]
+            v = 2 * q * d + before + -(-M // (1 + after_k)) * (2 * (G - 1 - q) * d + after_l + own[q])
+            best = max(best, v)
+            before += load[q]
+        return best
+
+    def order_fits(self, sk: Skeleton) -> bool:
+        """Whether some layer split of ``sk`` may fit memory: every stage holds >= 1 layer and the stages'
+        layer caps at their pipeline positions (:meth:`stage_cap` with the in-flight microbatches
+        :meth:`tables` uses) sum to >= L. A cheap test before :meth:`tables` (the configuration bound's caps
+        do not know the positions: under 1F1B an early stage holds more microbatches)."""
+        S, sg = sk.num_stages, sk.stage_group()
+        M = self.gbs // sk.microbatch_size
+        total = 0
+        for s in range(S):
+            j, first, last = sg[s], s == 0, s == S - 1
+            inflight = 0 if (last and sk.schedule == "1f1b") else in_flight_bound(sk.schedule, S, s, M)
+            cap = self.stage_cap(sk.groups[j], sk.tp[j], sk.dp[j], sk.microbatch_size, sk.recompute, first, last,
+                                 inflight)
+            if cap < 1:
+                return False
+            total += cap
+        return total >= self.L
+
     # ---- configurations --------------------------------------------------------------------------
     def microbatch_sizes(self) -> List[int]:
         given = self.opt.microbatch_sizes
@@ -627,7 +675,8 @@ class _Planner:
         """Per choice ``(k, tp, dp)`` of group ``g``: ``k``; ``w`` (:meth:`layer_lb`); ``K``, the island's
         per-microbatch seconds that do not grow with its layers, at least ``k`` x the least stage constant
         (:meth:`stage_constant`) plus, in a pipeline of >= 2 islands, ``2 k`` host copies (each stage
-        RECVs at least once, each island SENDs across at least once; ``message_times``); ``cap``: ``k`` x
+        RECVs at least once, each island SENDs across at least once; ``message_times``); ``own``: one of its
+        stages' F + B at least (the constant, one layer, one RECV's host copy); ``cap``: ``k`` x
         the layers a middle stage holds with ``in_flight`` microbatches (:meth:`stage_cap`). With
         ``one_f_one_b = M`` (1F1B with M microbatches) the caps follow 1F1B's in-flight counts instead:
         the group's stages sit at ``k`` consecutive positions ``s..s+k-1``, and position ``s + i`` holds
@@ -636,11 +685,12 @@ class _Planner:
         from hethub_jax.planner import analytic
         nbytes = mbs * self.seq * self.cfg.hidden_size * analytic.dtype_bytes(self.cfg.dtype)
         c = self.costs[g].host_copy_s(nbytes) if copies else 0.0
-        out: Dict[str, list] = {"k": [], "w": [], "K": [], "cap": []}
+        out: Dict[str, list] = {"k": [], "w": [], "K": [], "cap": [], "own": []}
         for k, tp, dp in choices:
             out["k"].append(k)
             out["w"].append(self.layer_lb(g, tp, dp, mbs, rec))
             out["K"].append(k * (self.stage_constant(g, tp, dp, mbs, rec) + 2 * c))
+            out["own"].append(self.stage_constant(g, tp, dp, mbs, rec) + c + out["w"][-1])
             cap = lambda f: self.stage_cap(g, tp, dp, mbs, rec, False, False, f)
             if one_f_one_b:
                 out["cap"].append(sum(cap(min(k - i, one_f_one_b)) for i in range(k - 1)) + cap(0))
@@ -768,7 +818,7 @@ class _Planner:
         one = [t[1] for t in times]
         slope = [t[2] - t[1] if self.L >= 2 and t[2] < math.inf else 0.0 for t in times]
         return SplitBounds(sk.stages, M, [f + b for f, b in zip(fw, bw)], act, one, slope, sk.schedule == "1f1b",
-                           sk.schedule == "gpipe")
+                           sk.schedule == "gpipe", self.L)
 
     def _dfs(self, sk: Skeleton, times, gt, bounds: SplitBounds, j: int, left: int, head: float,
              cur: List[int]) -> None:

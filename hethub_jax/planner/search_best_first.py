@@ -21,6 +21,8 @@ import itertools
 import math
 from typing import Any, List, Tuple
 
+from hethub_jax.planner.search_bounds import rest_lb, suffix_minimax
+
 __all__ = ["best_first"]
 
 
@@ -41,7 +43,9 @@ def best_first(p: Any) -> None:
                 break
             for sk in p.skeletons_of(mbs, rec, combo, (sched,)):
                 p.skeletons += 1
-                heapq.heappush(heap, (lb0, 0, next(seq), "sk", sk))
+                lb = max(lb0, p.order_lb(sk))
+                if lb <= ub:
+                    heapq.heappush(heap, (lb, 0, next(seq), "sk", sk))
             nxt = next(stream, None)
             continue
         lb, _, _, kind, data = heapq.heappop(heap)
@@ -58,29 +62,32 @@ def best_first(p: Any) -> None:
 def _open(p: Any, heap, seq, lb: float, sk: Any, ub: float) -> None:
     """A pipeline order: its tables, the minimax island compute (``M x`` the greedy split's bottleneck;
     under GPipe plus the crossings both ways: ``search_bounds.process_bound``), then the root node."""
-    from hethub_jax.planner.search import greedy_bottleneck_split
     M, L = p.gbs // sk.microbatch_size, p.L
-    if L < sk.num_stages:
+    if L < sk.num_stages or not p.order_fits(sk):
         return
     times = p.tables(sk)
     gt = p.group_tables(sk, times)
-    beta, per_group = greedy_bottleneck_split(gt, L, sk.stages)
-    if not per_group:
+    rest = suffix_minimax(gt, L)
+    beta = rest[0][L]
+    if beta == math.inf:
         return
     bounds = p.split_bounds(sk, times)
-    lb = max(lb, M * beta + (sum(bounds.rt) if sk.schedule == "gpipe" else 0.0))
+    gp = sk.schedule == "gpipe"
+    rt = sum(bounds.rt)
+    lb = max(lb, rest_lb(M, gp, bounds.total_lb, rt, beta))
     if lb > ub:
         return
     p.expanded += 1
-    heapq.heappush(heap, (lb, -1, next(seq), "node", ((sk, times, gt, bounds), 0, L, 0.0, ())))
+    heapq.heappush(heap, (lb, -1, next(seq), "node", ((sk, times, gt, bounds, rest, gp, rt), 0, L, 0.0, ())))
 
 
 def _branch(p: Any, heap, seq, lb: float, data, ub: float) -> None:
     """A partial split with groups ``0..j-1`` holding ``cur``: one child per layer count of group ``j``
     whose bound is not above ``ub`` (a complete split when ``j`` is the last group)."""
     from hethub_jax.planner.search import _stage_counts, balanced
-    (sk, times, gt, bounds), j, left, head, cur = data
+    (sk, times, gt, bounds, rest, gp, rt), j, left, head, cur = data
     G, M = len(sk.groups), p.gbs // sk.microbatch_size
+    nxt = rest[j + 1] if j < G - 1 else None
     need = sum(sk.stages[j + 1:])
     hi = left if j == G - 1 else left - need
     lo = left if j == G - 1 else sk.stages[j]
@@ -89,6 +96,10 @@ def _branch(p: Any, heap, seq, lb: float, data, ub: float) -> None:
         if gt[j][n] == math.inf:  # a stage exceeds memory
             continue
         b = max(lb, M * gt[j][n] + head)
+        if nxt is not None:  # the later groups hold left - n layers: their least largest island
+            if nxt[left - n] == math.inf:
+                continue
+            b = max(b, rest_lb(M, gp, bounds.total_lb, rt, max(gt[j][n], nxt[left - n])))
         if b > ub:
             continue
         ts = [times[b0 + i][c] for i, c in enumerate(balanced(n, sk.stages[j]))]

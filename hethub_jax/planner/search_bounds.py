@@ -16,7 +16,36 @@ from __future__ import annotations
 import math
 from typing import List, Sequence, Tuple
 
-__all__ = ["cycle_bound", "process_bound", "SplitBounds"]
+__all__ = ["cycle_bound", "process_bound", "suffix_minimax", "SplitBounds"]
+
+_DIFF: dict = {}
+
+
+def suffix_minimax(group_times: Sequence[Sequence[float]], num_layers: int) -> List[List[float]]:
+    """``R[j][x]``: the least largest island compute when groups ``j..G-1`` (pipeline order) hold ``x``
+    layers in all, each island ``g`` taking ``group_times[g][n]`` seconds per microbatch at ``n`` layers
+    (``search._Planner.group_tables``: nondecreasing in ``n``, ``inf`` where ``n`` is below its stage count or
+    a stage exceeds memory); ``inf`` where no split fits. Exact, by ``R[j][x] = min_n max(t_j[n],
+    R[j+1][x - n])`` with numpy over all ``x`` at once (``(L + 1)^2`` per group). Every island runs its
+    stages one action at a time, so a split whose groups ``j..`` hold ``x`` layers takes at least ``M R[j][x]``
+    (``search.island_bound``): the best-first search bounds a partial split's remaining groups with it."""
+    import numpy as np
+    L = num_layers
+    if L not in _DIFF:
+        x, n = np.meshgrid(np.arange(L + 1), np.arange(L + 1), indexing="ij")
+        _DIFF[L] = (np.where(n <= x, x - n, 0), n > x)
+    diff, beyond = _DIFF[L]
+    G = len(group_times)
+    out: List[List[float]] = [None] * G  # type: ignore[list-item]
+    r = np.asarray(group_times[G - 1][:L + 1], dtype=float)
+    out[G - 1] = r.tolist()
+    for j in range(G - 2, -1, -1):
+        t = np.asarray(group_times[j][:L + 1], dtype=float)
+        m = np.maximum(t[None, :], r[diff])
+        m[beyond] = np.inf
+        r = m.min(axis=1)
+        out[j] = r.tolist()
+    return out
 
 
 def cycle_bound(num_microbatches: int, fw: Sequence[float], bw: Sequence[float], act: Sequence[float],
@@ -110,6 +139,17 @@ def process_bound(schedule: str, stages: Sequence[int], M: int, fw: Sequence[flo
     return best
 
 
+def rest_lb(M: int, gpipe: bool, total_lb: float, rt_sum: float, island: float) -> float:
+    """Lower bound of the pipeline seconds when some island computes ``island`` seconds per microbatch
+    (F + B without copies): ``M island`` (it runs its stages one action at a time), under GPipe plus every
+    crossing both ways (``rt_sum``) and, as :func:`process_bound`'s fill and drain, one microbatch's F + B of
+    every other stage: ``(M - 1) island + total_lb`` (``SplitBounds.total_lb`` holds the island's own
+    microbatch once)."""
+    if gpipe:
+        return max(M * island + rt_sum, (M - 1) * island + total_lb)
+    return M * island
+
+
 class SplitBounds:
     """Lower bounds of the step's pipeline seconds for every split that starts with a given prefix, for one
     configuration (pipeline order, stage counts, TP/DP degrees, microbatch size, schedule).
@@ -125,11 +165,14 @@ class SplitBounds:
         stage holding one layer at most); used only for stages after the prefix.
       cycle: apply :func:`cycle_bound`'s terms (1F1B only).
       gpipe: the island bound counts the round trip after the island (:func:`process_bound`; GPipe only).
+      num_layers: L (0: unknown); with it ``total_lb`` is a lower bound of one microbatch's F + B with copies
+        over all stages plus every crossing both ways, whatever the split (0 when L is unknown).
     """
 
     def __init__(self, stages: Sequence[int], M: int, copies: Sequence[float], delivery: Sequence[float],
-                 one_layer: Sequence[float], slope: Sequence[float], cycle: bool, gpipe: bool = False):
-        self.stages, self.M, self.cycle, self.gpipe = list(stages), M, cycle, gpipe
+                 one_layer: Sequence[float], slope: Sequence[float], cycle: bool, gpipe: bool = False,
+                 num_layers: int = 0):
+        self.stages, self.M, self.cycle, self.gpipe, self.L = list(stages), M, cycle, gpipe, num_layers
         S, G = sum(stages), len(stages)
         self.S = S
         self.copies = list(copies)
@@ -146,6 +189,9 @@ class SplitBounds:
             self.after_const[j] = sum(self.copies[t] + one_layer[t] + self.rt[t] for t in rest)
             self.after_min_slope[j] = min((slope[t] for t in rest), default=0.0)
             self.after_stages[j] = len(rest)
+        # one microbatch's F + B (with copies) on every stage and every crossing both ways, at least
+        self.total_lb = (sum(self.copies[t] + one_layer[t] + self.rt[t] for t in range(S))
+                         + max(0, self.L - S) * min(slope, default=0.0)) if self.L else 0.0
 
     def suffix_lb(self, j: int, layers_after: int) -> float:
         """Lower bound of ``sum (F_t + B_t)`` (with copies) plus the round trips over the stages after group

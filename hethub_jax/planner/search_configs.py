@@ -19,7 +19,11 @@ round of ``S`` microbatches waits for such a round trip at stage 0 (``search_bou
 counts ``ceil(M / S)`` times. Under GPipe an island's last stage runs all its forwards before its first
 backward, which waits for the round trip through the later stages, and the island's first action waits for
 the earlier ones (``search_bounds.process_bound``): at every position in the order the island's load is
-accompanied by at least ``G - 1`` crossings each way, so the island term gains the crossings' seconds.
+accompanied by at least ``G - 1`` crossings each way, so the island term gains the crossings' seconds;
+and the process bound's fill and drain also hold one microbatch's F + B of every OTHER island (before the
+island: its forwards and, after the island's last backward, its backwards; after it: the round trip), so
+the step is at least ``max_g (M load_g + sum_{h != g} load_h) + R >= (M - 1) max_g load_g + sum_h load_h +
+R``, bounded by ``(M - 1)`` x the water filling plus the chain (the least sum of the loads).
 """
 from __future__ import annotations
 
@@ -83,7 +87,7 @@ def configuration_bounds(per_group: Sequence[dict], L: int, M: int, schedule: st
     G = len(per_group)
     sizes = [len(pg["k"]) for pg in per_group]
     grids = {}
-    for name in ("k", "w", "K", "cap"):
+    for name in [n for n in ("k", "w", "K", "cap", "own") if n in per_group[0]]:
         cols = []
         for j, pg in enumerate(per_group):
             shape = [1] * G
@@ -91,10 +95,45 @@ def configuration_bounds(per_group: Sequence[dict], L: int, M: int, schedule: st
             cols.append(np.broadcast_to(np.asarray(pg[name], dtype=float).reshape(shape), sizes).reshape(-1))
         grids[name] = np.stack(cols, axis=1)
     k, w, K, cap = grids["k"], grids["w"], grids["K"], grids["cap"]
-    island = M * water_fill(K, w, cap, L)
-    if schedule == "gpipe":  # search_bounds.process_bound: an island's forwards, the round trip, its backwards
-        island = island + round_trip
+    wf = water_fill(K, w, cap, L)
     chain = K.sum(axis=1) + L * w.min(axis=1) + round_trip
+    if schedule == "gpipe":  # search_bounds.process_bound: the island's M loads + every other island once
+        return np.maximum(M * wf + round_trip, chain + ((M - 1) * wf if M > 1 else 0.0))  # no 0 x inf
     if schedule == "1f1b":
         chain = chain * np.ceil(M / k.sum(axis=1))
-    return np.maximum(island, chain)
+        live = np.nonzero(np.isfinite(wf))[0]  # only configurations that fit memory
+        if G <= 5 and live.size:
+            d = round_trip / max(1, 2 * (G - 1))
+            own = grids["own"][live] if "own" in grids else w[live]
+            chain[live] = np.maximum(chain[live], order_cycle_bounds(k[live], (K + k * w)[live], own, M, d).min(axis=1))
+    return np.maximum(M * wf, chain)
+
+
+def order_cycle_bounds(k: np.ndarray, load: np.ndarray, own: np.ndarray, M: int, d: float) -> np.ndarray:
+    """1F1B lower bounds (seconds) per configuration (rows) and pipeline order (columns, in
+    ``itertools.permutations(range(G))`` order): :func:`search_bounds.cycle_bound` at the LAST stage ``b``
+    of the island at each position ``p < G - 1``: ``head_b + ceil(M / (S - b)) C_b`` with ``S - b = 1 +``
+    the stages after the island, ``C_b >= 2 (G - 1 - p) d +`` stage ``b``'s own F + B (``own``) and the
+    later islands' least one-microbatch compute, and ``head_b >= 2 p d +`` the earlier islands' (every
+    crossing both ways costs at least ``d`` seconds of delivery each way).
+
+    Args:
+      k: stage counts, shape ``(N, G)``; load: per island a lower bound of one microbatch's F + B with host
+        copies over its stages (``K + k w``: every stage holds >= 1 layer), ``(N, G)``; M: microbatches;
+      own: per island, a lower bound of ONE of its stages' F + B with host copies (a stage holds >= 1
+        layer and RECVs at least once), ``(N, G)``; d: least delivery seconds of one message over any
+        group pair."""
+    import itertools
+    N, G = k.shape
+    perms = list(itertools.permutations(range(G)))
+    out = np.zeros((N, len(perms)))
+    for c, perm in enumerate(perms):
+        kp, lp, op = k[:, list(perm)], load[:, list(perm)], own[:, list(perm)]
+        after_k = np.cumsum(kp[:, ::-1], axis=1)[:, ::-1]   # stages at positions >= p
+        after_l = np.cumsum(lp[:, ::-1], axis=1)[:, ::-1]
+        before = np.cumsum(lp, axis=1) - lp                  # load at positions < p
+        for q in range(G - 1):
+            cyc = 2 * (G - 1 - q) * d + after_l[:, q + 1] + op[:, q]
+            v = 2 * q * d + before[:, q] + np.ceil(M / (1 + after_k[:, q + 1])) * cyc
+            np.maximum(out[:, c], v, out=out[:, c])
+    return out
