@@ -313,20 +313,31 @@ def measure_bridge(sizes: Sequence[int], repeats: int) -> Optional[List[dict]]:
     return out
 
 
+def _progress_bar(total: int, progress: bool) -> Any:
+    """The profiler's progress bar over ``total`` stage settings: tqdm's redrawn bar on a terminal, plain
+    lines every 15 s otherwise (a log file, ``mpiexec``'s pipes: no carriage returns; the training
+    loop's `train_hooks.PlainLinesBar`); disabled when ``progress`` is false."""
+    from tqdm import tqdm
+    if sys.stderr.isatty() or not progress:
+        return tqdm(total=total, desc="profile", disable=not progress, unit="stage")
+    from hethub_jax.train_hooks import PlainLinesBar
+    return PlainLinesBar(total=total, desc="profile", unit="stage", file=sys.stderr, mininterval=15, miniters=1,
+                         bar_format="{desc}: {n_fmt}/{total_fmt} stage settings ({percentage:.0f}%), ETA {remaining}"
+                                    "{postfix}")
+
+
 def profile_compute(cfg: Any, seq_len: int, mbs_list: Sequence[int], tps: Sequence[int], repeats: int,
                     devices: Sequence[Any], progress: bool, dps: Sequence[int] = (1,)) -> tuple:
     """(stage samples, update samples) over the stage meshes -- ``(1, tp)`` for every TP degree and
     ``(dp, 1)`` for every DP degree > 1 -- stage kinds and microbatch sizes (per DP rank: a ``(dp, 1)``
     mesh runs ``dp x`` each microbatch size, so that its samples have the same tokens per rank)."""
-    from tqdm import tqdm
-
     from hethub_jax.optim import OptimConfig, make_optimizer
     from hethub_jax.parallel.stage import PipelineStage
     ranges = _stage_ranges(cfg.num_hidden_layers)
     tx = make_optimizer(OptimConfig())
     meshes = [(1, tp) for tp in tps] + [(dp, 1) for dp in dps if dp > 1]
     samples, updates = [], []
-    bar = tqdm(total=len(meshes) * len(ranges) * len(mbs_list), desc="profile", disable=not progress, unit="stage")
+    bar = _progress_bar(len(meshes) * len(ranges) * len(mbs_list), progress)
     for dp, tp in meshes:
         if dp * tp > len(devices):
             raise ValueError(f"a {dp}x{tp} (dp x tp) mesh needs {dp * tp} devices; the island has {len(devices)} "
@@ -334,7 +345,7 @@ def profile_compute(cfg: Any, seq_len: int, mbs_list: Sequence[int], tps: Sequen
         for kind, (fl, ll) in ranges.items():
             st = PipelineStage(cfg, fl, ll, list(devices[:dp * tp]), dp, tp, seed=0, recompute=False, optimizer=tx)
             for mbs in mbs_list:
-                bar.set_postfix_str(f"mesh={dp}x{tp} {kind} mb={mbs * dp}")
+                bar.set_postfix_str(f"mesh={dp}x{tp} {kind} mb={mbs * dp}", refresh=False)
                 for phase, sec in measure_stage(st, cfg, mbs * dp, seq_len, repeats).items():
                     samples.append({"kind": "stage", "stage": kind, "first_layer": fl, "last_layer": ll,
                                     "layers": ll - fl + 1, "is_first": st.is_first, "is_last": st.is_last,

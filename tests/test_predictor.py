@@ -430,13 +430,15 @@ def test_profiler_writes_dp_mesh_corun_runtime_and_local_bridge_fits(tmp_path):
     """``python -m hethub_jax.profile`` with ``--dp 1,2`` on the tiny model (one microbatch size, one
     repeat): the JSON holds the (2, 1) mesh fits, the co-run factor, the runtime's per-action seconds and
     the in-process bridge, and ``DeviceCosts.from_profile`` reads them (measured, so only their presence
-    and signs are checked)."""
+    and signs are checked). Its stderr is a pipe, so its progress comes as plain lines (no carriage
+    returns, which made log files unreadable)."""
     out = tmp_path / "cpu.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
     p = subprocess.run([sys.executable, "-m", "hethub_jax.profile", "--out", str(out), "--seq-len", "16",
-                        "--microbatch-sizes", "1", "--tp", "1", "--dp", "1,2", "--repeats", "1", "--no-progress"],
+                        "--microbatch-sizes", "1", "--tp", "1", "--dp", "1,2", "--repeats", "1"],
                        env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert p.returncode == 0, p.stderr[-3000:]
+    assert "\r" not in p.stderr and "profile: 0/" in p.stderr, p.stderr[-3000:]
     import json
     prof = json.loads(out.read_text())
     assert set(prof["fits"]["compute_dp"]) == {"2x1"} and set(prof["fits"]["update_dp"]) == {"2"}
