@@ -88,10 +88,9 @@ class TrainSettings(StrictModel):
       trace_file: write a Chrome trace (Perfetto) of the last step's actions here (``None``: none).
       grad_bucket_mb: heterogeneous DP: bucket size of the gradient all-reduce overlapped with the
         backward, MiB (as PyTorch DDP's ``bucket_cap_mb``, whose default is 25; the first bucket is
-        1 MiB or this if smaller); ``None`` (default): off, the all-reduce runs after the whole
-        backward (the bucketed step measured slower on the 2-core test machine in session 7; its extra cost was
-        found and removed in session 8, but it is not yet measured faster on a quiet machine:
-        docs/benchmarks.md).
+        1 MiB or this if smaller); default 25.0 (measured faster than the all-reduce after the whole
+        backward in three consecutive quiet runs of ``benchmarks/hetero_dp.py``, session 8:
+        docs/benchmarks.md); ``None``: off, the all-reduce runs after the whole backward.
 
     Raises:
       ValueError: on construction, naming the field and the constraint (through :func:`from_dict`:
@@ -116,7 +115,7 @@ class TrainSettings(StrictModel):
     on_nonfinite_loss: Literal["stop", "skip"] = "stop"
     plan: Optional[PathStr] = None
     trace_file: Optional[PathStr] = None
-    grad_bucket_mb: Optional[Annotated[float, Field(gt=0)]] = None
+    grad_bucket_mb: Optional[Annotated[float, Field(gt=0)]] = 25.0
 
     @model_validator(mode="after")
     def _check(self) -> "TrainSettings":

@@ -161,10 +161,10 @@ class PipelineRuntime:
         self.fuse_update = True
         # Heterogeneous DP: the last backward of the step runs in layer buckets whose gradients are
         # all-reduced in the background while the next bucket computes (`hethub_jax.parallel.buckets`;
-        # `_bucketing` says when it applies). None (the default, see `set_grad_buckets`): off, the
-        # all-reduce runs after the whole backward. Off by default: on the 2-core test machine the
-        # bucketed step measured slower (docs/benchmarks.md, hetero_dp, session 7; its extra compute is gone
-        # since session 8, a quiet-machine comparison is pending).
+        # `_bucketing` says when it applies). None (this class's default, see `set_grad_buckets`): off,
+        # the all-reduce runs after the whole backward. Training turns it on through
+        # `train.grad_bucket_mb` (default 25 MiB since session 8: measured faster in three consecutive
+        # quiet runs of benchmarks/hetero_dp.py, docs/benchmarks.md).
         self.grad_bucket_bytes: int | None = None
         self.first_grad_bucket_bytes: int = bk.DEFAULT_FIRST_BUCKET_BYTES
         # each bucket's all-reduce first waits (sleeping) until every replica has the bucket
