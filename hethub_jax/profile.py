@@ -322,7 +322,7 @@ def _progress_bar(total: int, progress: bool) -> Any:
         return tqdm(total=total, desc="profile", disable=not progress, unit="stage")
     from hethub_jax.train_hooks import PlainLinesBar
     return PlainLinesBar(total=total, desc="profile", unit="stage", file=sys.stderr, mininterval=15, miniters=1,
-                         bar_format="{desc}: {n_fmt}/{total_fmt} stage settings ({percentage:.0f}%), ETA {remaining}"
+                         leave=False, bar_format="{desc}: {n_fmt}/{total_fmt} stage settings ({percentage:.0f}%), ETA {remaining}"
                                     "{postfix}")
 
 
@@ -352,6 +352,8 @@ def profile_compute(cfg: Any, seq_len: int, mbs_list: Sequence[int], tps: Sequen
                                     "dp": dp, "tp": tp, "phase": phase, "microbatch_size": mbs * dp,
                                     "tokens": mbs * seq_len, "seconds": sec})
                 bar.update()
+                if bar.n == bar.total and getattr(bar, "last_print_n", bar.n) != bar.n:
+                    bar.refresh()  # lines mode: the 100 % line once (leave=False: close draws nothing)
             if tp == (tps[0] if dp == 1 else 1):
                 n = analytic.stage_params_per_device(cfg, fl, ll, fl == 0, ll == cfg.num_hidden_layers - 1, tp)
                 updates.append({"kind": "update", "stage": kind, "dp": dp, "params": n,

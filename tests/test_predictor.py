@@ -439,6 +439,7 @@ def test_profiler_writes_dp_mesh_corun_runtime_and_local_bridge_fits(tmp_path):
                        env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "\r" not in p.stderr and "profile: 0/" in p.stderr, p.stderr[-3000:]
+    assert p.stderr.count("(100%)") == 1, p.stderr[-3000:]  # the last line once, not again at close
     import json
     prof = json.loads(out.read_text())
     assert set(prof["fits"]["compute_dp"]) == {"2x1"} and set(prof["fits"]["update_dp"]) == {"2"}
