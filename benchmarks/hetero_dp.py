@@ -73,6 +73,25 @@ def bucket_figures(stats: list) -> dict:
             "bucket_exposed_s": median([s["exposed_s"] for s in stats])}
 
 
+def dp_setup(args) -> tuple:
+    """Rank-side set-up shared by the heterogeneous-DP benchmarks (call after the core pinning, JAX
+    started): ``(world, comm, config, optim, batches)``: ``MPI.COMM_WORLD`` (exits unless exactly 2
+    ranks), the MPI host bridge over it (600 s timeout), the ``--preset`` model config, the optimizer
+    config, and an iterator of training batches of ``--batch`` rows x ``--seq`` tokens."""
+    from mpi4py import MPI
+
+    from hethub_jax.comm.mpi import MPIHostBridge
+    from hethub_jax.data import DataConfig, build_datasets
+    from hethub_jax.models.config import PRESETS
+    from hethub_jax.optim import OptimConfig
+    world = MPI.COMM_WORLD
+    if world.Get_size() != 2:
+        sys.exit("run with exactly 2 ranks (one per island)")
+    train, _, _ = build_datasets(DataConfig(seq_len=args.seq))
+    return (world, MPIHostBridge(world, timeout=600), PRESETS[args.preset],
+            OptimConfig(learning_rate=1e-3, warmup_steps=2, decay_steps=1000), train.batches(args.batch))
+
+
 def main() -> None:
     ap = training_parser(__doc__, batch=16, warmup=2, json_help="output path (written by rank 0)")
     ap.add_argument("--microbatch", type=int, default=4, help="microbatch size (rows)")
@@ -88,28 +107,16 @@ def main() -> None:
     import time
 
     import jax  # noqa: F401  (JAX starts here, after the core pinning above)
-    from mpi4py import MPI
 
     sys.path.insert(0, ROOT)
     from benchmarks.common import command_line, loadavg, machine, median, write_json
-    from hethub_jax.comm.mpi import MPIHostBridge
-    from hethub_jax.data import DataConfig, build_datasets
-    from hethub_jax.models.config import PRESETS
-    from hethub_jax.optim import OptimConfig
     from hethub_jax.parallel.plan import Plan
     from hethub_jax.parallel.runtime import PipelineRuntime
 
-    world = MPI.COMM_WORLD
-    if world.Get_size() != 2:
-        sys.exit("run with exactly 2 ranks (one per island)")
-    comm = MPIHostBridge(world, timeout=600)
     load_start = loadavg()
-    config = PRESETS[args.preset]
-    optim = OptimConfig(learning_rate=1e-3, warmup_steps=2, decay_steps=1000)
+    world, comm, config, optim, it = dp_setup(args)
     L = config.num_hidden_layers
-    train, _, _ = build_datasets(DataConfig(seq_len=args.seq))
     n_steps = args.warmup + args.steps + 1
-    it = train.batches(args.batch)
     global_batches = [next(it) for _ in range(n_steps + 1)]
     half = args.batch // 2
     equal = Plan.from_dict(dp_plan(L, args.batch, args.microbatch, args.slowdown, shares=[half, half]))

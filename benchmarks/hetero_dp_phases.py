@@ -60,28 +60,18 @@ def main() -> None:
     import time
 
     import jax
-    from mpi4py import MPI
 
     from benchmarks.common import loadavg, median, write_json
-    from benchmarks.hetero_dp import dp_plan
-    from hethub_jax.comm.mpi import MPIHostBridge
-    from hethub_jax.data import DataConfig, build_datasets
-    from hethub_jax.models.config import PRESETS
-    from hethub_jax.optim import OptimConfig
+    from benchmarks.hetero_dp import dp_plan, dp_setup
     from hethub_jax.parallel import buckets as bk
     from hethub_jax.parallel import multiprocess as mp
     from hethub_jax.parallel import runtime as rtm
     from hethub_jax.parallel.plan import Plan
     from hethub_jax.parallel.runtime import PipelineRuntime
 
-    world = MPI.COMM_WORLD
-    comm = MPIHostBridge(world, timeout=600)
     load0 = loadavg()
-    config = PRESETS[args.preset]
-    optim = OptimConfig(learning_rate=1e-3, warmup_steps=2, decay_steps=1000)
+    world, comm, config, optim, it = dp_setup(args)
     L = config.num_hidden_layers
-    train, _, _ = build_datasets(DataConfig(seq_len=args.seq))
-    it = train.batches(args.batch)
     n_steps = args.warmup + args.steps + 1
     batches = [next(it) for _ in range(n_steps)]
     plan = Plan.from_dict(dp_plan(L, args.batch, args.microbatch, args.slowdown, throughputs=[args.slowdown, 1.0]))

@@ -26,6 +26,7 @@ from hethub_jax.planner.catalog import get_device
 from hethub_jax.planner.pipeline_time import makespan, makespan_lower_bound
 from hethub_jax.planner.search import _setup, balanced, greedy_bottleneck_split, min_bottleneck_split
 from hethub_jax.planner.simulator import simulate
+from search_checks import assert_search_equals_exhaustive
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTERS = ROOT / "configs" / "clusters"
@@ -191,20 +192,7 @@ def problems(draw):
 @given(problems())
 def test_search_equals_exhaustive_enumeration(problem):
     cfg, cluster, gbs, seq = problem
-    opt = SearchOptions(top_k=2, max_stages_per_group=2)
-    try:
-        ref = exhaustive_search(cfg, cluster, gbs, seq, options=opt)
-    except PlanningError:
-        with pytest.raises(PlanningError):
-            search(cfg, cluster, gbs, seq, options=opt)
-        return
-    best = search(cfg, cluster, gbs, seq, options=opt)
-    # the optimum is equal up to float rounding (interchangeable groups, searched in one order only, can
-    # sum the same terms in another order); the exhaustive top k may hold mirror images of one plan
-    # (interchangeable groups swapped), which the planner lists once, so its k-th is not better
-    assert best.best.step_time_s == pytest.approx(ref.best.step_time_s, rel=1e-12)
-    assert best.candidates[-1].step_time_s >= ref.candidates[-1].step_time_s * (1 - 1e-12)
-    assert best.evaluated <= ref.evaluated
+    assert_search_equals_exhaustive(cfg, cluster, gbs, seq, SearchOptions(top_k=2, max_stages_per_group=2))
 
 
 def test_same_input_same_output():

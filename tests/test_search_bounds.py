@@ -14,10 +14,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hethub_jax.planner import PlanningError, SearchOptions, cluster_from_dict, exhaustive_search, load_model, search
+from hethub_jax.planner import SearchOptions, cluster_from_dict, exhaustive_search, load_model, search
 from hethub_jax.planner.pipeline_time import makespan
 from hethub_jax.planner.search import Skeleton, _setup, balanced, bridge_for, island_bound
 from hethub_jax.planner.search_bounds import process_bound
+from search_checks import assert_search_equals_exhaustive
 
 
 def small_model(layers=6, hidden=32, heads=2, kv=1, vocab=512, tie=False):
@@ -134,17 +135,8 @@ def test_best_first_search_equals_exhaustive_enumeration_over_slow_bridges(probl
     on small clusters whose bridge ranges from dominating the step to negligible: the same top-k step times
     (to the last bits), with fewer ``predict`` calls."""
     cfg, cluster, gbs, seq = problem
-    opt = SearchOptions(top_k=2, max_stages_per_group=2, hetero_dp=False)
-    try:
-        ref = exhaustive_search(cfg, cluster, gbs, seq, options=opt)
-    except PlanningError:
-        with pytest.raises(PlanningError):
-            search(cfg, cluster, gbs, seq, options=opt)
-        return
-    got = search(cfg, cluster, gbs, seq, options=opt)
-    assert got.best.step_time_s == pytest.approx(ref.best.step_time_s, rel=1e-12)
-    assert got.candidates[-1].step_time_s >= ref.candidates[-1].step_time_s * (1 - 1e-12)
-    assert got.evaluated <= ref.evaluated
+    assert_search_equals_exhaustive(cfg, cluster, gbs, seq, SearchOptions(top_k=2, max_stages_per_group=2,
+                                                                          hetero_dp=False))
 
 
 def test_bounds_use_the_dp_mesh_figures_predict_uses():
