@@ -124,13 +124,25 @@ def predict_run(cfg: Any, plan: Any, seq_len: int, *, profiles_dir: Optional[str
     return RunPrediction(pred, dict(costs), bridge, seq_len, source or "given costs")
 
 
-def measured_bubble(records: list) -> Optional[float]:
-    """Mean over this rank's stages of ``1 - (F and B seconds) / (the step's span)``: the MEASURED bubble
-    fraction of one step's ``ActionRecord``s (emulated waits count as compute, as in the prediction).
-    None without records."""
+def measured_bubble(records: list, start_s: Optional[float] = None, end_s: Optional[float] = None) -> Optional[float]:
+    """The MEASURED bubble fraction of one step's ``ActionRecord``s, as the simulator defines the
+    PREDICTED one (``planner.simulator.Timeline.bubble_fraction``, ``StagePrediction.bubble_fraction``):
+    the mean over stages ``(replica, stage)`` of ``1 - busy / pipeline``, where ``busy`` is the stage's
+    seconds in F and B actions (emulated waits included: they stand for the slower device's compute, as
+    in the prediction) and ``pipeline`` is the step's pipeline time, ``end_s - start_s``: from the step's
+    start to the end of the last pipeline action of ANY stage. Idle time counts wherever it falls: waits
+    in receives, before a stage's first action (warm-up) and after its last one (cool-down, or a fast
+    replica waiting for a slow one). The gradient all-reduce and the update come after ``end_s`` and are
+    not part of the bubble (the prediction times them separately).
+
+    ``start_s`` / ``end_s`` default to the earliest start and the latest end of ``records``: right when
+    the records hold every stage of the step (``GatherRecordsHook``'s on the logging rank); with one
+    rank's records only, give the step's start, or see ``train_insight.BubbleHook``, which takes the
+    pipeline time over all ranks. Returns None without records or with an empty window."""
     if not records:
         return None
-    t0, t1 = min(r.start_s for r in records), max(r.end_s for r in records)
+    t0 = min(r.start_s for r in records) if start_s is None else start_s
+    t1 = max(r.end_s for r in records) if end_s is None else end_s
     if t1 <= t0:
         return None
     busy: Dict[Tuple[int, int], float] = {}
@@ -262,7 +274,7 @@ def _plan_lines(res: Any, cluster: Any, costs: Mapping[str, Any]) -> List[str]:
 
     class _Info:
         def __init__(self, g):
-            self.device, self.memory_gb = g.device, costs[g.name].memory_bytes / 1e9
+            self.device, self.memory_bytes = g.device, costs[g.name].memory_bytes
     groups = {g.name: _Info(g) for g in cluster.resolved().groups}
     return format_candidate(0, res.best, groups, res.upper_bound_tokens_per_s).splitlines()
 
