@@ -180,6 +180,8 @@ def test_cluster_planless_training_under_mpiexec(tmp_path):
     steps = [r for r in recs if r["kind"] == "step"]
     assert len(steps) == 2 and all(math.isfinite(r["loss"]) for r in steps)
     assert all(r["predicted_step_time_s"] == pytest.approx(best.step_time_s, rel=1e-9) for r in steps)
+    assert all(0.0 <= r["measured_bubble"] < 1.0 for r in steps)  # BubbleHook's allgather over both ranks
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".lock")]  # removed at the clean exit
     # the logging rank gathered every rank's records: both islands measured, and both predicted
     t = json.loads((tmp_path / "run" / "t.json").read_text())["traceEvents"]
     islands = {(e["args"]["island"], e["args"]["predicted"]) for e in t if e["ph"] == "X"}
@@ -254,7 +256,7 @@ def test_mfu_is_na_for_cpu_and_emulated_islands_in_plan_lines_and_json():
         return C()
 
     class G:
-        device, memory_bytes = "cpu", 16 * 2**30
+        device, memory_bytes = "cpu", 16 * 2**30  # 16 GiB
     groups = {"fast": G(), "slow": G()}
     for slowdown in (1.0, 2.0):
         c, why = cand("cpu", slowdown), "n/a (CPU, no peak)"
@@ -262,7 +264,12 @@ def test_mfu_is_na_for_cpu_and_emulated_islands_in_plan_lines_and_json():
         assert f"MFU {why}," in head and "12.3%" not in head
         assert candidate_dict(c)["mfu"] is None and candidate_dict(c)["mfu_note"] == why
     real = cand("cuda", 1.0)
-    assert "MFU 12.3%," in format_candidate(0, real, groups, None)
+    table = format_candidate(0, real, groups, None)
+    assert "MFU 12.3%," in table
+    # memory in labelled binary units (one convention with the banner's MiB), capacity in GiB
+    mem = real.prediction.stages[0].memory.total
+    assert "memory/device (capacity)" in table and "GB" not in table.replace("80GB", "")
+    assert f"{mem / 2**20:.1f} MiB (16.00 GiB)" in table
     assert candidate_dict(real)["mfu"] == 0.123 and candidate_dict(real)["mfu_note"] is None
 
 
