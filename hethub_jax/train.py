@@ -841,11 +841,9 @@ def _insight_hooks(run: _Run, metrics: MetricsWriter, console: Console, predicte
     """PREDICTED vs measured step time, the timeline PNG and TensorBoard (``hethub_jax.train_insight``)."""
     import importlib.util
 
-    from hethub_jax.train_insight import BubbleHook, PredictionHook, TensorBoardHook, TimelineHook, mfu_inputs
+    from hethub_jax.train_insight import PredictionHook, TensorBoardHook, TimelineHook, mfu_inputs
 
-    t, args = run.cfg.train, run.args
-    # the measured bubble (collective under MPI: on every rank); each stage counted by its first process
-    hooks: list[Hook] = [BubbleHook(run.comm, {k for k in run.rt.local_keys if run.rt.owner[k] == run.rt.rank})]
+    t, args, hooks = run.cfg.train, run.args, []
     if run.prediction is not None:
         hooks.append(PredictionHook(run.prediction, metrics, console, t.log_every))
     png = args.timeline_png

@@ -49,6 +49,7 @@ class TrainState:
       tokens_per_s: ``num_tokens / step_time_s`` (nan if the time is 0).
       wall_s: seconds from ``t_start`` to the end of the step (after the loop: to the end of the loop).
       records: this rank's action records (``hethub_jax.parallel.trace.ActionRecord``) of the step.
+      bubble: its MEASURED bubble fraction over all stages (``StepResult.bubble``; None if not measured).
       evaluated: whether ``val_loss`` was computed at this step (or, before the first step, at step 0).
       val_loss: the newest validation loss, nats (None before any evaluation).
       val_loss_step: the step ``val_loss`` was computed at (0: before training; None before any).
@@ -74,6 +75,7 @@ class TrainState:
     tokens_per_s: float = math.nan
     wall_s: float = 0.0
     records: list = dataclasses.field(default_factory=list)
+    bubble: float | None = None
     evaluated: bool = False
     val_loss: float | None = None
     val_loss_step: int | None = None
@@ -90,6 +92,7 @@ class TrainState:
         self.step, self.loss, self.grad_norm, self.lr = step, result.loss, result.grad_norm, lr
         self.num_tokens, self.step_time_s = result.num_tokens, result.step_time_s
         self.records = result.records
+        self.bubble = getattr(result, "bubble", None)
         self.tokens_per_s = result.num_tokens / result.step_time_s if result.step_time_s > 0 else math.nan
         if step > self.start_step + 1:  # the first step includes compilation
             self.timed_tokens += result.num_tokens
@@ -385,6 +388,8 @@ class MetricsHook(_NoOp):
             rec["emulated"] = True
         if state.evaluated:
             rec["val_loss"] = state.val_loss
+        if state.bubble is not None:
+            rec["measured_bubble"] = state.bubble
         rec.update(state.extra)
         self.writer.write(rec)
 

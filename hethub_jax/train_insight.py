@@ -3,8 +3,6 @@
 Used by ``hethub_jax.train._build_hooks`` beside the hooks of ``hethub_jax.train_hooks`` (same protocol:
 ``on_start`` / ``on_step`` / ``on_end`` with a ``TrainState``):
 
-* :class:`BubbleHook`: the MEASURED bubble fraction of every step, defined as the simulator defines the
-  PREDICTED one (idle fraction of the step's pipeline time, mean over stages).
 * :class:`PredictionHook`: PREDICTED vs MEASURED step time (and bubble) in every step's metrics record
   (``state.extra``; the progress bar and step lines of ``train_hooks`` show it: ``PREDICTED 0.491 s
   (PREDICTED/measured 0.45)``) and a summary at the end (a ``prediction`` record in the metrics file).
@@ -25,7 +23,7 @@ from typing import Any, Callable, List, Mapping, Optional
 
 from hethub_jax.train_hooks import Console, MetricsWriter, TrainState, _NoOp
 
-__all__ = ["PredictionHook", "BubbleHook", "TimelineHook", "TensorBoardHook", "GatherRecordsHook", "TENSORBOARD_MISSING",
+__all__ = ["PredictionHook", "TimelineHook", "TensorBoardHook", "GatherRecordsHook", "TENSORBOARD_MISSING",
            "mfu_inputs"]
 
 TENSORBOARD_MISSING = ("--tensorboard needs tensorboardX (not installed): pip install 'hethub-jax[tensorboard]' "
@@ -63,7 +61,8 @@ class PredictionHook(_NoOp):
     ``benchmarks/hetero_e2e.py`` reports as ``prediction_error``). Adds to each step's metrics record
     (``predictor.compare_step``): ``predicted_step_time_s``, ``measured_step_time_s``,
     ``predicted_over_measured`` (this step's), ``predicted_tokens_per_s``, and ``predicted_bubble`` (the
-    mean over stages, ``RunPrediction.bubble_fraction``; the measured one comes from :class:`BubbleHook`).
+    mean over stages, ``RunPrediction.bubble_fraction``; the measured one, ``measured_bubble``, is the
+    runtime's ``StepResult.bubble``, same definition: docs/training.md).
     The progress bar and the step lines show them (``train_hooks.predicted_text``: the ratio to the
     median measured step time); the end writes a ``prediction`` record and a summary line. The first
     step includes compilation and is left out of the medians.
@@ -86,8 +85,8 @@ class PredictionHook(_NoOp):
         state.extra.update(m, predicted_bubble=self.pred.bubble_fraction)
         if not state.first_step:
             self.measured.append(state.step_time_s)
-            if state.extra.get("measured_bubble") is not None:
-                self.bubbles.append(state.extra["measured_bubble"])
+            if state.bubble is not None:
+                self.bubbles.append(state.bubble)
 
     def summary(self) -> Optional[dict]:
         """The ``prediction`` record: median MEASURED step time (and bubble) after the first step against
@@ -113,47 +112,6 @@ class PredictionHook(_NoOp):
             f"{s['predicted_over_measured']:.2f}); bubble (idle fraction of the pipeline time, mean over stages): "
             + (f"median {100 * bub:.1f}% measured, " if bub is not None else "")
             + f"PREDICTED {100 * s['predicted_bubble']:.1f}%; prediction from {self.pred.source}")
-
-
-class BubbleHook(_NoOp):
-    """The MEASURED bubble fraction of every step, ``state.extra["measured_bubble"]``, with the
-    definition of the PREDICTED one (``train_predict.measured_bubble``; docs/training.md): the mean over
-    ALL stages of the plan of ``1 - busy / pipeline``, busy a stage's F and B seconds (emulated waits
-    included), pipeline the step's pipeline time, from its start to the end of the last pipeline
-    action of any stage.
-
-    Each rank knows only its own stages' records, so under MPI every step makes one small collective
-    (``comm.allgather`` of 3 float64): each rank sends ``(its pipeline time, summed busy seconds, number
-    of stages)``; the pipeline time is the largest rank's. A rank's pipeline time is measured from its
-    own step start (durations, so clocks of different machines need not agree); the step starts follow
-    the previous step's world all-reduce (loss and gradient norm), so they are the same up to the
-    difference in update time. Collective: every rank of ``comm`` must have this hook.
-
-    Args:
-      comm: the world communicator, or None (one process: every stage is local).
-      counted: the stages ``(replica, stage)`` this rank counts (a stage run by several processes is
-        counted by one of them, ``PipelineRuntime.owner``); None: every stage in its records.
-    """
-
-    def __init__(self, comm: Any = None, counted: Optional[set] = None):
-        self.comm, self.counted = comm, counted
-
-    def terms(self, state: TrainState) -> tuple:
-        """``(pipeline_s, busy_s, stages)`` of this rank's counted stages in the last step."""
-        recs = [r for r in state.records if self.counted is None or (r.replica, r.stage) in self.counted]
-        if not recs:
-            return 0.0, 0.0, 0
-        step_start = state.t_start + state.wall_s - state.step_time_s  # record_step: wall_s at the step's end
-        pipeline = max(r.end_s for r in recs) - min(step_start, min(r.start_s for r in recs))
-        busy = sum(r.end_s - r.start_s for r in recs if r.action[:1] in ("F", "B"))
-        return pipeline, busy, len({(r.replica, r.stage) for r in recs})
-
-    def on_step(self, state: TrainState) -> None:
-        import numpy as np
-        mine = np.array(self.terms(state), np.float64)
-        rows = np.asarray(self.comm.allgather(mine)).reshape(-1, 3) if self.comm is not None else mine[None]
-        pipeline, busy, n = float(rows[:, 0].max()), float(rows[:, 1].sum()), float(rows[:, 2].sum())
-        state.extra["measured_bubble"] = 1.0 - busy / (n * pipeline) if pipeline > 0 and n else None
 
 
 class GatherRecordsHook(_NoOp):
@@ -213,8 +171,8 @@ class TensorBoardHook(_NoOp):
     """TensorBoard scalars (``tensorboardX.SummaryWriter``), one point per step:
     ``train/loss``, ``train/tokens_per_s``, ``eval/val_loss`` (at evaluations), ``perf/step_time_s``
     (MEASURED), ``perf/predicted_step_time_s``, ``perf/predicted_over_measured``, ``perf/bubble`` (MEASURED)
-    and ``perf/predicted_bubble`` (from the fields :class:`BubbleHook` and :class:`PredictionHook` placed
-    before it add), and ``perf/mfu`` when ``flops_per_token``
+    and ``perf/predicted_bubble`` (``state.bubble`` and the fields :class:`PredictionHook` placed before
+    it adds), and ``perf/mfu`` when ``flops_per_token``
     and ``peak_flops`` are given (real accelerators only: never for CPU or emulated islands).
 
     Args:
@@ -247,9 +205,11 @@ class TensorBoardHook(_NoOp):
         add("perf/step_time_s", state.step_time_s, s)
         for key, tag in (("predicted_step_time_s", "perf/predicted_step_time_s"),
                          ("predicted_over_measured", "perf/predicted_over_measured"),
-                         ("measured_bubble", "perf/bubble"), ("predicted_bubble", "perf/predicted_bubble")):
+                         ("predicted_bubble", "perf/predicted_bubble")):
             if state.extra.get(key) is not None:
                 add(tag, state.extra[key], s)
+        if state.bubble is not None:
+            add("perf/bubble", state.bubble, s)
         if state.evaluated and state.val_loss is not None:
             add("eval/val_loss", state.val_loss, s)
 

@@ -124,34 +124,21 @@ def predict_run(cfg: Any, plan: Any, seq_len: int, *, profiles_dir: Optional[str
     return RunPrediction(pred, dict(costs), bridge, seq_len, source or "given costs")
 
 
-def measured_bubble(records: list, start_s: Optional[float] = None, end_s: Optional[float] = None) -> Optional[float]:
-    """The MEASURED bubble fraction of one step's ``ActionRecord``s, as the simulator defines the
+def measured_bubble(records: list, start_s: Optional[float] = None) -> Optional[float]:
+    """The MEASURED bubble fraction of one step's ``ActionRecord``s of EVERY stage (e.g. those
+    ``train_insight.GatherRecordsHook`` gathers on the logging rank), as the simulator defines the
     PREDICTED one (``planner.simulator.Timeline.bubble_fraction``, ``StagePrediction.bubble_fraction``):
     the mean over stages ``(replica, stage)`` of ``1 - busy / pipeline``, where ``busy`` is the stage's
     seconds in F and B actions (emulated waits included: they stand for the slower device's compute, as
-    in the prediction) and ``pipeline`` is the step's pipeline time, ``end_s - start_s``: from the step's
-    start to the end of the last pipeline action of ANY stage. Idle time counts wherever it falls: waits
-    in receives, before a stage's first action (warm-up) and after its last one (cool-down, or a fast
-    replica waiting for a slow one). The gradient all-reduce and the update come after ``end_s`` and are
-    not part of the bubble (the prediction times them separately).
-
-    ``start_s`` / ``end_s`` default to the earliest start and the latest end of ``records``: right when
-    the records hold every stage of the step (``GatherRecordsHook``'s on the logging rank); with one
-    rank's records only, give the step's start, or see ``train_insight.BubbleHook``, which takes the
-    pipeline time over all ranks. Returns None without records or with an empty window."""
-    if not records:
-        return None
-    t0 = min(r.start_s for r in records) if start_s is None else start_s
-    t1 = max(r.end_s for r in records) if end_s is None else end_s
-    if t1 <= t0:
-        return None
-    busy: Dict[Tuple[int, int], float] = {}
-    for r in records:
-        key = (r.replica, r.stage)
-        busy.setdefault(key, 0.0)
-        if r.action[:1] in ("F", "B"):
-            busy[key] += r.end_s - r.start_s
-    return sum(1.0 - b / (t1 - t0) for b in busy.values()) / len(busy)
+    in the prediction) and ``pipeline`` the step's pipeline time, from ``start_s`` (default: the
+    earliest record's start) to the end of the last record of any stage. Idle time counts wherever it
+    falls: waits in receives, before a stage's first action (warm-up), after its last one (cool-down,
+    or a fast replica waiting for a slow one). The gradient all-reduce and the update come after the
+    pipeline and are not bubble (the prediction times them separately). During training the runtime
+    measures the same figure every step over all ranks (``StepResult.bubble``,
+    ``trace.bubble_terms`` / ``trace.bubble_from_terms``). None without records."""
+    from hethub_jax.parallel.trace import bubble_from_terms, bubble_terms
+    return bubble_from_terms([bubble_terms(records, start_s)]) if records else None
 
 
 # ---------------------------------------------------------------------------------------------------

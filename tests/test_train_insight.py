@@ -180,7 +180,7 @@ def test_cluster_planless_training_under_mpiexec(tmp_path):
     steps = [r for r in recs if r["kind"] == "step"]
     assert len(steps) == 2 and all(math.isfinite(r["loss"]) for r in steps)
     assert all(r["predicted_step_time_s"] == pytest.approx(best.step_time_s, rel=1e-9) for r in steps)
-    assert all(0.0 <= r["measured_bubble"] < 1.0 for r in steps)  # BubbleHook's allgather over both ranks
+    assert all(0.0 <= r["measured_bubble"] < 1.0 for r in steps)  # the runtime's, over both ranks
     assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".lock")]  # removed at the clean exit
     # the logging rank gathered every rank's records: both islands measured, and both predicted
     t = json.loads((tmp_path / "run" / "t.json").read_text())["traceEvents"]
@@ -317,8 +317,7 @@ def test_prediction_hook_uses_the_ratio_everywhere(capsys, tmp_path):
     extras = []
     for step, dt, bubble in ((1, 30.0, 0.9), (2, 1.1234, 0.3), (3, 1.0, 0.2)):
         state.record_step(step, SimpleNamespace(loss=2.0, grad_norm=1.0, num_tokens=100, step_time_s=dt,
-                                                records=[]), lr=1e-3)
-        state.extra["measured_bubble"] = bubble  # as BubbleHook places it
+                                                records=[], bubble=bubble), lr=1e-3)
         hook.on_step(state)
         extras.append(dict(state.extra))
     hook.on_end(state)
@@ -357,33 +356,15 @@ def test_measured_bubble_of_all_stages_equals_the_simulators():
     assert 0.2 < measured_bubble(recs) < 0.8  # a real bubble (warm-up, cool-down, the slow stage)
 
 
-def _bubble_over_ranks(per_rank, step_time_s):
-    """``BubbleHook`` on every "rank" (records each, the step starting at 0 on every rank), the allgather
-    done by hand: returns the figure each rank computes."""
-    import numpy as np
-
-    from hethub_jax.train_hooks import TrainState
-    from hethub_jax.train_insight import BubbleHook
-    states, hooks = [], [BubbleHook() for _ in per_rank]
-    for recs in per_rank:
-        st = TrainState(start_step=0, total_steps=1, t_start=0.0, step=1, step_time_s=step_time_s,
-                        wall_s=step_time_s, records=recs)
-        states.append(st)
-    rows = np.array([h.terms(st) for h, st in zip(hooks, states)])
-
-    class Gathered:
-        def allgather(self, x):
-            return rows
-    out = []
-    for h, st in zip(hooks, states):
-        h.comm = Gathered()
-        h.on_step(st)
-        out.append(st.extra["measured_bubble"])
-    return out
+def _bubble_over_ranks(per_rank, step_start_s=0.0):
+    """The runtime's figure (``StepResult.bubble``): each "rank"'s ``bubble_terms`` from its step start,
+    combined as the world all-reduce combines them."""
+    from hethub_jax.parallel.trace import bubble_from_terms, bubble_terms
+    return bubble_from_terms([bubble_terms(recs, step_start_s) for recs in per_rank])
 
 
-def test_bubble_hook_over_ranks_counts_warm_up_cool_down_and_waiting_replicas():
-    """Each rank holds one stage's records: the hook's figure (pipeline time over all ranks) equals the
+def test_bubble_over_ranks_counts_warm_up_cool_down_and_waiting_replicas():
+    """Each rank holds one stage's records: the runtime's figure (pipeline time over all ranks) equals the
     simulator's bubble, where one rank's own first-to-last span would leave out its warm-up and
     cool-down idle; and a fast data-parallel replica idling while the slow one computes is bubble."""
     from hethub_jax.train_predict import measured_bubble
@@ -393,11 +374,16 @@ def test_bubble_hook_over_ranks_counts_warm_up_cool_down_and_waiting_replicas():
     recs = [dataclasses.replace(r, start_s=r.end_s) if r.action.startswith("RECV") else r for r in recs]
     ranks = [[r for r in recs if r.stage == s] for s in (0, 1)]
     want = sum(tl.bubble_fraction) / 2
-    assert _bubble_over_ranks(ranks, tl.makespan_s + 0.05) == pytest.approx([want, want], abs=1e-12)
+    assert _bubble_over_ranks(ranks) == pytest.approx(want, abs=1e-12)
     own_span = sum(measured_bubble(r) for r in ranks) / 2  # the old per-rank definition
     assert own_span < want - 0.05, (own_span, want)  # 0.25 against 0.34 here
     # heterogeneous DP: replica 0 busy 1.0 s, replica 1 0.25 s; each 1 - busy / 1.0 s, mean 0.375
     dp = [[ActionRecord(0, "F0", 0.0, 0.4, "slow", 0), ActionRecord(0, "B0", 0.4, 1.0, "slow", 0)],
           [ActionRecord(0, "F0", 0.0, 0.1, "fast", 1), ActionRecord(0, "B0", 0.1, 0.25, "fast", 1)]]
-    assert _bubble_over_ranks(dp, 1.2) == pytest.approx([0.375, 0.375])
-    assert _bubble_over_ranks([dp[0] + dp[1]], 1.2) == pytest.approx([0.375])  # one process: the same
+    assert _bubble_over_ranks(dp) == pytest.approx(0.375)
+    assert _bubble_over_ranks([dp[0] + dp[1]]) == pytest.approx(0.375)  # one process: the same
+    # a stage run by two processes is counted once (keys), and each rank's step start is its own
+    from hethub_jax.parallel.trace import bubble_from_terms, bubble_terms
+    shifted = [ActionRecord(r.stage, r.action, r.start_s + 100.0, r.end_s + 100.0, r.island, r.replica) for r in dp[1]]
+    rows = [bubble_terms(dp[0], 0.0, [(0, 0)]), bubble_terms(dp[0], 0.0, []), bubble_terms(shifted, 100.0)]
+    assert rows[1] == (0.0, 0.0, 0) and bubble_from_terms(rows) == pytest.approx(0.375)
