@@ -55,22 +55,28 @@ def _fake_site(root, editable: bool):
 
 
 def test_target_is_the_imported_package_and_a_shadowed_installed_copy(tmp_path, monkeypatch):
-    """A non-editable install shadowed by the clone (started from its root): the module goes to the
-    imported package AND the installed copy; an editable install, or none, has one copy."""
+    """A non-editable install shadowed by the clone (started from its root, which also holds the
+    egg-info of an in-tree build, first on sys.path): the module goes to the imported package AND the
+    installed copy; an editable install's metadata (no package files) adds nothing."""
     import hethub_jax.comm
     assert bh.imported_dir() == __import__("pathlib").Path(hethub_jax.comm.__path__[0]).resolve()
     site = _fake_site(tmp_path / "site", editable=False)
-    monkeypatch.syspath_prepend(str(site))
-    installed = bh.installed_dir("fake-hethub")
-    assert installed == (site / "hethub_jax" / "comm").resolve()
-    clone = tmp_path / "clone" / "hethub_jax" / "comm"
-    assert bh.target_dirs(clone, installed) == [clone, installed]
-    assert bh.target_dirs(installed, installed) == [installed]  # running the installed copy itself
-    assert bh.target_dirs(clone, None) == [clone]
     editable = _fake_site(tmp_path / "site2", editable=True)
-    monkeypatch.syspath_prepend(str(editable))  # found first: its files are not a package copy
-    assert bh.installed_dir("fake-hethub") is None
-    assert bh.installed_dir("no-such-dist-hethub") is None
+    clone_root = tmp_path / "clone"
+    clone = clone_root / "hethub_jax" / "comm"
+    clone.mkdir(parents=True)
+    (clone / "__init__.py").write_text("")
+    egg = clone_root / "fake_hethub.egg-info"
+    egg.mkdir()
+    (egg / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: fake-hethub\nVersion: 1.0\n")
+    for d in (site, editable, clone_root):  # the clone ends up first
+        monkeypatch.syspath_prepend(str(d))
+    installed = (site / "hethub_jax" / "comm").resolve()
+    assert bh.installed_dirs("fake-hethub") == [clone.resolve(), installed]
+    assert bh.target_dirs(clone, bh.installed_dirs("fake-hethub")) == [clone, installed]
+    assert bh.target_dirs(installed, [installed]) == [installed]  # running the installed copy itself
+    assert bh.target_dirs(clone, []) == [clone]
+    assert bh.installed_dirs("no-such-dist-hethub") == []
 
 
 def test_build_writes_module_and_sidecar_into_every_target_and_says_where(tmp_path, monkeypatch, capsys):

@@ -122,30 +122,40 @@ def imported_dir() -> Path:
     return Path(list(hethub_jax.comm.__path__)[0]).resolve()
 
 
-def installed_dir(dist_name: str = "hethub-jax") -> Path | None:
-    """The ``hethub_jax/comm`` directory of the installed distribution ``dist_name`` when it is a copy
-    of its own (a non-editable install into ``site-packages``), else None (not installed, or editable:
-    the distribution's files then point back to the source tree, or hold no package directory)."""
+def installed_dirs(dist_name: str = "hethub-jax") -> list[Path]:
+    """The ``hethub_jax/comm`` directories of every installed copy of the distribution ``dist_name``
+    on ``sys.path`` that holds its own package files (a non-editable install into ``site-packages``), in
+    ``sys.path`` order; an editable install's metadata points back to the source tree or holds no
+    package directory. Every copy, not only the first: a clone's root, first on ``sys.path`` under
+    ``python -m``, holds the ``hethub_jax.egg-info`` that an in-tree ``pip install .`` leaves there."""
+    import re
     from importlib import metadata
-    try:
-        dist = metadata.distribution(dist_name)
-    except metadata.PackageNotFoundError:
-        return None
-    init = Path(dist.locate_file("hethub_jax/comm/__init__.py"))
-    return init.parent.resolve() if init.exists() else None
+
+    def norm(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name or "").lower()
+    out: list[Path] = []
+    for dist in metadata.distributions():
+        if norm(dist.metadata["Name"]) != norm(dist_name):
+            continue
+        init = Path(dist.locate_file("hethub_jax/comm/__init__.py"))
+        if init.exists() and init.parent.resolve() not in out:
+            out.append(init.parent.resolve())
+    return out
 
 
-def target_dirs(imported: Path | None = None, installed: Path | None | bool = True) -> list[Path]:
-    """Where the module is written: the imported package's directory first, then the installed copy's
-    when that is another directory (the clone's package shadows a non-editable install).
+def target_dirs(imported: Path | None = None, installed: list[Path] | None = None) -> list[Path]:
+    """Where the module is written: the imported package's directory first, then every installed copy
+    in another directory (the clone's package shadows a non-editable install).
 
     Args:
-      imported: default :func:`imported_dir`; installed: a directory, None (none), or True for
-        :func:`installed_dir`.
+      imported: default :func:`imported_dir`; installed: default :func:`installed_dirs`.
     """
-    first = imported if imported is not None else imported_dir()
-    other = installed_dir() if installed is True else installed
-    return [first] + ([other] if other is not None and Path(other).resolve() != Path(first).resolve() else [])
+    first = Path(imported if imported is not None else imported_dir())
+    out = [first]
+    for d in (installed if installed is not None else installed_dirs()):
+        if Path(d).resolve() not in [p.resolve() for p in out]:
+            out.append(Path(d))
+    return out
 
 
 def _write_atomic(directory: Path, name: str, data: bytes) -> Path:
@@ -221,8 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if "--strict" in argv else 0
     lib = json.loads((paths[0].parent / SIDECAR.name).read_text())
     print(f"hethub-jax: built the C hot path for {lib['library_version'].splitlines()[0]!r} "
-          f"({lib['libmpi']}) into {paths[0]} (the hethub_jax package this Python imports from "
-          f"{os.getcwd()})")
+          f"({lib['libmpi']}) into {paths[0]} (the hethub_jax package this Python imports"
+          + (": the one in the current directory, which comes first on sys.path)"
+             if Path.cwd().resolve() in paths[0].parents else ")"))
     for p in paths[1:]:
         print(f"hethub-jax: also copied to {p} (the installed copy of hethub-jax, which runs started "
               f"from other directories import)")
