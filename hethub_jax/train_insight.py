@@ -69,7 +69,8 @@ class PredictionHook(_NoOp):
 
     Args:
       pred: ``train_predict.RunPrediction``; writer: the metrics file (for the end's ``prediction`` record).
-      console: text output.
+      console: text output; log_every: accepted for compatibility, unused (the step lines are
+        ``train_hooks.ConsoleHook``'s, which show these figures).
     """
 
     def __init__(self, pred: Any, writer: MetricsWriter, console: Console, log_every: int | None = None):
