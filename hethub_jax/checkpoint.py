@@ -3,7 +3,8 @@
 Layout (one directory per saved step, one orbax checkpoint per *unit* of the model)::
 
     checkpoint_dir/
-      .lock                 held (``fcntl.flock``) by the run writing here; pid and host inside
+      .lock                 held (``fcntl.flock``) by the run writing here; pid and host inside; deleted
+                            when the run ends (``DirLock``)
       step_{N}/
         embed/              orbax checkpoint of the token embedding
         layers.{i}/         one per decoder layer i
@@ -500,35 +501,64 @@ def restore_latest(rt: Any, root: str | os.PathLike, config: Mapping[str, Any], 
 # the output directory: lock and write probe
 
 class DirLock:
-    """An exclusive lock of an output directory (``fcntl.flock`` on ``path``), released when the
-    process ends (also by a crash or SIGKILL: a dead run never leaves the directory locked).
+    """An exclusive lock of an output directory (``fcntl.flock`` on the file ``path``, which holds the
+    holder's pid, host and start time).
+
+    :meth:`release` (a clean exit, or an exception the run handles) deletes the file, so a finished run
+    leaves nothing behind. A run that dies without releasing (a crash, SIGKILL) leaves the file, but
+    not the lock: the kernel drops a dead process's ``flock``, and the next run takes the file over (a
+    stale file never blocks). Only a live holder blocks, and the error names it.
+
+    Taking the lock: open (creating) ``path``, ``flock`` it without waiting, then check that ``path``
+    still names the locked file: a holder releasing at that moment deletes it, and the lock of a
+    deleted file would exclude nobody, so then it tries again.
 
     Raises:
-      CheckpointError: another live process holds the lock (the message names its pid and host).
+      CheckpointError: another live process holds the lock (the message names its pid and host, and
+        the lock file).
     """
 
     def __init__(self, path: str | os.PathLike):
         import fcntl
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "a+")
-        try:
-            fcntl.flock(self._f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self._f.seek(0)
-            holder = self._f.read().strip() or "unknown"
-            self._f.close()
-            raise CheckpointError(f"{self.path.parent} is in use by another run ({holder}); one output "
-                                  f"directory is written by one run at a time") from None
-        self._f.seek(0)
-        self._f.truncate()
-        self._f.write(f"pid {os.getpid()} on host {socket.gethostname()} since "
-                      f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
-        self._f.flush()
+        for _ in range(100):
+            f = open(self.path, "a+")
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                f.seek(0)
+                holder = f.read().strip() or "unknown"
+                f.close()
+                raise CheckpointError(
+                    f"{self.path.parent} is in use by another run ({holder}; lock file {self.path}); one "
+                    f"output directory is written by one run at a time. A run that has ended holds no lock "
+                    f"(the kernel releases it), so if that process is gone, the file system does not "
+                    f"support flock: delete {self.path}") from None
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(f.fileno()).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            f.close()  # locked a file its holder deleted on release: take the new one
+        else:
+            raise CheckpointError(f"cannot lock {self.path}: it keeps being deleted by other runs")
+        self._f = f
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on host {socket.gethostname()} since "
+                f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
+        f.flush()
 
     def release(self) -> None:
+        """Deletes the lock file (while still holding the lock), then unlocks. Idempotent."""
         import fcntl
         if not self._f.closed:
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
             fcntl.flock(self._f.fileno(), fcntl.LOCK_UN)
             self._f.close()
 

@@ -47,8 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _gb(x: float) -> str:
-    return f"{x / 1e9:.1f}"
+def fmt_bytes(x: float) -> str:
+    """Bytes in binary units, labelled (the convention of every memory figure in the output: MiB =
+    2**20 bytes, GiB = 2**30 bytes): ``47.0 MiB``, ``1.50 GiB`` (GiB from 1 GiB up)."""
+    return f"{x / 2**30:.2f} GiB" if x >= 2**30 else f"{x / 2**20:.1f} MiB"
 
 
 def format_candidate(i: int, c: Any, groups: Dict[str, Any], ub: Optional[float]) -> str:
@@ -62,16 +64,17 @@ def format_candidate(i: int, c: Any, groups: Dict[str, Any], ub: Optional[float]
              f"recompute {plan.recompute}; pipeline {pred.pipeline_s:.4g} s + gradient sums {pred.allreduce_s:.3g} s "
              f"+ update {pred.update_s:.3g} s",
              f"  {'rep':>3} {'stg':>3}  {'group (device)':<26} {'devices':>7} {'DP x TP':>9} {'layers':>9} "
-             f"{'F+B/mb s':>10} {'mem GB (cap)':>14} {'bubble':>7}"]
+             f"{'F+B/mb s':>10} {'memory/device (capacity)':>24} {'bubble':>7}"]
     shares = plan.batch_shares()
     for sp in pred.stages:
         st = plan.stage(sp.replica, sp.stage)
         g = groups[_group(c, st.island)]
         dev = f"{st.island} ({g.device or 'profile'})"
-        cap = g.memory_gb
+        cap = getattr(g, "memory_bytes", None)
+        cap = fmt_bytes(cap if cap is not None else g.memory_gb * 1e9)
         lines.append(f"  {sp.replica:>3} {sp.stage:>3}  {dev:<26.26} {st.num_devices:>7} {st.dp:>4} x {st.tp:<3}"
                      f" {st.first_layer:>4}-{st.last_layer:<4} {sp.compute_s_per_microbatch:>10.4g} "
-                     f"{_gb(sp.memory.total):>6} ({cap:>5.0f}) {100 * sp.bubble_fraction:>6.1f}%")
+                     f"{fmt_bytes(sp.memory.total) + ' (' + cap + ')':>24} {100 * sp.bubble_fraction:>6.1f}%")
     if plan.num_replicas > 1:
         lines.append(f"  batch shares (samples per replica): {shares}")
     split = _split_note(c)
@@ -150,7 +153,7 @@ def _not_runnable(plan: Any) -> Optional[str]:
 class _GroupInfo:
     def __init__(self, g: Any, costs: Any):
         self.device = g.device
-        self.memory_gb = costs.memory_bytes / 1e9
+        self.memory_bytes = costs.memory_bytes
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -537,18 +537,28 @@ def _set_up(args: argparse.Namespace) -> _Run:
     run = _Run(args=args, cfg=cfg, plan=plan, plan_notes=notes, comm=comm, rank=rank,
                world_size=world_size, island=island, train_ds=train_ds, val_ds=val_ds)
     _check_launch(run)
-    _check_outputs(run)
-    from hethub_jax.parallel.runtime import PipelineRuntime
     try:
-        run.rt = PipelineRuntime(plan, cfg.model, cfg.optim, seed=cfg.train.seed, comm=comm, rank=rank,
-                                 timeout_s=cfg.train.message_timeout_s)
-    except ValueError as e:
-        raise _ConfigError(str(e)) from None
-    run.rt.set_grad_buckets(cfg.train.grad_bucket_mb)
-    run.log = run.rt.is_logging_rank
-    run.emulation = run.rt.emulation_lines()
-    _attach_prediction(run, planned)
+        _check_outputs(run)
+        from hethub_jax.parallel.runtime import PipelineRuntime
+        try:
+            run.rt = PipelineRuntime(plan, cfg.model, cfg.optim, seed=cfg.train.seed, comm=comm, rank=rank,
+                                     timeout_s=cfg.train.message_timeout_s)
+        except ValueError as e:
+            raise _ConfigError(str(e)) from None
+        run.rt.set_grad_buckets(cfg.train.grad_bucket_mb)
+        run.log = run.rt.is_logging_rank
+        run.emulation = run.rt.emulation_lines()
+        _attach_prediction(run, planned)
+    except BaseException:
+        _release_locks(run)  # main() never sees this run: its lock files go here
+        raise
     return run
+
+
+def _release_locks(run: _Run) -> None:
+    """Releases (and deletes) the run's output-directory lock files (``checkpoint.DirLock``)."""
+    while run.locks:
+        run.locks.pop().release()
 
 
 def _plan_from_cluster(args: argparse.Namespace, cfg):
@@ -821,7 +831,7 @@ def _build_hooks(run: _Run, metrics: MetricsWriter, console: Console) -> list[Ho
     hooks += _insight_hooks(run, metrics, console, predicted)
     hooks.append(MetricsHook(metrics, emulated=bool(run.emulation), trace_file=t.trace_file))
     if console.bar is not None:
-        hooks.append(ProgressHook(console))
+        hooks.append(ProgressHook(console, emulated=bool(run.emulation)))
     if run.log:
         hooks.append(ConsoleHook(console, t.log_every, emulated=bool(run.emulation)))
     return hooks
@@ -906,8 +916,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _ConfigError as e:
         return _fail(str(e))
     finally:
-        for lock in run.locks:
-            lock.release()
+        _release_locks(run)
 
 
 def _main(run: _Run, args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from typing import Any, Callable, Iterable, Protocol
@@ -28,7 +29,7 @@ from typing import Any, Callable, Iterable, Protocol
 from tqdm import tqdm
 
 __all__ = ["TrainState", "Hook", "Console", "PlainLinesBar", "MetricsWriter", "EvalHook", "CheckpointHook", "TraceHook",
-           "MetricsHook", "ProgressHook", "ConsoleHook", "fmt_rate"]
+           "MetricsHook", "ProgressHook", "ConsoleHook", "fmt_rate", "step_time_text", "predicted_text", "val_loss_text"]
 
 
 @dataclasses.dataclass
@@ -48,11 +49,14 @@ class TrainState:
       tokens_per_s: ``num_tokens / step_time_s`` (nan if the time is 0).
       wall_s: seconds from ``t_start`` to the end of the step (after the loop: to the end of the loop).
       records: this rank's action records (``hethub_jax.parallel.trace.ActionRecord``) of the step.
+      bubble: its MEASURED bubble fraction over all stages (``StepResult.bubble``; None if not measured).
       evaluated: whether ``val_loss`` was computed at this step (or, before the first step, at step 0).
       val_loss: the newest validation loss, nats (None before any evaluation).
+      val_loss_step: the step ``val_loss`` was computed at (0: before training; None before any).
       first_val_loss: the validation loss at step 0 (None without ``train.eval_at_start``).
       timed_tokens, timed_seconds: tokens and step seconds summed over the steps after this run's
         first one (which includes compilation).
+      timed_step_times: the step times (seconds) of those steps, in order.
       extra: fields a hook placed before :class:`MetricsHook` adds to this step's metrics record
         (cleared at every step).
       checkpoint_path: the final checkpoint's directory, set by :class:`CheckpointHook` at the end.
@@ -71,11 +75,14 @@ class TrainState:
     tokens_per_s: float = math.nan
     wall_s: float = 0.0
     records: list = dataclasses.field(default_factory=list)
+    bubble: float | None = None
     evaluated: bool = False
     val_loss: float | None = None
+    val_loss_step: int | None = None
     first_val_loss: float | None = None
     timed_tokens: float = 0.0
     timed_seconds: float = 0.0
+    timed_step_times: list = dataclasses.field(default_factory=list)
     extra: dict = dataclasses.field(default_factory=dict)
     checkpoint_path: Any = None
     status: int = 0
@@ -85,10 +92,12 @@ class TrainState:
         self.step, self.loss, self.grad_norm, self.lr = step, result.loss, result.grad_norm, lr
         self.num_tokens, self.step_time_s = result.num_tokens, result.step_time_s
         self.records = result.records
+        self.bubble = getattr(result, "bubble", None)
         self.tokens_per_s = result.num_tokens / result.step_time_s if result.step_time_s > 0 else math.nan
         if step > self.start_step + 1:  # the first step includes compilation
             self.timed_tokens += result.num_tokens
             self.timed_seconds += result.step_time_s
+            self.timed_step_times.append(result.step_time_s)
         self.wall_s = time.perf_counter() - self.t_start
         self.evaluated = False
         self.extra = {}
@@ -97,6 +106,16 @@ class TrainState:
     def finite(self) -> bool:
         """Whether the last step's loss is finite (the run goes on)."""
         return math.isfinite(self.loss)
+
+    @property
+    def first_step(self) -> bool:
+        """Whether the last step is this run's first (its time includes compilation)."""
+        return self.step == self.start_step + 1
+
+    @property
+    def median_step_time_s(self) -> float | None:
+        """Median step time (seconds) of the steps after this run's first; None before the second step."""
+        return statistics.median(self.timed_step_times) if self.timed_step_times else None
 
     @property
     def mean_tokens_per_s(self) -> float | None:
@@ -132,6 +151,33 @@ def fmt_rate(x: float) -> str:
     return f"{x / 1000:.1f}k" if x >= 1000 else f"{x:.0f}"
 
 
+def step_time_text(state: "TrainState") -> str:
+    """The last step's MEASURED time with the median of the steps after the first, labelled, as the
+    progress line and the step lines show it: ``"step 1.23 s (median 1.20 s)"``; the run's first step:
+    ``"step 9.87 s (includes compilation)"``. Seconds, 3 significant digits."""
+    med = state.median_step_time_s
+    if state.first_step or med is None:
+        return f"step {state.step_time_s:.3g} s (includes compilation)"
+    return f"step {state.step_time_s:.3g} s (median {med:.3g} s)"
+
+
+def predicted_text(state: "TrainState") -> str:
+    """``"PREDICTED 0.459 s (PREDICTED/measured 0.65)"``: the PREDICTED step time and its ratio to the
+    MEASURED median step time of the steps after the first (no ratio at the first step, whose time
+    includes compilation), from the fields :class:`hethub_jax.train_insight.PredictionHook` placed in
+    ``state.extra``; "" without a prediction."""
+    p = state.extra.get("predicted_step_time_s")
+    if p is None:
+        return ""
+    med = state.median_step_time_s
+    return f"PREDICTED {p:.3g} s" + (f" (PREDICTED/measured {p / med:.2f})" if med else "")
+
+
+def val_loss_text(state: "TrainState") -> str:
+    """``"val_loss 5.7812 (step 200)"``: the newest validation loss with the step it was computed at."""
+    return f"val_loss {state.val_loss:.4f} (step {state.val_loss_step})"
+
+
 # ---------------------------------------------------------------------------------------------------
 # output channels
 
@@ -145,6 +191,9 @@ class Console:
     seconds and no carriage returns. ``mode="auto"`` chooses by ``sys.stderr.isatty()``. The ETA counts
     only steps after the first (which includes compilation): see :meth:`restart_clock`.
     """
+
+    #: the redrawn bar: tqdm's default without its unlabelled rate (the postfix labels the step time)
+    BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]"
 
     def __init__(self, log: bool, progress: bool, total: int, initial: int, mode: str = "auto",
                  line_interval_s: float = 30.0):
@@ -160,7 +209,7 @@ class Console:
                                          leave=False, bar_format=PlainLinesBar.FORMAT)
             else:
                 self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr,
-                                mininterval=0.5, smoothing=0.1, desc="train")
+                                mininterval=0.5, smoothing=0.1, desc="train", bar_format=self.BAR_FORMAT)
 
     def say(self, msg: str) -> None:
         if not self.log:
@@ -197,9 +246,10 @@ class Console:
 class PlainLinesBar(tqdm):
     """A tqdm progress bar that writes one plain line per refresh (``display``, tqdm's override point for
     other front ends) instead of redrawing one line with carriage returns: readable in a log file or
-    through ``mpiexec``'s pipes. ``FORMAT``: steps, percentage, ETA, rate and postfix, no bar."""
+    through ``mpiexec``'s pipes. ``FORMAT``: steps, percentage, ETA and postfix (which labels the step
+    time: :class:`ProgressHook`), no bar and no unlabelled tqdm rate."""
 
-    FORMAT = "{desc}: {n_fmt}/{total_fmt} steps ({percentage:.0f}%), ETA {remaining}, {rate_fmt}{postfix}"
+    FORMAT = "{desc}: {n_fmt}/{total_fmt} steps ({percentage:.0f}%), ETA {remaining}{postfix}"
     quiet = False  # True: display nothing (Console.restart_clock)
 
     def display(self, msg=None, pos=None):
@@ -270,12 +320,12 @@ class EvalHook(_NoOp):
     def on_start(self, state: TrainState) -> None:
         if self.at_start and state.start_step == 0:
             state.val_loss = state.first_val_loss = self.evaluate()
-            state.evaluated = True
+            state.val_loss_step, state.evaluated = 0, True
 
     def on_step(self, state: TrainState) -> None:
         if state.step % self.every == 0 or state.step == state.total_steps:
             state.val_loss = self.evaluate()
-            state.evaluated = True
+            state.val_loss_step, state.evaluated = state.step, True
 
 
 class CheckpointHook(_NoOp):
@@ -338,6 +388,8 @@ class MetricsHook(_NoOp):
             rec["emulated"] = True
         if state.evaluated:
             rec["val_loss"] = state.val_loss
+        if state.bubble is not None:
+            rec["measured_bubble"] = state.bubble
         rec.update(state.extra)
         self.writer.write(rec)
 
@@ -353,20 +405,25 @@ class MetricsHook(_NoOp):
 
 
 class ProgressHook(_NoOp):
-    """Advances the progress bar by one step, showing loss, tokens/s and the newest val_loss. After the
-    run's first step (which includes compilation) it restarts the bar's clock (``Console.restart_clock``)
-    so that the ETA comes from steady-state steps only."""
+    """Advances the progress bar by one step, showing (labelled) loss, tokens/s, the step time
+    (:func:`step_time_text`), the PREDICTED one (:func:`predicted_text`) and the newest val_loss with its
+    step (:func:`val_loss_text`), e.g. ``train: 60/200 steps (30%), ETA 02:31, loss 6.012, 1.4k tokens/s,
+    step 1.12 s (median 1.10 s), PREDICTED 0.491 s (PREDICTED/measured 0.45), val_loss 6.2210 (step 50)``.
+    After the run's first step (which includes compilation) it restarts the bar's clock
+    (``Console.restart_clock``) so that the ETA comes from steady-state steps only."""
 
-    def __init__(self, console: Console):
+    def __init__(self, console: Console, emulated: bool = False):
         self.console, self.bar = console, console.bar
+        self.emu = " EMULATED" if emulated else ""
 
     def on_step(self, state: TrainState) -> None:
         if not state.finite:
             return
-        post = {"loss": f"{state.loss:.3f}", "tok/s": fmt_rate(state.tokens_per_s)}
+        post = [f"loss {state.loss:.3f}", f"{fmt_rate(state.tokens_per_s)} tokens/s{self.emu}", step_time_text(state),
+                predicted_text(state)]
         if state.val_loss is not None:
-            post["val_loss"] = f"{state.val_loss:.3f}"
-        self.bar.set_postfix(post, refresh=False)
+            post.append(val_loss_text(state))
+        self.bar.set_postfix_str(", ".join(x for x in post if x), refresh=False)
         if state.step == state.start_step + 1:
             self.console.restart_clock(advance=1)
         else:
@@ -375,7 +432,10 @@ class ProgressHook(_NoOp):
 
 class ConsoleHook(_NoOp):
     """Text lines: the step-0 validation loss, a line at every evaluation and every ``log_every``
-    steps (0: only at evaluations), and the summary at the end."""
+    steps (0: only at evaluations), and the summary at the end. A step line, e.g. ``step 50/200: loss
+    6.0123, val_loss 6.2210 (step 50), 1.4k tokens/s (EMULATED), step 1.12 s (median 1.10 s), PREDICTED
+    0.491 s (PREDICTED/measured 0.45), grad_norm 0.912, lr 2.91e-03``: val_loss only on evaluation
+    steps, PREDICTED only when the run has a prediction."""
 
     def __init__(self, console: Console, log_every: int | None, emulated: bool):
         self.console, self.log_every = console, log_every
@@ -389,10 +449,12 @@ class ConsoleHook(_NoOp):
         if not state.finite:
             return
         if state.evaluated or (self.log_every and state.step % self.log_every == 0):
+            pred = predicted_text(state)
             self.console.say(f"step {state.step}/{state.total_steps}: loss {state.loss:.4f}"
-                             + (f", val_loss {state.val_loss:.4f}" if state.evaluated else "")
-                             + f", {fmt_rate(state.tokens_per_s)} tokens/s{self.emu}, "
-                               f"grad_norm {state.grad_norm:.3f}, lr {state.lr:.2e}")
+                             + (f", {val_loss_text(state)}" if state.evaluated else "")
+                             + f", {fmt_rate(state.tokens_per_s)} tokens/s{self.emu}, {step_time_text(state)}"
+                             + (f", {pred}" if pred else "")
+                             + f", grad_norm {state.grad_norm:.3f}, lr {state.lr:.2e}")
 
     def on_end(self, state: TrainState) -> None:
         summary = f"done in {state.wall_s:.1f} s: loss {state.loss:.4f}"

@@ -4,13 +4,14 @@ Used by ``hethub_jax.train._build_hooks`` beside the hooks of ``hethub_jax.train
 ``on_start`` / ``on_step`` / ``on_end`` with a ``TrainState``):
 
 * :class:`PredictionHook`: PREDICTED vs MEASURED step time (and bubble) in every step's metrics record
-  (``state.extra``), the progress bar's label (``train (step time 1.12 s measured / 0.491 s PREDICTED)``),
-  a text line every ``log_every`` steps and a summary at the end (a ``prediction`` record in the metrics
-  file). The first step includes compilation and is left out of the summary and the label.
+  (``state.extra``; the progress bar and step lines of ``train_hooks`` show it: ``PREDICTED 0.491 s
+  (PREDICTED/measured 0.45)``) and a summary at the end (a ``prediction`` record in the metrics file).
+  The first step includes compilation and is left out of the medians.
 * :class:`TimelineHook`: at the end, the last step's Gantt chart PNG, measured above PREDICTED
   (``hethub_jax.timeline``).
 * :class:`TensorBoardHook`: TensorBoard scalars through ``tensorboardX`` (the ``tensorboard`` extra):
-  loss, val_loss, tokens/s, MFU (real accelerators only), predicted and measured step time, bubble.
+  loss, val_loss, tokens/s, MFU (real accelerators only), predicted and measured step time, their ratio,
+  bubble.
 
 No JAX import.
 """
@@ -23,7 +24,7 @@ from typing import Any, Callable, List, Mapping, Optional
 from hethub_jax.train_hooks import Console, MetricsWriter, TrainState, _NoOp
 
 __all__ = ["PredictionHook", "TimelineHook", "TensorBoardHook", "GatherRecordsHook", "TENSORBOARD_MISSING",
-           "mfu_inputs", "step_times"]
+           "mfu_inputs"]
 
 TENSORBOARD_MISSING = ("--tensorboard needs tensorboardX (not installed): pip install 'hethub-jax[tensorboard]' "
                        "(or pip install tensorboardX)")
@@ -52,63 +53,66 @@ def mfu_inputs(cfg: Any, plan: Any, pred: Any, seq_len: int) -> tuple:
     return fpt, peak
 
 
-def step_times(measured_s: float, predicted_s: float) -> str:
-    """``"1.12 s measured / 0.491 s PREDICTED"``: a step time (seconds, 3 significant digits) measured and
-    PREDICTED side by side, as the progress bar, the step lines and the end summary show them."""
-    return f"{measured_s:.3g} s measured / {predicted_s:.3g} s PREDICTED"
-
-
 class PredictionHook(_NoOp):
-    """PREDICTED vs MEASURED step time of the run's plan.
+    """PREDICTED vs MEASURED step time (and bubble) of the run's plan.
 
-    Adds to each step's metrics record: ``predicted_step_time_s``, ``measured_step_time_s``,
-    ``predicted_over_measured``, ``predicted_tokens_per_s`` (``predictor.compare_step``),
-    ``predicted_bubble`` and ``measured_bubble`` (this rank's stages, ``train_predict.measured_bubble``).
+    One form of comparison everywhere: the ratio PREDICTED / MEASURED (``predicted_over_measured``:
+    below 1 the prediction is too fast, above 1 too slow; ``|ratio - 1|`` is the relative error that
+    ``benchmarks/hetero_e2e.py`` reports as ``prediction_error``). Adds to each step's metrics record
+    (``predictor.compare_step``): ``predicted_step_time_s``, ``measured_step_time_s``,
+    ``predicted_over_measured`` (this step's), ``predicted_tokens_per_s``, and ``predicted_bubble`` (the
+    mean over stages, ``RunPrediction.bubble_fraction``; the measured one, ``measured_bubble``, is the
+    runtime's ``StepResult.bubble``, same definition: docs/training.md).
+    The progress bar and the step lines show them (``train_hooks.predicted_text``: the ratio to the
+    median measured step time); the end writes a ``prediction`` record and a summary line. The first
+    step includes compilation and is left out of the medians.
 
     Args:
       pred: ``train_predict.RunPrediction``; writer: the metrics file (for the end's ``prediction`` record).
-      console: text output; log_every: a comparison line every this many steps (0: only at the end).
+      console: text output; log_every: accepted for compatibility, unused (the step lines are
+        ``train_hooks.ConsoleHook``'s, which show these figures).
     """
 
-    def __init__(self, pred: Any, writer: MetricsWriter, console: Console, log_every: int | None):
-        self.pred, self.writer, self.console, self.log_every = pred, writer, console, log_every
+    def __init__(self, pred: Any, writer: MetricsWriter, console: Console, log_every: int | None = None):
+        self.pred, self.writer, self.console = pred, writer, console
         self.measured: List[float] = []
+        self.bubbles: List[float] = []
 
     def on_step(self, state: TrainState) -> None:
         from hethub_jax.planner.predictor import compare_step
-        from hethub_jax.train_predict import measured_bubble
         if not state.step_time_s > 0:
             return
         _, m = compare_step(self.pred.prediction, state.step_time_s)
-        state.extra.update(m, predicted_bubble=self.pred.bubble_fraction,
-                           measured_bubble=measured_bubble(state.records))
-        first = state.step == state.start_step + 1
-        text = step_times(state.step_time_s, m["predicted_step_time_s"])
-        if not first:
+        state.extra.update(m, predicted_bubble=self.pred.bubble_fraction)
+        if not state.first_step:
             self.measured.append(state.step_time_s)
-            if self.console.bar is not None:  # the progress bar shows it as it goes
-                self.console.bar.set_description_str(f"train (step time {text})", refresh=False)
-        if self.log_every and state.step % self.log_every == 0:
-            self.console.say(f"step {state.step}/{state.total_steps}: step time {text} (predicted/measured "
-                             f"{m['predicted_over_measured']:.2f})" + (" [includes compilation]" if first else ""))
+            if state.bubble is not None:
+                self.bubbles.append(state.bubble)
 
     def summary(self) -> Optional[dict]:
-        """Median MEASURED step time after the first step against the PREDICTED one; None before 2 steps."""
+        """The ``prediction`` record: median MEASURED step time (and bubble) after the first step against
+        the PREDICTED ones; None before 2 steps."""
         if not self.measured:
             return None
         med, p = statistics.median(self.measured), self.pred.prediction.step_time_s
         return {"kind": "prediction", "predicted_step_time_s": p, "median_measured_step_time_s": med,
-                "steps": len(self.measured), "prediction_error": abs(p - med) / med,
-                "predicted_over_measured": p / med, "source": self.pred.source}
+                "predicted_over_measured": p / med, "steps": len(self.measured),
+                "predicted_bubble": self.pred.bubble_fraction,
+                "median_measured_bubble": statistics.median(self.bubbles) if self.bubbles else None,
+                "source": self.pred.source}
 
     def on_end(self, state: TrainState) -> None:
         s = self.summary()
         if s is None:
             return
         self.writer.write(s)
-        self.console.say(f"step time (median of {s['steps']} step(s) after the first): "
-                         f"{step_times(s['median_measured_step_time_s'], s['predicted_step_time_s'])} (error "
-                         f"{100 * s['prediction_error']:.1f}%; prediction from {self.pred.source})")
+        bub = s["median_measured_bubble"]
+        self.console.say(
+            f"step time: median {s['median_measured_step_time_s']:.3g} s measured ({s['steps']} step(s) after the "
+            f"first), PREDICTED {s['predicted_step_time_s']:.3g} s (PREDICTED/measured "
+            f"{s['predicted_over_measured']:.2f}); bubble (idle fraction of the pipeline time, mean over stages): "
+            + (f"median {100 * bub:.1f}% measured, " if bub is not None else "")
+            + f"PREDICTED {100 * s['predicted_bubble']:.1f}%; prediction from {self.pred.source}")
 
 
 class GatherRecordsHook(_NoOp):
@@ -167,8 +171,9 @@ class TimelineHook(_NoOp):
 class TensorBoardHook(_NoOp):
     """TensorBoard scalars (``tensorboardX.SummaryWriter``), one point per step:
     ``train/loss``, ``train/tokens_per_s``, ``eval/val_loss`` (at evaluations), ``perf/step_time_s``
-    (MEASURED), ``perf/predicted_step_time_s``, ``perf/bubble`` and ``perf/predicted_bubble`` (from the
-    fields a :class:`PredictionHook` placed before it adds), and ``perf/mfu`` when ``flops_per_token``
+    (MEASURED), ``perf/predicted_step_time_s``, ``perf/predicted_over_measured``, ``perf/bubble`` (MEASURED)
+    and ``perf/predicted_bubble`` (``state.bubble`` and the fields :class:`PredictionHook` placed before
+    it adds), and ``perf/mfu`` when ``flops_per_token``
     and ``peak_flops`` are given (real accelerators only: never for CPU or emulated islands).
 
     Args:
@@ -200,9 +205,12 @@ class TensorBoardHook(_NoOp):
                 add("perf/mfu", state.tokens_per_s * self.flops_per_token / self.peak, s)
         add("perf/step_time_s", state.step_time_s, s)
         for key, tag in (("predicted_step_time_s", "perf/predicted_step_time_s"),
-                         ("measured_bubble", "perf/bubble"), ("predicted_bubble", "perf/predicted_bubble")):
+                         ("predicted_over_measured", "perf/predicted_over_measured"),
+                         ("predicted_bubble", "perf/predicted_bubble")):
             if state.extra.get(key) is not None:
                 add(tag, state.extra[key], s)
+        if state.bubble is not None:
+            add("perf/bubble", state.bubble, s)
         if state.evaluated and state.val_loss is not None:
             add("eval/val_loss", state.val_loss, s)
 

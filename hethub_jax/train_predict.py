@@ -124,22 +124,21 @@ def predict_run(cfg: Any, plan: Any, seq_len: int, *, profiles_dir: Optional[str
     return RunPrediction(pred, dict(costs), bridge, seq_len, source or "given costs")
 
 
-def measured_bubble(records: list) -> Optional[float]:
-    """Mean over this rank's stages of ``1 - (F and B seconds) / (the step's span)``: the MEASURED bubble
-    fraction of one step's ``ActionRecord``s (emulated waits count as compute, as in the prediction).
-    None without records."""
-    if not records:
-        return None
-    t0, t1 = min(r.start_s for r in records), max(r.end_s for r in records)
-    if t1 <= t0:
-        return None
-    busy: Dict[Tuple[int, int], float] = {}
-    for r in records:
-        key = (r.replica, r.stage)
-        busy.setdefault(key, 0.0)
-        if r.action[:1] in ("F", "B"):
-            busy[key] += r.end_s - r.start_s
-    return sum(1.0 - b / (t1 - t0) for b in busy.values()) / len(busy)
+def measured_bubble(records: list, start_s: Optional[float] = None) -> Optional[float]:
+    """The MEASURED bubble fraction of one step's ``ActionRecord``s of EVERY stage (e.g. those
+    ``train_insight.GatherRecordsHook`` gathers on the logging rank), as the simulator defines the
+    PREDICTED one (``planner.simulator.Timeline.bubble_fraction``, ``StagePrediction.bubble_fraction``):
+    the mean over stages ``(replica, stage)`` of ``1 - busy / pipeline``, where ``busy`` is the stage's
+    seconds in F and B actions (emulated waits included: they stand for the slower device's compute, as
+    in the prediction) and ``pipeline`` the step's pipeline time, from ``start_s`` (default: the
+    earliest record's start) to the end of the last record of any stage. Idle time counts wherever it
+    falls: waits in receives, before a stage's first action (warm-up), after its last one (cool-down,
+    or a fast replica waiting for a slow one). The gradient all-reduce and the update come after the
+    pipeline and are not bubble (the prediction times them separately). During training the runtime
+    measures the same figure every step over all ranks (``StepResult.bubble``,
+    ``trace.bubble_terms`` / ``trace.bubble_from_terms``). None without records."""
+    from hethub_jax.parallel.trace import bubble_from_terms, bubble_terms
+    return bubble_from_terms([bubble_terms(records, start_s)]) if records else None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -262,7 +261,7 @@ def _plan_lines(res: Any, cluster: Any, costs: Mapping[str, Any]) -> List[str]:
 
     class _Info:
         def __init__(self, g):
-            self.device, self.memory_gb = g.device, costs[g.name].memory_bytes / 1e9
+            self.device, self.memory_bytes = g.device, costs[g.name].memory_bytes
     groups = {g.name: _Info(g) for g in cluster.resolved().groups}
     return format_candidate(0, res.best, groups, res.upper_bound_tokens_per_s).splitlines()
 

@@ -227,6 +227,8 @@ def test_bad_input_in_process(case: Case, tmp_path: Path):
         if lock is not None:
             lock.release()
     _check_output(case, rc, err.getvalue(), tmp_path)
+    left = [p for p in tmp_path.rglob("*") if p.name.endswith(".lock")]
+    assert not left, f"{case.name}: lock files left after the error: {left}"
 
 
 @pytest.mark.mpi

@@ -74,3 +74,39 @@ def test_probe_removes_stale_probe_files_only(tmp_path):
     os.utime(other, (past, past))
     ckpt.probe_writable(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".probe.4343", "probe.keep"]
+
+
+def test_lock_file_is_deleted_on_release_and_a_stale_one_is_taken_over(tmp_path):
+    """A clean exit leaves no lock file; a file left by a killed run (no flock held) does not block."""
+    lock = tmp_path / "ckpt" / ".lock"
+    held = ckpt.DirLock(lock)
+    assert lock.read_text().startswith(f"pid {os.getpid()} on host ")
+    with pytest.raises(ckpt.CheckpointError, match=rf"in use by another run .*lock file {lock}\)"):
+        ckpt.DirLock(lock)  # a second holder in this process: flock is per open file
+    held.release()
+    held.release()  # idempotent
+    assert not lock.exists()
+    lock.write_text("pid 1 on host gone since 2026-01-01T00:00:00Z\n")  # a crashed run's leftover
+    again = ckpt.DirLock(lock)
+    assert lock.read_text().startswith(f"pid {os.getpid()} ")
+    again.release()
+    assert not lock.exists()
+
+
+def test_lock_taken_while_its_holder_deletes_it_is_retaken(tmp_path, monkeypatch):
+    """The lock of a file its releasing holder deleted (between our open and flock) excludes nobody:
+    DirLock notices that the path names another file and locks the new one."""
+    import fcntl
+    lock = tmp_path / ".lock"
+    real_flock, calls = fcntl.flock, []
+
+    def flock(fd, op):
+        calls.append(op)
+        if len(calls) == 1:  # a holder releases right now: deletes the file we opened
+            lock.unlink()
+        return real_flock(fd, op)
+    monkeypatch.setattr(fcntl, "flock", flock)
+    held = ckpt.DirLock(lock)
+    assert len(calls) == 2 and lock.exists() and os.fstat(held._f.fileno()).st_ino == os.stat(lock).st_ino
+    monkeypatch.setattr(fcntl, "flock", real_flock)
+    held.release()

@@ -335,3 +335,9 @@ def test_pure_python_modules_do_not_import_jax():
     r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_fmt_bytes_binary_labelled_units():
+    from hethub_jax.plan import fmt_bytes
+    assert fmt_bytes(47 * 2**20) == "47.0 MiB" and fmt_bytes(1.5 * 2**30) == "1.50 GiB"
+    assert fmt_bytes(2**30 - 1) == "1024.0 MiB" and fmt_bytes(80 * 10**9) == "74.51 GiB"

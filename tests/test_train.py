@@ -218,25 +218,34 @@ train: {steps: 3, global_batch_size: 2, microbatch_size: 2, eval_every: 100, eva
 
 
 def test_progress_bar_shows_step_loss_and_throughput(tmp_path, capsys):
-    metrics = tmp_path / "m.jsonl"
-    rc = main(["--config", _write(tmp_path, PROGRESS_RUN), "--metrics-file", str(metrics), "--no-checkpoint"])
+    metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
+    rc = main(["--config", _write(tmp_path, PROGRESS_RUN), "--metrics-file", str(metrics), "--checkpoint-dir",
+               str(ckpt)])
     out, err = capsys.readouterr()
     assert rc == 0, err
-    last = [json.loads(line) for line in metrics.read_text().splitlines() if '"step"' in line][-1]
+    recs = [json.loads(line) for line in metrics.read_text().splitlines()]
+    last = [r for r in recs if r["kind"] == "step"][-1]
     assert last["kind"] == "step" and last["step"] == 3
-    # Not a tty: plain progress lines (no carriage returns); the last one carries the last step's postfix:
-    # "train (step time 0.5 s measured / 0.1 s PREDICTED): 3/3 steps (100%), ETA 00:00,  1.33s/step,
-    #  loss=10.364, tok/s=2.4k, val_loss=10.333"
+    # Not a tty: plain progress lines (no carriage returns); the last one carries the last step's figures,
+    # each labelled: "train: 3/3 steps (100%), ETA 00:00, loss 10.364, 2.4k tokens/s, step 0.5 s (median
+    # 0.45 s), PREDICTED 0.1 s (PREDICTED/measured 0.22), val_loss 10.3330 (step 3)"
     assert "\r" not in err
-    bars = re.findall(r"train(?: \(step time [0-9.e+-]+ s measured / [0-9.e+-]+ s PREDICTED\))?: 3/3 steps \(100%\), "
-                      r"ETA [0-9:]+, +[0-9.]+(?:s/step|step/s), "
-                      r"loss=(\d+\.\d{3}), tok/s=([0-9.]+k?), val_loss=(\d+\.\d{3})$", err, re.M)
+    bars = re.findall(r"^train: 3/3 steps \(100%\), ETA [0-9:]+, loss (\d+\.\d{3}), ([0-9.]+k?) tokens/s, "
+                      r"step ([0-9.e+-]+) s \(median ([0-9.e+-]+) s\), PREDICTED [0-9.e+-]+ s \(PREDICTED/measured "
+                      r"([0-9.]+)\), val_loss (\d+\.\d{4}) \(step 3\)$", err, re.M)
     assert bars, err
-    loss, rate, val_loss = bars[-1]
-    assert loss == f"{last['loss']:.3f}" and val_loss == f"{last['val_loss']:.3f}"
+    loss, rate, step_s, median_s, ratio, val_loss = bars[-1]
+    assert loss == f"{last['loss']:.3f}" and val_loss == f"{last['val_loss']:.4f}"
     tps = last["tokens_per_s"]
     assert rate == (f"{tps / 1000:.1f}k" if tps >= 1000 else f"{tps:.0f}")
+    steps = [r["step_time_s"] for r in recs if r["kind"] == "step"]
+    assert step_s == f"{steps[-1]:.3g}" and median_s == f"{(steps[1] + steps[2]) / 2:.3g}"
+    summary = [r for r in recs if r["kind"] == "prediction"][0]
+    assert ratio == f"{summary['predicted_over_measured']:.2f}"
     assert "step 3/3: loss" in out  # the text line goes to stdout through the bar
+    # a clean exit leaves no lock file behind (docs/training.md: one run per output directory)
+    assert not (tmp_path / "m.jsonl.lock").exists() and not (ckpt / ".lock").exists()
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".lock")]
 
 
 # ---- a real short training run ------------------------------------------------------------------

@@ -82,7 +82,7 @@ def test_console_lines(capsys):
     console = Console(log=True, progress=False, total=4, initial=0)
     _run([ConsoleHook(console, log_every=2, emulated=False)], [4.0, 3.0, 2.0, math.nan])
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("step 2/4: loss 3.0000, 200 tokens/s, grad_norm 1.000, lr 1.00e-03")
+    assert out[0] == "step 2/4: loss 3.0000, 200 tokens/s, step 0.5 s (median 0.5 s), grad_norm 1.000, lr 1.00e-03"
     assert out[1].startswith("done in ") and "loss nan" in out[1] and len(out) == 2   # step 4 not finite
 
 
@@ -126,7 +126,42 @@ def test_progress_eta_leaves_out_the_first_step(monkeypatch, capsys, start_step)
     after = _progress_lines(monkeypatch, capsys, [100.0] + [1.0] * 99, start_step)
     assert f"{start_step + 1}/{start_step + 100} steps" in after[0] and "ETA ?," in after[0]
     assert f"{start_step + 2}/{start_step + 100} steps" in after[1] and "ETA 01:38," in after[1], after[1]
-    assert "ETA 00:49," in after[50] and " 1.00step/s" in after[50]
+    assert "ETA 00:49," in after[50] and "step/s" not in after[50] and "s/step" not in after[50]
+
+
+def test_progress_and_step_lines_label_every_figure(monkeypatch, capsys):
+    """One step time per line, labelled (the last step's and the median after the first), the first step
+    labelled as compiling, the PREDICTED one as such with its ratio to the median, and val_loss with
+    the step it was computed at (not a stale figure passed off as the current one)."""
+    import tqdm.std
+    monkeypatch.setattr(tqdm.std, "time", _Clock())
+    console = Console(log=True, progress=True, total=4, initial=0, mode="lines", line_interval_s=0.0)
+    ev = EvalHook(lambda b: (6.0, 2.0), [0], every=2, at_start=True)
+    hooks = [ev, ProgressHook(console), ConsoleHook(console, log_every=1, emulated=True)]
+    state = TrainState(start_step=0, total_steps=4, t_start=0.0)
+    for h in hooks:
+        h.on_start(state)
+    lines = []
+    for step, dt in zip((1, 2, 3, 4), (10.0, 1.0, 2.0, 4.0)):
+        state.record_step(step, SimpleNamespace(loss=2.0, grad_norm=1.0, num_tokens=100, step_time_s=dt,
+                                                records=[]), lr=1e-3)
+        state.extra["predicted_step_time_s"] = 0.5  # as PredictionHook places it
+        capsys.readouterr()
+        for h in hooks:
+            h.on_step(state)
+        out, err = capsys.readouterr()
+        lines.append((err.splitlines()[-1], out.splitlines()[-1]))
+    console.close()
+    (bar1, text1), (_, text2), (bar3, text3), (bar4, text4) = lines
+    assert "step 10 s (includes compilation), PREDICTED 0.5 s," in bar1 and "PREDICTED/measured" not in bar1
+    assert "val_loss 3.0000 (step 0)" in bar1 and "val_loss" not in text1  # no evaluation at step 1
+    assert "step 2 s (median 1.5 s), PREDICTED 0.5 s (PREDICTED/measured 0.33)" in bar3
+    assert "val_loss 3.0000 (step 2)" in bar3 and "val_loss" not in text3
+    assert text2.startswith("step 2/4: loss 2.0000, val_loss 3.0000 (step 2), 100 tokens/s (EMULATED), step 1 s "
+                            "(median 1 s), PREDICTED 0.5 s (PREDICTED/measured 0.50), grad_norm")
+    assert "step 4 s (median 2 s)" in text4 and "val_loss 3.0000 (step 4)" in bar4
+    for bar, _ in lines:
+        assert "s/step" not in bar and "step/s" not in bar  # tqdm's unlabelled rate is not shown
 
 
 def test_progress_lines_mode_writes_whole_lines_without_carriage_returns(monkeypatch, capsys):

@@ -117,8 +117,9 @@ def test_train_reports_prediction_trace_png_and_tensorboard(tmp_path, capsys):
     med = sorted(r["step_time_s"] for r in steps[1:])
     assert summary["median_measured_step_time_s"] == pytest.approx(sum(med) / 2)  # median of 2
     assert "profile" in recs[0]["prediction"]["source"]
-    assert "step time (median of 2 step(s) after the first): " in out and " s PREDICTED (error " in out
-    assert "step 2/3: step time " in out and " s measured / " in out
+    assert "step time: median " in out and " s measured (2 step(s) after the first), PREDICTED " in out
+    assert "(PREDICTED/measured " in out and "error" not in out
+    assert "step 2/3: loss " in out and ", PREDICTED " in out
     t = json.loads(trace.read_text())["traceEvents"]
     labels = {e["args"]["name"] for e in t if e["ph"] == "M" and e["name"] == "process_name"}
     assert {lab for lab in labels if lab.startswith("PREDICTED")} == {
@@ -129,7 +130,9 @@ def test_train_reports_prediction_trace_png_and_tensorboard(tmp_path, capsys):
     assert [s for s, _ in ev["train/loss"]] == [1, 2, 3]
     assert [v for _, v in ev["train/loss"]] == pytest.approx([r["loss"] for r in steps], rel=1e-6)
     assert ev["perf/predicted_step_time_s"][0][1] == pytest.approx(want.step_time_s, rel=1e-6)
-    assert {"train/tokens_per_s", "perf/step_time_s", "perf/bubble", "perf/predicted_bubble"} <= set(ev)
+    assert {"train/tokens_per_s", "perf/step_time_s", "perf/bubble", "perf/predicted_bubble",
+            "perf/predicted_over_measured"} <= set(ev)
+    assert [v for _, v in ev["perf/bubble"]] == pytest.approx([r["measured_bubble"] for r in steps], rel=1e-6)
     assert "perf/mfu" not in ev                                            # cpu islands: no MFU
 
 
@@ -177,6 +180,8 @@ def test_cluster_planless_training_under_mpiexec(tmp_path):
     steps = [r for r in recs if r["kind"] == "step"]
     assert len(steps) == 2 and all(math.isfinite(r["loss"]) for r in steps)
     assert all(r["predicted_step_time_s"] == pytest.approx(best.step_time_s, rel=1e-9) for r in steps)
+    assert all(0.0 <= r["measured_bubble"] < 1.0 for r in steps)  # the runtime's, over both ranks
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".lock")]  # removed at the clean exit
     # the logging rank gathered every rank's records: both islands measured, and both predicted
     t = json.loads((tmp_path / "run" / "t.json").read_text())["traceEvents"]
     islands = {(e["args"]["island"], e["args"]["predicted"]) for e in t if e["ph"] == "X"}
@@ -251,7 +256,7 @@ def test_mfu_is_na_for_cpu_and_emulated_islands_in_plan_lines_and_json():
         return C()
 
     class G:
-        device, memory_gb = "cpu", 16.0
+        device, memory_bytes = "cpu", 16 * 2**30  # 16 GiB
     groups = {"fast": G(), "slow": G()}
     for slowdown in (1.0, 2.0):
         c, why = cand("cpu", slowdown), "n/a (CPU, no peak)"
@@ -259,7 +264,12 @@ def test_mfu_is_na_for_cpu_and_emulated_islands_in_plan_lines_and_json():
         assert f"MFU {why}," in head and "12.3%" not in head
         assert candidate_dict(c)["mfu"] is None and candidate_dict(c)["mfu_note"] == why
     real = cand("cuda", 1.0)
-    assert "MFU 12.3%," in format_candidate(0, real, groups, None)
+    table = format_candidate(0, real, groups, None)
+    assert "MFU 12.3%," in table
+    # memory in labelled binary units (one convention with the banner's MiB), capacity in GiB
+    mem = real.prediction.stages[0].memory.total
+    assert "memory/device (capacity)" in table and "GB" not in table.replace("80GB", "")
+    assert f"{mem / 2**20:.1f} MiB (16.00 GiB)" in table
     assert candidate_dict(real)["mfu"] == 0.123 and candidate_dict(real)["mfu_note"] is None
 
 
@@ -288,31 +298,92 @@ def test_profile_shared_by_two_groups_is_measured_and_reported_once(tmp_path, mo
     assert calls == [str(tmp_path / "cpu.json")] and len(logged) == 1 and "groups fast, slow" in logged[0]
 
 
-# ---- the progress bar's label and the step lines ------------------------------------------------------
+# ---- the PREDICTED-vs-measured summary: one form (the ratio) ------------------------------------------
 
-def test_progress_label_and_step_lines_show_measured_and_predicted_seconds(tmp_path, capsys):
-    """The bar's label and the step lines give both step times in seconds, labelled, in one format
-    (not a ratio); the first step (compilation) sets no label."""
+def test_prediction_hook_uses_the_ratio_everywhere(capsys, tmp_path):
+    """Step records, the prediction record and the summary line give the accuracy as PREDICTED/measured
+    (no second form, no error %); the summary also gives the bubbles, measured and PREDICTED."""
     from types import SimpleNamespace
 
     from hethub_jax.train_hooks import Console, MetricsWriter, TrainState
     from hethub_jax.train_insight import PredictionHook
     pred = SimpleNamespace(prediction=SimpleNamespace(step_time_s=0.4912, tokens_per_s=1000.0, stages=[]),
                            bubble_fraction=0.1, source="profile x")
-    console = Console(log=True, progress=True, total=3, initial=0, mode="lines", line_interval_s=1e9)
-    hook = PredictionHook(pred, MetricsWriter(None, append=False), console, log_every=1)
+    m = tmp_path / "m.jsonl"
+    writer = MetricsWriter(str(m), append=False)
+    console = Console(log=True, progress=False, total=3, initial=0)
+    hook = PredictionHook(pred, writer, console)
     state = TrainState(start_step=0, total_steps=3, t_start=0.0)
-    labels = []
-    for step, dt in ((1, 30.0), (2, 1.1234), (3, 1.0)):
+    extras = []
+    for step, dt, bubble in ((1, 30.0, 0.9), (2, 1.1234, 0.3), (3, 1.0, 0.2)):
         state.record_step(step, SimpleNamespace(loss=2.0, grad_norm=1.0, num_tokens=100, step_time_s=dt,
-                                                records=[]), lr=1e-3)
+                                                records=[], bubble=bubble), lr=1e-3)
         hook.on_step(state)
-        labels.append(console.bar.desc)
-    console.close()
-    out = capsys.readouterr().out.splitlines()
-    assert labels == ["train", "train (step time 1.12 s measured / 0.491 s PREDICTED)",
-                      "train (step time 1 s measured / 0.491 s PREDICTED)"]
-    assert out == ["step 1/3: step time 30 s measured / 0.491 s PREDICTED (predicted/measured "
-                   f"{0.4912 / 30:.2f}) [includes compilation]",
-                   f"step 2/3: step time 1.12 s measured / 0.491 s PREDICTED (predicted/measured {0.4912 / 1.1234:.2f})",
-                   f"step 3/3: step time 1 s measured / 0.491 s PREDICTED (predicted/measured {0.4912:.2f})"]
+        extras.append(dict(state.extra))
+    hook.on_end(state)
+    writer.close()
+    assert [e["predicted_over_measured"] for e in extras] == pytest.approx([0.4912 / 30, 0.4912 / 1.1234, 0.4912])
+    assert all(e["predicted_bubble"] == 0.1 and "prediction_error" not in e for e in extras)
+    (rec,) = _records(m)
+    med = (1.1234 + 1.0) / 2
+    assert rec == {"kind": "prediction", "predicted_step_time_s": 0.4912, "median_measured_step_time_s": med,
+                   "predicted_over_measured": pytest.approx(0.4912 / med), "steps": 2, "predicted_bubble": 0.1,
+                   "median_measured_bubble": pytest.approx(0.25), "source": "profile x"}
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line == (f"step time: median {med:.3g} s measured (2 step(s) after the first), PREDICTED 0.491 s "
+                    f"(PREDICTED/measured {0.4912 / med:.2f}); bubble (idle fraction of the pipeline time, mean "
+                    "over stages): median 25.0% measured, PREDICTED 10.0%; prediction from profile x")
+    assert "error" not in line
+
+
+# ---- the measured bubble: the simulator's definition --------------------------------------------------
+
+def _simulated_step():
+    """A 2-stage 1F1B step of 4 microbatches timed by the simulator (stage 0 three times slower):
+    its records and its Timeline (the reference bubble)."""
+    from hethub_jax.parallel.schedule import get_schedule
+    from hethub_jax.planner.simulator import simulate
+    lists = get_schedule("1f1b")(2, 4)
+    cost = {0: {"F": 0.3, "B": 0.6}, 1: {"F": 0.1, "B": 0.2}}
+    tl = simulate(lists, lambda s, a: cost[s][str(a)[0]], lambda s, d, a: 0.01)
+    return tl.records(["slow", "fast"]), tl
+
+
+def test_measured_bubble_of_all_stages_equals_the_simulators():
+    from hethub_jax.train_predict import measured_bubble
+    recs, tl = _simulated_step()
+    assert measured_bubble(recs) == pytest.approx(sum(tl.bubble_fraction) / 2, abs=1e-12)
+    assert 0.2 < measured_bubble(recs) < 0.8  # a real bubble (warm-up, cool-down, the slow stage)
+
+
+def _bubble_over_ranks(per_rank, step_start_s=0.0):
+    """The runtime's figure (``StepResult.bubble``): each "rank"'s ``bubble_terms`` from its step start,
+    combined as the world all-reduce combines them."""
+    from hethub_jax.parallel.trace import bubble_from_terms, bubble_terms
+    return bubble_from_terms([bubble_terms(recs, step_start_s) for recs in per_rank])
+
+
+def test_bubble_over_ranks_counts_warm_up_cool_down_and_waiting_replicas():
+    """Each rank holds one stage's records: the runtime's figure (pipeline time over all ranks) equals the
+    simulator's bubble, where one rank's own first-to-last span would leave out its warm-up and
+    cool-down idle; and a fast data-parallel replica idling while the slow one computes is bubble."""
+    from hethub_jax.train_predict import measured_bubble
+    import dataclasses
+    recs, tl = _simulated_step()
+    # as the runtime records them: a receive runs (and is recorded) once its message is there
+    recs = [dataclasses.replace(r, start_s=r.end_s) if r.action.startswith("RECV") else r for r in recs]
+    ranks = [[r for r in recs if r.stage == s] for s in (0, 1)]
+    want = sum(tl.bubble_fraction) / 2
+    assert _bubble_over_ranks(ranks) == pytest.approx(want, abs=1e-12)
+    own_span = sum(measured_bubble(r) for r in ranks) / 2  # the old per-rank definition
+    assert own_span < want - 0.05, (own_span, want)  # 0.25 against 0.34 here
+    # heterogeneous DP: replica 0 busy 1.0 s, replica 1 0.25 s; each 1 - busy / 1.0 s, mean 0.375
+    dp = [[ActionRecord(0, "F0", 0.0, 0.4, "slow", 0), ActionRecord(0, "B0", 0.4, 1.0, "slow", 0)],
+          [ActionRecord(0, "F0", 0.0, 0.1, "fast", 1), ActionRecord(0, "B0", 0.1, 0.25, "fast", 1)]]
+    assert _bubble_over_ranks(dp) == pytest.approx(0.375)
+    assert _bubble_over_ranks([dp[0] + dp[1]]) == pytest.approx(0.375)  # one process: the same
+    # a stage run by two processes is counted once (keys), and each rank's step start is its own
+    from hethub_jax.parallel.trace import bubble_from_terms, bubble_terms
+    shifted = [ActionRecord(r.stage, r.action, r.start_s + 100.0, r.end_s + 100.0, r.island, r.replica) for r in dp[1]]
+    rows = [bubble_terms(dp[0], 0.0, [(0, 0)]), bubble_terms(dp[0], 0.0, []), bubble_terms(shifted, 100.0)]
+    assert rows[1] == (0.0, 0.0, 0) and bubble_from_terms(rows) == pytest.approx(0.375)

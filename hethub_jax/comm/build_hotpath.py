@@ -13,7 +13,15 @@ never against another MPI found on the machine:
   process has loaded (``/proc/self/maps``), with the ``bin/mpicc`` of its installation prefix, or
   else the system C compiler with ``<prefix>/include/mpi.h`` and that very library file.
 
-The module ``_hotpath<EXT_SUFFIX>`` is written next to this file together with ``_hotpath.json``,
+Where it goes (:func:`target_dirs`): into the directory of the ``hethub_jax.comm`` package this
+Python imports (``hethub_jax.comm.__path__``), which is where ``comm.mpi`` looks for it. Started from
+a clone's root after a non-editable ``pip install .``, Python imports the clone's ``hethub_jax`` (the
+current directory comes first on ``sys.path`` with ``python -m``), not the installed copy in
+``site-packages``; the module is then also copied into the installed copy, so that runs started from
+any directory find it. The command prints every path it wrote. An editable install (``pip install -e``)
+has one copy, the source tree.
+
+The module ``_hotpath<EXT_SUFFIX>`` is written together with ``_hotpath.json``,
 which records the ``MPI.Get_library_version()`` string it was built for; ``comm.mpi`` imports the
 module only when mpi4py reports the same string (so a second MPI library is never loaded), the
 handle constants agree and the interface number matches. Why it is not built by ``pip install``:
@@ -108,17 +116,76 @@ def compile_command(info: dict, out: str) -> list[str]:
                        f"({info['library_version'].splitlines()[0]!r}, library {info['libmpi']})")
 
 
-def build(quiet: bool = False) -> Path:
-    """Compile ``_hotpath.c`` against mpi4py's MPI into this package; returns the module's path.
+def imported_dir() -> Path:
+    """The directory of the ``hethub_jax.comm`` package this Python imports (``__path__[0]``, resolved)."""
+    import hethub_jax.comm
+    return Path(list(hethub_jax.comm.__path__)[0]).resolve()
+
+
+def installed_dirs(dist_name: str = "hethub-jax") -> list[Path]:
+    """The ``hethub_jax/comm`` directories of every installed copy of the distribution ``dist_name``
+    on ``sys.path`` that holds its own package files (a non-editable install into ``site-packages``), in
+    ``sys.path`` order; an editable install's metadata points back to the source tree or holds no
+    package directory. Every copy, not only the first: a clone's root, first on ``sys.path`` under
+    ``python -m``, holds the ``hethub_jax.egg-info`` that an in-tree ``pip install .`` leaves there."""
+    import re
+    from importlib import metadata
+
+    def norm(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name or "").lower()
+    out: list[Path] = []
+    for dist in metadata.distributions():
+        if norm(dist.metadata["Name"]) != norm(dist_name):
+            continue
+        init = Path(dist.locate_file("hethub_jax/comm/__init__.py"))
+        if init.exists() and init.parent.resolve() not in out:
+            out.append(init.parent.resolve())
+    return out
+
+
+def target_dirs(imported: Path | None = None, installed: list[Path] | None = None) -> list[Path]:
+    """Where the module is written: the imported package's directory first, then every installed copy
+    in another directory (the clone's package shadows a non-editable install).
+
+    Args:
+      imported: default :func:`imported_dir`; installed: default :func:`installed_dirs`.
+    """
+    first = Path(imported if imported is not None else imported_dir())
+    out = [first]
+    for d in (installed if installed is not None else installed_dirs()):
+        if Path(d).resolve() not in [p.resolve() for p in out]:
+            out.append(Path(d))
+    return out
+
+
+def _write_atomic(directory: Path, name: str, data: bytes) -> Path:
+    fd, tmp = tempfile.mkstemp(prefix=".hotpath-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o755 if name.endswith(".so") else 0o644)
+        os.replace(tmp, directory / name)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return directory / name
+
+
+def build(quiet: bool = False, dirs: list[Path] | None = None) -> list[Path]:
+    """Compile ``_hotpath.c`` against mpi4py's MPI into ``dirs`` (default :func:`target_dirs`: the
+    imported package, and the installed copy when another); returns the modules' paths, the imported
+    package's first.
 
     The module and ``_hotpath.json`` are written atomically (concurrent builds are harmless).
 
     Raises:
-      BuildSkipped: no MPI, header/compiler wrapper, or C compiler; or the compiler failed.
+      BuildSkipped: no MPI, header/compiler wrapper, or C compiler; or the compiler failed; or a
+        target directory is not writable.
     """
     info = mpi_of_mpi4py()
-    target = HERE / ("_hotpath" + sysconfig.get_config_var("EXT_SUFFIX"))
-    fd, tmp = tempfile.mkstemp(prefix=".hotpath-", suffix=".so", dir=HERE)
+    dirs = [Path(d) for d in (dirs if dirs is not None else target_dirs())]
+    name = "_hotpath" + sysconfig.get_config_var("EXT_SUFFIX")
+    fd, tmp = tempfile.mkstemp(prefix=".hotpath-", suffix=".so")
     os.close(fd)
     try:
         cmd = compile_command(info, tmp)
@@ -130,17 +197,21 @@ def build(quiet: bool = False) -> Path:
             raise BuildSkipped(f"cannot run the C compiler: {e}") from e
         if proc.returncode != 0:
             raise BuildSkipped(f"compiler failed (status {proc.returncode}):\n{proc.stderr[-3000:]}")
-        os.replace(tmp, target)
+        with open(tmp, "rb") as f:
+            module = f.read()
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    meta = {"library_version": info["library_version"], "libmpi": info["libmpi"],
-            "module": target.name}
-    fd, tmp = tempfile.mkstemp(prefix=".hotpath-", suffix=".json", dir=HERE)
-    with os.fdopen(fd, "w") as f:
-        json.dump(meta, f, indent=1)
-    os.replace(tmp, SIDECAR)
-    return target
+    meta = json.dumps({"library_version": info["library_version"], "libmpi": info["libmpi"],
+                       "module": name}, indent=1).encode()
+    out = []
+    for d in dirs:
+        try:
+            out.append(_write_atomic(d, name, module))
+            _write_atomic(d, SIDECAR.name, meta)
+        except OSError as e:
+            raise BuildSkipped(f"cannot write into {d}: {e}") from e
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,14 +224,19 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        path = build()
+        paths = build()
     except BuildSkipped as e:
         print(f"hethub-jax: C hot path not built: {e}; the MPI bridge uses its pure-Python paths",
               file=sys.stderr)
         return 1 if "--strict" in argv else 0
-    lib = json.loads(SIDECAR.read_text())
-    print(f"hethub-jax: built {path} for {lib['library_version'].splitlines()[0]!r} "
-          f"({lib['libmpi']})")
+    lib = json.loads((paths[0].parent / SIDECAR.name).read_text())
+    print(f"hethub-jax: built the C hot path for {lib['library_version'].splitlines()[0]!r} "
+          f"({lib['libmpi']}) into {paths[0]} (the hethub_jax package this Python imports"
+          + (": the one in the current directory, which comes first on sys.path)"
+             if Path.cwd().resolve() in paths[0].parents else ")"))
+    for p in paths[1:]:
+        print(f"hethub-jax: also copied to {p} (the installed copy of hethub-jax, which runs started "
+              f"from other directories import)")
     return 0
 
 

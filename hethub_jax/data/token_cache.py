@@ -115,7 +115,7 @@ def _encode_documents(docs: Sequence[Document], tokenizer: Tokenizer) -> np.ndar
     """``[BOS] + encode(doc.text) + [EOS]`` of every document, concatenated: int32 ``[num_tokens]``.
     Encodes eight documents per call and reports progress on stderr."""
     n_bytes = sum(len(d.text.encode("utf-8")) for d in docs)
-    log(f"tokenizing {len(docs)} documents ({n_bytes / 1e6:.1f} MB) with {tokenizer.path.name}...")
+    log(f"tokenizing {len(docs)} documents ({n_bytes / 2**20:.1f} MiB) with {tokenizer.path.name}...")
     t0 = time.perf_counter()
     parts: list[np.ndarray] = []
     step = 8

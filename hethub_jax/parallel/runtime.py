@@ -48,7 +48,7 @@ from hethub_jax.parallel.plan import Plan
 from hethub_jax.parallel.rules import check_runtime_support, check_shares
 from hethub_jax.parallel.schedule import Action, ActionKind
 from hethub_jax.parallel.stage import Backward, PipelineStage, StageInputs
-from hethub_jax.parallel.trace import ActionRecord
+from hethub_jax.parallel.trace import ActionRecord, bubble_from_terms, bubble_terms
 
 #: The wait that emulates a slower accelerator (DESIGN.md section 9): sleeps ``seconds``. A module-level
 #: name so that tests can record the waits instead of timing a shared, noisy machine.
@@ -68,6 +68,10 @@ class StepResult:
       grad_norm: global L2 norm of the gradient before clipping.
       step_time_s: wall time of the step on this rank, seconds.
       records: start/end of every action of this rank's stages (`time.perf_counter()` seconds).
+      bubble: MEASURED bubble fraction of the step over all stages of the plan, the simulator's
+        definition (`trace.bubble_from_terms`: mean over stages of 1 - F and B seconds / the step's
+        pipeline time); identical on every rank (its terms travel in the step's world all-reduce of
+        the loss, so measuring it adds no synchronisation). None if not measured.
     """
 
     loss: float
@@ -75,6 +79,7 @@ class StepResult:
     grad_norm: float
     step_time_s: float
     records: list[ActionRecord] = field(default_factory=list)
+    bubble: float | None = None
 
 
 def stage_param_names(config: LlamaConfig, first_layer: int, last_layer: int) -> list[str]:
@@ -528,9 +533,14 @@ class PipelineRuntime:
         self.last_bucket_stats = dict(b.stats(), exposed_s=time.perf_counter() - t0)
         return totals
 
-    def _forward_backward(self, batch: dict[str, np.ndarray]):
+    def _forward_backward(self, batch: dict[str, np.ndarray], t0: float | None = None):
+        """F and B of the step, shared gradients summed, loss and gradient norm over the world. Returns
+        ``(acc, loss, num_tokens, grad_norm, records, bubble)``; ``t0``: the step's start
+        (`time.perf_counter()`) for the measured bubble (None: not measured)."""
         num_tokens = self._check_batch(batch, self.plan.global_batch_size)
         acc, loss_sums, records = self._run(batch, train=True)
+        counted = [k for k in self.local_keys if self._counts(k)]
+        terms = bubble_terms(records, t0, counted) if t0 is not None else (0.0, 0.0, 0)
         acc = self._reduce_shared(acc)
         inv = jnp.float32(1.0 / num_tokens)
         sq = 0.0
@@ -541,8 +551,15 @@ class PipelineRuntime:
                 v = st.sq_norm(counted, inv)  # run by every process of the stage (SPMD)
                 sq += mp.scalar(v) if self._counts(k) else 0.0
         loss_sum = self._loss_sum(loss_sums)
-        loss_sum, sq = self._allreduce_world(np.array([loss_sum, sq], np.float64))
-        return acc, float(loss_sum) / num_tokens, num_tokens, math.sqrt(sq), records
+        # the bubble's terms ride in the loss all-reduce: summed busy seconds and stage counts, and each
+        # rank's pipeline time in its own slot (a sum of one-hot vectors = every rank's value)
+        size = self.comm.size if self.comm is not None else 1
+        pipeline = np.zeros(size)
+        pipeline[self.rank if self.comm is not None else 0] = terms[0]
+        out = self._allreduce_world(np.concatenate([[loss_sum, sq, terms[1], terms[2]], pipeline]).astype(np.float64))
+        loss_sum, sq, busy, n = out[:4]
+        bubble = bubble_from_terms([(float(out[4:].max()), float(busy), int(round(n)))]) if t0 is not None else None
+        return acc, float(loss_sum) / num_tokens, num_tokens, math.sqrt(sq), records, bubble
 
     def _loss_sum(self, loss_sums: dict[StageKey, list]) -> float:
         """This rank's share of the summed token losses (one rank per multi-process stage)."""
@@ -568,8 +585,8 @@ class PipelineRuntime:
             loss = sum(float(x) for xs in loss_sums.values() for x in xs) / num_tokens
             self.step += 1
             return StepResult(loss, int(num_tokens), float(norms[self.local_keys[0]]),
-                              time.perf_counter() - t0, records)
-        acc, loss, num_tokens, norm, records = self._forward_backward(batch)
+                              time.perf_counter() - t0, records, bubble_from_terms([bubble_terms(records, t0)]))
+        acc, loss, num_tokens, norm, records, bubble = self._forward_backward(batch, t0)
         inv, gnorm = jnp.float32(1.0 / num_tokens), jnp.float32(norm)
         for k in self.local_keys:
             st, t_update = self.stages[k], time.perf_counter()
@@ -578,12 +595,12 @@ class PipelineRuntime:
                 self._emulate(k, st.params, t_update)  # the update runs on the slow island too
         jax.block_until_ready([self.stages[k].params for k in self.local_keys])
         self.step += 1
-        return StepResult(loss, int(num_tokens), norm, time.perf_counter() - t0, records)
+        return StepResult(loss, int(num_tokens), norm, time.perf_counter() - t0, records, bubble)
 
     def gradients(self, batch: dict[str, np.ndarray]) -> tuple[float, dict[str, np.ndarray]]:
         """(loss, gradients of the mean loss) without updating; flat global names of this rank's
         stages (a tied embedding or a replicated parameter appears once, holding the total)."""
-        acc, loss, num_tokens, _, _ = self._forward_backward(batch)
+        acc, loss, num_tokens, _, _, _ = self._forward_backward(batch)
         out = {}
         for k in self.local_keys:
             for n, v in self.stages[k].flat(acc[k]).items():
@@ -627,7 +644,7 @@ class PipelineRuntime:
         S = max(self.plan.num_stages(r) for r in range(R))
         busy, fixed = np.zeros((R, S)), np.zeros((R, S))
         for _ in range(steps):
-            acc, _, num_tokens, norm, records = self._forward_backward(batch)
+            acc, _, num_tokens, norm, records, _ = self._forward_backward(batch)
             for rec in records:
                 if rec.action[0] in "FB" and self._counts((rec.replica, rec.stage)):
                     busy[rec.replica, rec.stage] += rec.end_s - rec.start_s

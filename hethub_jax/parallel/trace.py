@@ -14,7 +14,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 from hethub_jax.parallel.schedule import Action
 
-__all__ = ["ActionRecord", "RecordLike", "to_chrome_trace"]
+__all__ = ["ActionRecord", "RecordLike", "to_chrome_trace", "bubble_terms", "bubble_from_terms"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,41 @@ class ActionRecord:
 
 
 RecordLike = Union[ActionRecord, Mapping[str, Any], Tuple[int, Action, float, float]]
+
+
+def bubble_terms(records: Iterable[ActionRecord], start_s: Optional[float] = None,
+                 keys: Optional[Iterable[Tuple[int, int]]] = None) -> Tuple[float, float, int]:
+    """``(pipeline_s, busy_s, stages)`` of one step's records, the terms of :func:`bubble_from_terms`.
+
+    Args:
+      records: the step's records (one process's, or all); start_s: the step's start on their clock
+        (default: the earliest record's start); keys: count only these stages ``(replica, stage)``
+        (default: every stage in ``records``).
+
+    Returns:
+      ``pipeline_s``: seconds from ``start_s`` to the end of the last record; ``busy_s``: seconds in F
+      and B records (summed over stages); ``stages``: number of stages counted. ``(0, 0, 0)`` without
+      records."""
+    keys = None if keys is None else set(keys)
+    recs = [r for r in records if keys is None or (r.replica, r.stage) in keys]
+    if not recs:
+        return 0.0, 0.0, 0
+    t0 = min(r.start_s for r in recs) if start_s is None else min(start_s, min(r.start_s for r in recs))
+    pipeline = max(r.end_s for r in recs) - t0
+    busy = sum(r.end_s - r.start_s for r in recs if r.action[:1] in ("F", "B"))
+    return pipeline, busy, len({(r.replica, r.stage) for r in recs})
+
+
+def bubble_from_terms(rows: Iterable[Tuple[float, float, int]]) -> Optional[float]:
+    """The bubble fraction of a step from each process's :func:`bubble_terms`: the simulator's definition
+    (``planner.simulator.Timeline.bubble_fraction``), the mean over all stages of ``1 - busy / pipeline``,
+    with ``pipeline`` the longest process's pipeline time (from its own step start: durations, so the
+    clocks of different machines need not agree) = ``1 - sum(busy) / (stages x pipeline)``. None when
+    nothing was counted."""
+    rows = list(rows)
+    pipeline = max((r[0] for r in rows), default=0.0)
+    busy, n = sum(r[1] for r in rows), sum(r[2] for r in rows)
+    return 1.0 - busy / (n * pipeline) if pipeline > 0 and n else None
 
 
 def _as_record(e: RecordLike) -> ActionRecord:
