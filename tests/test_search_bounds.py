@@ -278,3 +278,110 @@ def test_order_and_rest_bounds_never_exceed_predict(bandwidth):
             rest_gain += sk.schedule == "gpipe" and r > 1.01 * (M * isl + sum(sb.rt))
             s0 += kk
     assert order_gain > 0 and rest_gain > 0
+
+
+def _group_splits(sk, L):
+    """Every per-group layer count (each group >= its stage count) of ``sk`` summing to L."""
+    import itertools
+    G = len(sk.groups)
+    for cuts in itertools.combinations(range(1, L), G - 1):
+        b = (0,) + cuts + (L,)
+        pg = tuple(b[i + 1] - b[i] for i in range(G))
+        if all(n >= k for n, k in zip(pg, sk.stages)):
+            yield pg
+
+
+@pytest.mark.parametrize("bandwidth", [2e6, 1e9])
+def test_joint_suffix_bounds_never_exceed_predict_and_beat_one_layer_per_stage(bandwidth):
+    """``search_bounds.joint_suffix_bounds`` (session 9): for every configuration of random three-island
+    pipelines (1-2 stages per group, both schedules) and EVERY split that fits, each prefix's head plus
+    ``V[j]`` of the layers left is at most ``predict``'s pipeline seconds of that split (the reference: the
+    process-level simulator), ``C[j]`` at most the split's actual round trip after the prefix, and the whole
+    pipeline's ``V[0][L]`` at most the least ``predict`` over the splits. It must also exceed, on some
+    1F1B configurations, both the order bound (``order_lb``) and the root's partial-split bound
+    (``SplitBounds.group_lb`` counting each later stage at one layer plus the least slope), and come within
+    15% of the least ``predict`` on some, and under 1F1B reach 99% of the least :func:`cycle_bound` over the
+    splits on most configurations (a bound that dropped the cycle terms would not), under GPipe 99% of the
+    least :func:`process_bound` on every configuration here (one that dropped the round trip after an island
+    falls to 77-95% on a third of them)."""
+    import math
+
+    import numpy as np
+
+    from hethub_jax.planner.predictor import predict
+    from hethub_jax.planner.search_bounds import cycle_bound, joint_suffix_bounds, process_bound
+    L = 7
+    cfg = small_model(layers=L)
+    p = _setup(cfg, three_islands(bandwidth), 8, 16, None, SearchOptions(), None)
+    rnd, gain, tight, checked, cyc_hits, cyc_cases, gp_hits, gp_cases = random.Random(41), 0, 0, 0, 0, 0, 0, 0
+    seen = set()
+    for sk, _ in random_plans(p, rnd, 14, layers=L):
+        if (sk.groups, sk.stages, sk.schedule, sk.microbatch_size, sk.recompute) in seen:
+            continue
+        seen.add((sk.groups, sk.stages, sk.schedule, sk.microbatch_size, sk.recompute))
+        M = 8 // sk.microbatch_size
+        times = p.tables(sk)
+        sb = p.split_bounds(sk, times)
+        V, C = joint_suffix_bounds(np.array(times), sk.stages, sb.copies, sb.rt, M, sk.schedule, L)
+        least = cyc = proc = math.inf
+        for pg in _group_splits(sk, L):
+            counts = tuple(c for n, k in zip(pg, sk.stages) for c in balanced(n, k))
+            if any(times[s][n] == math.inf for s, n in enumerate(counts)):
+                continue
+            pred = predict(cfg, p.pipeline_plan(sk, counts), p.costs, seq_len=16,
+                           bridge=bridge_for(p.cluster, list(zip(sk.groups, sk.groups[1:]))))
+            least = min(least, pred.pipeline_s)
+            fw, bw, act, grad, _ = p.action_times(sk, counts)
+            cyc = min(cyc, cycle_bound(M, fw, bw, act, grad))
+            proc = min(proc, process_bound(sk.schedule, sk.stages, M, fw, bw, act, grad))
+            u = [f + b for f, b in zip(fw, bw)]
+            rt = [a + g for a, g in zip(act, grad)] + [0.0]
+            head, s0 = 0.0, 0
+            for j, k in enumerate(sk.stages):
+                x = L - sum(pg[:j])
+                assert head + V[j][x] <= pred.pipeline_s * (1 + 1e-9), (sk, pg, j)
+                assert C[j][x] <= sum(u[s0:]) + sum(rt[s0:]) + 1e-12, (sk, pg, j)
+                head += sum(u[s0:s0 + k]) + sum(rt[s0:s0 + k])
+                s0 += k
+            checked += 1
+        if least == math.inf:
+            assert V[0][L] == math.inf
+            continue
+        assert V[0][L] <= least * (1 + 1e-9)
+        tight += V[0][L] >= 0.85 * least
+        if sk.schedule == "1f1b":
+            _, root = sb.group_lb(0, 0.0, [times[i][1] for i in range(sk.stages[0])], L - sk.stages[0])
+            gain += V[0][L] > 1.02 * max(p.order_lb(sk), root)
+            cyc_cases += 1
+            cyc_hits += V[0][L] >= 0.99 * cyc
+        else:
+            gp_cases += 1
+            gp_hits += V[0][L] >= 0.99 * proc
+    assert checked > 20 and tight > 0 and gain > 0 and cyc_hits > cyc_cases / 2 and gp_hits == gp_cases > 0
+
+
+def test_order_fits_equals_brute_force_over_splits():
+    """``_Planner.order_fits`` (balanced() capacity of each group at its pipeline positions) against trying
+    every split with the memory-capped tables: False exactly when no split fits. Memory is set so that
+    caps bind (some orders fail, some fit)."""
+    import dataclasses
+    import itertools
+    import math
+    L = 8
+    cfg = small_model(layers=L, hidden=64)
+    cluster = three_islands(1e9)
+    base = _setup(cfg, cluster, 16, 64, None, SearchOptions(), None)
+    outcomes = set()
+    for mem in (2.2e6, 3e6, 4e6, 6e6):
+        costs = {g: dataclasses.replace(base.costs[g], memory_bytes=int(mem)) for g in base.groups}
+        p = _setup(cfg, cluster, 16, 64, costs, SearchOptions(), None)
+        for order in itertools.permutations(["g0", "g1", "g2"]):
+            for k in itertools.product((1, 2, 3), repeat=3):
+                for sched, mbs in (("1f1b", 2), ("1f1b", 8), ("gpipe", 4)):
+                    sk = Skeleton(mbs, sched, "none", order, k, (1, 1, 1), (1, 1, 1))
+                    times = p.tables(sk)
+                    fits = any(all(times[s][n] < math.inf for s, n in enumerate(
+                        c for m, kk in zip(pg, k) for c in balanced(m, kk))) for pg in _group_splits(sk, L))
+                    assert p.order_fits(sk) == fits, (sk, mem)
+                    outcomes.add(fits)
+    assert outcomes == {True, False}

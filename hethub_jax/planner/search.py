@@ -599,13 +599,15 @@ class _Planner:
         return best
 
     def order_fits(self, sk: Skeleton) -> bool:
-        """Whether some layer split of ``sk`` may fit memory: every stage holds >= 1 layer and the stages'
-        layer caps at their pipeline positions (:meth:`stage_cap` with the in-flight microbatches
-        :meth:`tables` uses) sum to >= L. A cheap test before :meth:`tables` (the configuration bound's caps
+        """Whether some layer split of ``sk`` may fit memory: every stage holds >= 1 layer and the groups'
+        capacities sum to >= L. A group's layers are spread by :func:`balanced`, so it holds at most ``k m + r``
+        layers, ``m`` the least layer cap of its stages at their pipeline positions (:meth:`stage_cap` with the
+        in-flight microbatches :meth:`tables` uses), ``r`` the leading stages (from its first) whose cap
+        exceeds ``m``; every count from ``k`` up to that fits (balanced counts grow with ``n``). A cheap test before :meth:`tables` (the configuration bound's caps
         do not know the positions: under 1F1B an early stage holds more microbatches)."""
         S, sg = sk.num_stages, sk.stage_group()
         M = self.gbs // sk.microbatch_size
-        total = 0
+        caps = []
         for s in range(S):
             j, first, last = sg[s], s == 0, s == S - 1
             inflight = 0 if (last and sk.schedule == "1f1b") else in_flight_bound(sk.schedule, S, s, M)
@@ -613,7 +615,14 @@ class _Planner:
                                  inflight)
             if cap < 1:
                 return False
-            total += cap
+            caps.append(cap)
+        total, s0 = 0, 0
+        for k in sk.stages:  # the most a group holds with balanced(): every stage at least m = its least cap,
+            c = caps[s0:s0 + k]  # plus one on each leading stage (from the first) that holds m + 1
+            m = min(c)
+            lead = next((i for i, x in enumerate(c) if x <= m), k)
+            total += k * m + lead
+            s0 += k
         return total >= self.L
 
     # ---- configurations --------------------------------------------------------------------------
@@ -681,7 +690,10 @@ class _Planner:
         ``one_f_one_b = M`` (1F1B with M microbatches) the caps follow 1F1B's in-flight counts instead:
         the group's stages sit at ``k`` consecutive positions ``s..s+k-1``, and position ``s + i`` holds
         ``min(S - s - i, M) >= min(k - i, M)`` microbatches, except the pipeline's last stage (none, fused);
-        memory grows with them, so ``sum_{i<k-1} cap(min(k - i, M)) + cap(0)`` is an upper bound."""
+        memory grows with them. The group's layers are spread by :func:`balanced` (its first stage takes
+        the most), and for ``k >= 2`` its first stage is not the pipeline's last and holds ``>= min(k, M)``: at
+        most ``k x cap(min(k, M))`` layers fit (a first stage above its cap does not fit; one at ``cap`` leaves no
+        stage more); for ``k = 1`` at most ``cap(0)``."""
         from hethub_jax.planner import analytic
         nbytes = mbs * self.seq * self.cfg.hidden_size * analytic.dtype_bytes(self.cfg.dtype)
         c = self.costs[g].host_copy_s(nbytes) if copies else 0.0
@@ -692,8 +704,8 @@ class _Planner:
             out["K"].append(k * (self.stage_constant(g, tp, dp, mbs, rec) + 2 * c))
             out["own"].append(self.stage_constant(g, tp, dp, mbs, rec) + c + out["w"][-1])
             cap = lambda f: self.stage_cap(g, tp, dp, mbs, rec, False, False, f)
-            if one_f_one_b:
-                out["cap"].append(sum(cap(min(k - i, one_f_one_b)) for i in range(k - 1)) + cap(0))
+            if one_f_one_b:  # balanced() gives the group's first stage (the most in flight) the most layers
+                out["cap"].append(cap(0) if k == 1 else k * cap(min(k, one_f_one_b)))
             else:
                 out["cap"].append(k * cap(in_flight))
         return out

@@ -234,3 +234,90 @@ class SplitBounds:
                 hb -= tt[i] + self.rt[b]
                 lb = max(lb, hb + -(-M // (self.S - b)) * c)
         return h, lb
+
+
+_BAL: dict = {}
+
+
+def _balanced_counts(k: int, L: int):
+    """``(k, L + 1)`` int array: stage ``i``'s layers when a group of ``k`` stages holds ``n`` layers
+    (``search.balanced``: the first ``n % k`` stages take one more)."""
+    key = (k, L)
+    if key not in _BAL:
+        import numpy as np
+        n = np.arange(L + 1)
+        _BAL[key] = n[None, :] // k + (np.arange(k)[:, None] < (n % k)[None, :])
+    return _BAL[key]
+
+
+def joint_suffix_bounds(stage_times, stages: Sequence[int], copies: Sequence[float], rt: Sequence[float], M: int,
+                        schedule: str, num_layers: int):
+    """Lower bounds of the pipeline seconds over every layer split of the groups AFTER a prefix, minimised
+    JOINTLY over the later groups' layer counts (instead of counting each later stage at one layer).
+
+    Args:
+      stage_times: ``(S, L + 1)`` array, per pipeline stage ``t[n]`` = compute seconds (F + B per microbatch,
+        no host copies) at ``n`` layers, ``inf`` where ``n`` layers do not fit (``search._Planner.tables``);
+      stages: stage count per group in pipeline order (sum S); copies: per stage, the host-copy seconds
+        around its F and B (split-independent); rt: per stage, its outgoing boundary's delivery both ways
+        (0 for the last stage; ``SplitBounds.rt``); M: microbatches; schedule: ``"1f1b"`` or ``"gpipe"``.
+
+    Returns:
+      ``(V, C)``: per group ``j``, arrays over ``x = 0..L``: ``C[j][x]`` the least one-microbatch round trip
+      ``sum_{t >= f_j} (u_t + rt_t)`` (``u_t`` = compute + copies of stage ``t``) of groups ``j..`` holding ``x``
+      layers (each group's layers spread by ``balanced``), and ``V[j][x]`` a lower bound, relative to
+      ``H_f = sum_{t < f_j} (u_t + rt_t)``, of the largest of these terms over the stages ``b >= f_j``:
+      ``H_b + M u_b`` (``pipeline_time.makespan_lower_bound`` with the crossings); ``H_f + M sum_I u`` for each
+      island ``I`` (``process_bound``), under GPipe plus the round trip after the island ``rt_l + C_{l+1}``;
+      under 1F1B ``H_b + ceil(M / (S - b)) C_b`` (``cycle_bound``). ``inf`` where no split fits.
+      Recursion: ``V[j][x] = min_n max(A_j(n, x - n), U_j(n) + V[j+1][x - n])`` with ``U_j(n)`` the group's
+      ``sum (u + rt)`` and ``A_j`` its own stages' terms, in which the later round trip ``C_{l+1}`` is bounded
+      below by ``C[j+1][x - n]`` (the only relaxation: every term is a sum of non-negative stage figures,
+      so a split's terms are at least these). A split whose groups ``< j`` hold ``L - x`` layers with head
+      ``H`` (``SplitBounds.group``'s) takes at least ``H + V[j][x]``.
+    """
+    import numpy as np
+    L, S, G = num_layers, sum(stages), len(stages)
+    T = np.asarray(stage_times, dtype=float)
+    if L not in _DIFF:
+        x, n = np.meshgrid(np.arange(L + 1), np.arange(L + 1), indexing="ij")
+        _DIFF[L] = (np.where(n <= x, x - n, 0), n > x)
+    diff, beyond = _DIFF[L]
+    inf = np.inf
+    V_next = np.full(L + 1, inf)
+    V_next[0] = 0.0
+    C_next = V_next.copy()
+    V: List = [None] * G
+    C: List = [None] * G
+    end = S
+    one_f_one_b, gpipe = schedule == "1f1b", schedule == "gpipe"
+    for j in range(G - 1, -1, -1):
+        k = stages[j]
+        b0 = end - k
+        cnt = _balanced_counts(k, L)
+        u = T[b0 + np.arange(k)[:, None], cnt] + np.asarray(copies[b0:end], dtype=float)[:, None]  # (k, L+1)
+        valid = np.isfinite(u).all(axis=0)
+        u = np.where(valid[None, :], u, 0.0)
+        ur = u + np.asarray(rt[b0:end], dtype=float)[:, None]
+        suf = np.cumsum(ur[::-1], axis=0)[::-1]          # sum_{i' >= i} (u + rt)
+        pre = suf[0][None, :] - suf                       # sum_{i' < i} (u + rt)
+        U = suf[0]
+        own = (pre + M * u).max(axis=0)                   # stage terms (and the 1F1B island term)
+        island = M * u.sum(axis=0)
+        Cy = C_next[diff]                                 # (x, n): C[j+1][x - n]
+        A = np.maximum(own, island)[None, :]
+        if gpipe:
+            A = np.maximum(A, (island + rt[end - 1])[None, :] + Cy)
+        if one_f_one_b:
+            for i in range(k):
+                c = -(-M // (S - b0 - i))
+                A = np.maximum(A, (pre[i] + c * suf[i])[None, :] + c * Cy)
+        val = np.maximum(A, U[None, :] + V_next[diff])
+        bad = beyond | ~valid[None, :]
+        val[bad] = inf
+        V[j] = val.min(axis=1)
+        cs = U[None, :] + Cy
+        cs[bad] = inf
+        C[j] = cs.min(axis=1)
+        V_next, C_next, end = V[j], C[j], b0
+    return V, C
