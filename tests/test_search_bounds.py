@@ -385,3 +385,48 @@ def test_order_fits_equals_brute_force_over_splits():
                     assert p.order_fits(sk) == fits, (sk, mem)
                     outcomes.add(fits)
     assert outcomes == {True, False}
+
+
+@pytest.mark.parametrize("bandwidth", [2e6, 1e9])
+def test_kind_bound_holds_for_every_tp_dp_choice_and_split(bandwidth):
+    """``_Planner.kind_bound`` (session 9: one joint suffix bound per pipeline order and stage counts, on the
+    elementwise least stage tables over the groups' TP/DP choices) and ``kind_config_lb`` (its least over
+    the orders) against ``predict`` on EVERY split of random configurations whose groups take different TP
+    degrees (so the choices differ in speed and memory): never above the step time nor the configuration's
+    own joint bound, and above half of the least step time on some configurations (a bound that took the slowest choice would exceed ``predict``; one that
+    forgot the crossings would be far below)."""
+    import math
+
+    import numpy as np
+
+    from hethub_jax.planner.predictor import predict
+    from hethub_jax.planner.search_bounds import joint_suffix_bounds
+    L = 6
+    cfg = small_model(layers=L)
+    p = _setup(cfg, three_islands(bandwidth), 8, 16, None, SearchOptions(), None)
+    rnd, tight, checked = random.Random(77), 0, 0
+    for _ in range(16):
+        mbs, sched, rec = rnd.choice([1, 2, 4]), rnd.choice(["1f1b", "gpipe"]), rnd.choice(["none", "full"])
+        order = tuple(rnd.sample(["g0", "g1", "g2"], 3))
+        combo = {g: rnd.choice(p.choices(g, mbs)) for g in order}
+        sk = Skeleton(mbs, sched, rec, order, tuple(combo[g][0] for g in order), tuple(combo[g][1] for g in order),
+                      tuple(combo[g][2] for g in order))
+        kb = p.kind_bound(mbs, rec, sched, sk.groups, sk.stages)
+        cb = p.kind_config_lb(mbs, rec, sched, tuple(combo[g] for g in p.groups))
+        assert cb <= kb
+        times = p.tables(sk)
+        sb = p.split_bounds(sk, times)
+        own = joint_suffix_bounds(np.array(times), sk.stages, sb.copies, sb.rt, 8 // mbs, sched, L)[0][0][L]
+        assert kb <= own * (1 + 1e-12)
+        least = math.inf
+        for pg in _group_splits(sk, L):
+            counts = tuple(c for n, k in zip(pg, sk.stages) for c in balanced(n, k))
+            if any(times[s][n] == math.inf for s, n in enumerate(counts)):
+                continue
+            pred = predict(cfg, p.pipeline_plan(sk, counts), p.costs, seq_len=16,
+                           bridge=bridge_for(p.cluster, list(zip(sk.groups, sk.groups[1:]))))
+            assert kb <= pred.step_time_s * (1 + 1e-9), (sk, counts)
+            least = min(least, pred.step_time_s)
+            checked += 1
+        tight += least < math.inf and kb >= 0.5 * least
+    assert checked > 20 and tight > 0

@@ -367,6 +367,7 @@ class _Planner:
         self._const: Dict[tuple, float] = {}
         self._layer_lb: Dict[tuple, float] = {}
         self._capped: Dict[tuple, List[float]] = {}
+        self._kind: Dict[tuple, float] = {}
         self._preds: Dict[str, Any] = {}
         self._choices: Dict[tuple, List[Tuple[int, int, int]]] = {}
         self.top: List[Tuple[float, str, Candidate]] = []
@@ -560,13 +561,75 @@ class _Planner:
             args = (sk.groups[j], sk.tp[j], sk.dp[j], sk.microbatch_size, sk.recompute, first, last)
             inflight = 0 if (last and sk.schedule == "1f1b") else in_flight_bound(sk.schedule, S, s, M)
             fu = (last_fused or self.fused(sk.schedule, S, M)) if last else "none"
-            key = args + (inflight, fu)
-            if key not in self._capped:  # shared across pipeline orders and configurations: read only
-                cap = self.stage_cap(*args, inflight)
-                t = self.stage_times(*args, fu)
-                self._capped[key] = t if cap >= self.L else t[:cap + 1] + [math.inf] * (self.L - cap)
-            out.append(self._capped[key])
+            out.append(self._capped_table(args + (inflight, fu)))
         return out
+
+    def _capped_table(self, key: tuple) -> List[float]:
+        """``t[n]`` of :meth:`stage_times` with ``inf`` above :meth:`stage_cap`; ``key`` = (group, tp, dp,
+        microbatch size, recompute, first, last, in-flight microbatches, fused). Cached; read only."""
+        if key not in self._capped:  # shared across pipeline orders and configurations: read only
+            cap = self.stage_cap(*key[:7], key[7])
+            t = self.stage_times(*key[:7], key[8])
+            self._capped[key] = t if cap >= self.L else t[:cap + 1] + [math.inf] * (self.L - cap)
+        return self._capped[key]
+
+    def kind_bound(self, mbs: int, rec: str, sched: str, groups: Tuple[str, ...], ks: Tuple[int, ...]) -> float:
+        """Lower bound (seconds) of the step time of every pipeline with groups in order ``groups`` holding
+        ``ks`` stages each, WHATEVER their TP/DP choices and layer split: :func:`search_bounds.joint_suffix_bounds`
+        on per-stage tables that are, elementwise, the least over the group's choices with that stage count
+        (:meth:`tables` at the stage's pipeline position; ``inf`` only where no choice fits). The host copies
+        and crossings do not depend on TP/DP. Cached per argument tuple."""
+        key = (mbs, rec, sched, groups, ks)
+        if key in self._kind:
+            return self._kind[key]
+        import numpy as np
+
+        from hethub_jax.planner.search_bounds import joint_suffix_bounds
+        S, M, L = sum(ks), self.gbs // mbs, self.L
+        out = math.inf
+        if L >= S:
+            fu = self.fused(sched, S, M)
+            rows, tps, dps = [], [], []
+            for g, k in zip(groups, ks):
+                chs = [(tp, dp) for kk, tp, dp in self.choices(g, mbs) if kk == k]
+                if not chs:
+                    rows = None
+                    break
+                tps.append(chs[0][0])
+                dps.append(chs[0][1])
+                for i in range(k):
+                    s = len(rows)
+                    first, last = s == 0, s == S - 1
+                    inflight = 0 if (last and sched == "1f1b") else in_flight_bound(sched, S, s, M)
+                    tabs = [self._capped_table((g, tp, dp, mbs, rec, first, last, inflight, fu if last else "none"))
+                            for tp, dp in chs]
+                    rows.append(np.min(np.asarray(tabs, dtype=float), axis=0))
+            if rows is not None:
+                sk = Skeleton(mbs, sched, rec, groups, ks, tuple(tps), tuple(dps))
+                fw, bw = [0.0] * S, [0.0] * S
+                act, _ = self.message_times(sk, [1] * S, fw, bw)
+                V, _ = joint_suffix_bounds(np.stack(rows), ks, [a + b for a, b in zip(fw, bw)],
+                                           [2.0 * d for d in act] + [0.0], M, sched, L)
+                out = float(V[0][L])
+        self._kind[key] = out
+        return out
+
+    def kind_config_lb(self, mbs: int, rec: str, sched: str, combo) -> float:
+        """Lower bound of every pipeline of configuration ``combo`` (per group in cluster order ``(k, tp,
+        dp)``): the least :meth:`kind_bound` over the pipeline orders the search visits. Cached per stage
+        counts (it does not depend on TP/DP)."""
+        names = list(self.groups)
+        ks = tuple(c[0] for c in combo)
+        key = ("cfg", mbs, rec, sched, ks)
+        if key not in self._kind:
+            best = math.inf
+            for perm in itertools.permutations(range(len(names))):
+                if self.opt.last_group is not None and names[perm[-1]] != self.opt.last_group:
+                    continue
+                best = min(best, self.kind_bound(mbs, rec, sched, tuple(names[j] for j in perm),
+                                                 tuple(ks[j] for j in perm)))
+            self._kind[key] = best
+        return self._kind[key]
 
     def order_lb(self, sk: Skeleton) -> float:
         """1F1B: lower bound (seconds) of the step time of every split of ``sk`` from its pipeline order,

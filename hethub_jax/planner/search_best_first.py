@@ -37,21 +37,26 @@ def best_first(p: Any) -> None:
     while heap or nxt is not None:
         ub = p.ub() * (1 + LB_SLACK)
         top = heap[0][0] if heap else math.inf
-        if nxt is not None and nxt[0] <= top:  # a configuration: one item per pipeline order
+        if nxt is not None and nxt[0] <= top:  # a configuration: keyed by its stage counts' bound
             lb0, mbs, rec, sched, combo = nxt
             if lb0 > ub:
                 break
-            for sk in p.skeletons_of(mbs, rec, combo, (sched,)):
-                p.skeletons += 1
-                lb = max(lb0, p.order_lb(sk))
-                if lb <= ub:
-                    heapq.heappush(heap, (lb, 0, next(seq), "sk", sk))
             nxt = next(stream, None)
+            lb = max(lb0, p.kind_config_lb(mbs, rec, sched, combo))
+            if lb <= ub:
+                heapq.heappush(heap, (lb, 1, next(seq), "cfg", (mbs, rec, sched, combo)))
             continue
         lb, _, _, kind, data = heapq.heappop(heap)
         if lb > ub:
             break
-        if kind == "sk":
+        if kind == "cfg":  # one item per pipeline order
+            mbs, rec, sched, combo = data
+            for sk in p.skeletons_of(mbs, rec, combo, (sched,)):
+                p.skeletons += 1
+                b = max(lb, p.order_lb(sk), p.kind_bound(mbs, rec, sched, sk.groups, sk.stages))
+                if b <= ub:
+                    heapq.heappush(heap, (b, 0, next(seq), "sk", sk))
+        elif kind == "sk":
             _open(p, heap, seq, lb, data, ub)
         elif kind == "node":
             _branch(p, heap, seq, lb, data, ub)
