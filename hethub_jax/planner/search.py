@@ -368,6 +368,8 @@ class _Planner:
         self._layer_lb: Dict[tuple, float] = {}
         self._capped: Dict[tuple, List[float]] = {}
         self._kind: Dict[tuple, float] = {}
+        self._suffix: Dict[tuple, tuple] = {}
+        self._rows: Dict[tuple, Any] = {}
         self._preds: Dict[str, Any] = {}
         self._choices: Dict[tuple, List[Tuple[int, int, int]]] = {}
         self.top: List[Tuple[float, str, Candidate]] = []
@@ -577,42 +579,68 @@ class _Planner:
         """Lower bound (seconds) of the step time of every pipeline with groups in order ``groups`` holding
         ``ks`` stages each, WHATEVER their TP/DP choices and layer split: :func:`search_bounds.joint_suffix_bounds`
         on per-stage tables that are, elementwise, the least over the group's choices with that stage count
-        (:meth:`tables` at the stage's pipeline position; ``inf`` only where no choice fits). The host copies
-        and crossings do not depend on TP/DP. Cached per argument tuple."""
+        (:meth:`tables` at the stage's pipeline position; ``inf`` only where no choice fits), with the host
+        copies and crossings :meth:`message_times` charges (they do not depend on TP/DP). The recursion runs
+        from the last group; a suffix of groups after the first depends only on those groups, their stage
+        counts and the delivery seconds (positions counted from the end), so its tables are shared between
+        orders and stage counts (cached). Cached per argument tuple."""
         key = (mbs, rec, sched, groups, ks)
         if key in self._kind:
             return self._kind[key]
-        import numpy as np
-
-        from hethub_jax.planner.search_bounds import joint_suffix_bounds
-        S, M, L = sum(ks), self.gbs // mbs, self.L
+        from hethub_jax.planner import analytic
+        from hethub_jax.planner.search_bounds import joint_group_step, terminal_suffix
+        S, M, L, G = sum(ks), self.gbs // mbs, self.L, len(groups)
         out = math.inf
-        if L >= S:
+        if L >= S and all(any(c[0] == k for c in self.choices(g, mbs)) for g, k in zip(groups, ks)):
+            nbytes = mbs * self.seq * self.cfg.hidden_size * analytic.dtype_bytes(self.cfg.dtype)
+            d = self.bridge(tuple(zip(groups, groups[1:]))).time_s(nbytes) if G > 1 else 0.0
             fu = self.fused(sched, S, M)
-            rows, tps, dps = [], [], []
-            for g, k in zip(groups, ks):
-                chs = [(tp, dp) for kk, tp, dp in self.choices(g, mbs) if kk == k]
-                if not chs:
-                    rows = None
-                    break
-                tps.append(chs[0][0])
-                dps.append(chs[0][1])
-                for i in range(k):
-                    s = len(rows)
-                    first, last = s == 0, s == S - 1
-                    inflight = 0 if (last and sched == "1f1b") else in_flight_bound(sched, S, s, M)
-                    tabs = [self._capped_table((g, tp, dp, mbs, rec, first, last, inflight, fu if last else "none"))
-                            for tp, dp in chs]
-                    rows.append(np.min(np.asarray(tabs, dtype=float), axis=0))
-            if rows is not None:
-                sk = Skeleton(mbs, sched, rec, groups, ks, tuple(tps), tuple(dps))
-                fw, bw = [0.0] * S, [0.0] * S
-                act, _ = self.message_times(sk, [1] * S, fw, bw)
-                V, _ = joint_suffix_bounds(np.stack(rows), ks, [a + b for a, b in zip(fw, bw)],
-                                           [2.0 * d for d in act] + [0.0], M, sched, L)
-                out = float(V[0][L])
+            V, C = terminal_suffix(L)
+            after = 0
+            for j in range(G - 1, -1, -1):
+                g, k = groups[j], ks[j]
+                skey = (mbs, rec, sched, d, fu, groups[j:], ks[j:])
+                if j > 0 and skey in self._suffix:
+                    V, C = self._suffix[skey]
+                else:
+                    u = self._kind_rows(g, k, mbs, rec, sched, j == 0, j == G - 1, after, fu, nbytes)
+                    rt = [0.0] * (k - 1) + [2.0 * d if j < G - 1 else 0.0]
+                    V, C = joint_group_step(u, rt, [after + k - i for i in range(k)], M, sched, V, C, root=j == 0)
+                    if j > 0:
+                        self._suffix[skey] = (V, C)
+                after += k
+            out = float(V)
         self._kind[key] = out
         return out
+
+    def _kind_rows(self, g: str, k: int, mbs: int, rec: str, sched: str, first_group: bool, last_group: bool,
+                   after: int, fu: str, nbytes: float):
+        """``(k, L + 1)`` array for :meth:`kind_bound`: per stage of group ``g`` (``k`` stages, ``after`` stages
+        after them), the least over the group's choices of its capped table (:meth:`tables`' in-flight counts
+        and fused last stage) at the layer count ``balanced`` gives it, plus the host copies
+        :meth:`message_times` charges there (a RECV before F on every stage but the pipeline's first, a RECV
+        before B on every stage but the last, a SEND's copy on each side of a crossing). Cached."""
+        key = (g, k, mbs, rec, sched, first_group, last_group, after, fu)
+        if key not in self._rows:
+            import numpy as np
+
+            from hethub_jax.planner.search_bounds import _balanced_counts
+            S_after = after + k  # stages from this group's first to the pipeline's end
+            M = self.gbs // mbs
+            chs = [(tp, dp) for kk, tp, dp in self.choices(g, mbs) if kk == k]
+            copy = self.costs[g].host_copy_s(nbytes)
+            rows = []
+            for i in range(k):
+                first, last = first_group and i == 0, last_group and i == k - 1
+                to_end = S_after - i  # S - s
+                inflight = 0 if (last and sched == "1f1b") else (M if sched == "gpipe" else min(to_end, M))
+                tabs = [self._capped_table((g, tp, dp, mbs, rec, first, last, inflight, fu if last else "none"))
+                        for tp, dp in chs]
+                n_copies = ((not first) + (to_end >= 2) + (to_end >= 2 and i == k - 1)
+                            + (i == 0 and not first_group))
+                rows.append(np.min(np.asarray(tabs, dtype=float), axis=0) + n_copies * copy)
+            self._rows[key] = np.stack(rows)[np.arange(k)[:, None], _balanced_counts(k, self.L)]
+        return self._rows[key]
 
     def kind_config_lb(self, mbs: int, rec: str, sched: str, combo) -> float:
         """Lower bound of every pipeline of configuration ``combo`` (per group in cluster order ``(k, tp,

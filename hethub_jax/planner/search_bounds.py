@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 from typing import List, Sequence, Tuple
 
-__all__ = ["cycle_bound", "process_bound", "suffix_minimax", "SplitBounds"]
+__all__ = ["cycle_bound", "process_bound", "suffix_minimax", "SplitBounds", "joint_suffix_bounds",
+           "joint_group_step", "terminal_suffix"]
 
 _DIFF: dict = {}
 
@@ -279,45 +280,66 @@ def joint_suffix_bounds(stage_times, stages: Sequence[int], copies: Sequence[flo
     import numpy as np
     L, S, G = num_layers, sum(stages), len(stages)
     T = np.asarray(stage_times, dtype=float)
-    if L not in _DIFF:
-        x, n = np.meshgrid(np.arange(L + 1), np.arange(L + 1), indexing="ij")
-        _DIFF[L] = (np.where(n <= x, x - n, 0), n > x)
-    diff, beyond = _DIFF[L]
-    inf = np.inf
-    V_next = np.full(L + 1, inf)
-    V_next[0] = 0.0
-    C_next = V_next.copy()
+    V_next, C_next = terminal_suffix(L)
     V: List = [None] * G
     C: List = [None] * G
     end = S
-    one_f_one_b, gpipe = schedule == "1f1b", schedule == "gpipe"
     for j in range(G - 1, -1, -1):
         k = stages[j]
         b0 = end - k
-        cnt = _balanced_counts(k, L)
-        u = T[b0 + np.arange(k)[:, None], cnt] + np.asarray(copies[b0:end], dtype=float)[:, None]  # (k, L+1)
-        valid = np.isfinite(u).all(axis=0)
-        u = np.where(valid[None, :], u, 0.0)
-        ur = u + np.asarray(rt[b0:end], dtype=float)[:, None]
-        suf = np.cumsum(ur[::-1], axis=0)[::-1]          # sum_{i' >= i} (u + rt)
-        pre = suf[0][None, :] - suf                       # sum_{i' < i} (u + rt)
-        U = suf[0]
-        own = (pre + M * u).max(axis=0)                   # stage terms (and the 1F1B island term)
-        island = M * u.sum(axis=0)
-        Cy = C_next[diff]                                 # (x, n): C[j+1][x - n]
-        A = np.maximum(own, island)[None, :]
-        if gpipe:
-            A = np.maximum(A, (island + rt[end - 1])[None, :] + Cy)
-        if one_f_one_b:
-            for i in range(k):
-                c = -(-M // (S - b0 - i))
-                A = np.maximum(A, (pre[i] + c * suf[i])[None, :] + c * Cy)
-        val = np.maximum(A, U[None, :] + V_next[diff])
-        bad = beyond | ~valid[None, :]
-        val[bad] = inf
-        V[j] = val.min(axis=1)
-        cs = U[None, :] + Cy
-        cs[bad] = inf
-        C[j] = cs.min(axis=1)
+        u = T[b0 + np.arange(k)[:, None], _balanced_counts(k, L)] + np.asarray(copies[b0:end], dtype=float)[:, None]
+        V[j], C[j] = joint_group_step(u, rt[b0:end], [S - b0 - i for i in range(k)], M, schedule, V_next, C_next)
         V_next, C_next, end = V[j], C[j], b0
     return V, C
+
+
+def terminal_suffix(L: int):
+    """``(V, C)`` of the empty suffix for :func:`joint_group_step`: 0 at 0 layers, ``inf`` elsewhere."""
+    import numpy as np
+    V = np.full(L + 1, np.inf)
+    V[0] = 0.0
+    return V, V.copy()
+
+
+def joint_group_step(u, rt: Sequence[float], after: Sequence[int], M: int, schedule: str, V_next, C_next,
+                     root: bool = False):
+    """One group of :func:`joint_suffix_bounds`' recursion: ``(V[j], C[j])`` from ``(V[j+1], C[j+1])``.
+
+    Args:
+      u: ``(k, L + 1)`` array, per stage of the group (in order) its compute plus host copies at the layer
+        count ``balanced`` gives it when the group holds ``n`` layers (``inf`` where it does not fit);
+      rt: per stage, its outgoing crossing both ways; after: per stage ``b``, ``S - b`` (1F1B's cycle factor
+        is ``ceil(M / (S - b))``); V_next, C_next: arrays over ``x = 0..L`` (:func:`terminal_suffix` for the
+        last group); root: compute only ``x = L`` (returns two floats).
+    """
+    import numpy as np
+    inf = np.inf
+    L = u.shape[1] - 1
+    k = u.shape[0]
+    valid = np.isfinite(u).all(axis=0)
+    u = np.where(valid[None, :], u, 0.0)
+    ur = u + np.asarray(rt, dtype=float)[:, None]
+    suf = np.cumsum(ur[::-1], axis=0)[::-1]          # sum_{i' >= i} (u + rt)
+    pre = suf[0][None, :] - suf                       # sum_{i' < i} (u + rt)
+    U = suf[0]
+    island = M * u.sum(axis=0)
+    A0 = np.maximum((pre + M * u).max(axis=0), island)  # stage terms and the island term
+    if root:  # x = L: y = L - n
+        Cy, Vy, bad = C_next[::-1], V_next[::-1], ~valid
+    else:
+        if L not in _DIFF:
+            x, n = np.meshgrid(np.arange(L + 1), np.arange(L + 1), indexing="ij")
+            _DIFF[L] = (np.where(n <= x, x - n, 0), n > x)
+        diff, beyond = _DIFF[L]
+        Cy, Vy, bad = C_next[diff], V_next[diff], beyond | ~valid[None, :]   # (x, n): C[j+1][x - n]
+    A = np.maximum(A0, U + Vy)
+    if schedule == "gpipe":
+        A = np.maximum(A, (island + rt[k - 1]) + Cy)
+    elif schedule == "1f1b":
+        for i in range(k):
+            c = -(-M // after[i])
+            A = np.maximum(A, (pre[i] + c * suf[i]) + c * Cy)
+    A[bad] = inf
+    cs = U + Cy
+    cs[bad] = inf
+    return A.min(axis=-1), cs.min(axis=-1)
