@@ -738,14 +738,19 @@ class _Planner:
 
     def combo_streams(self) -> Iterator[Tuple[float, int, str, str, Tuple[Tuple[int, int, int], ...]]]:
         """``(LB0, mbs, recompute, schedule, per-group choices in cluster order)`` in ascending LB0 (ties in
-        a fixed order), LB0 a lower bound of the step time of every pipeline of those choices, whatever
-        the order and split (:func:`search_configs.configuration_bounds`, numpy over all configurations of
-        one (microbatch size, recompute, schedule) at once); the caller may stop at the first LB0 above
-        the k-th best. Configurations whose groups cannot hold the layers in memory are left out."""
+        a fixed order: the (microbatch size, recompute, schedule) row, then the flat index), LB0 a lower
+        bound of the step time of every pipeline of those choices, whatever the order and split
+        (:func:`search_configs.configuration_bounds`, numpy over all configurations of one (microbatch size,
+        recompute, schedule) at once); the caller may stop at the first LB0 above the k-th best.
+        Configurations whose groups cannot hold the layers in memory are left out. A row's arrays are built
+        only when the stream reaches its cheap bound (``configuration_bounds`` of one relaxed configuration:
+        per group the least ``K`` and ``w``, the most ``k`` and ``cap`` over its choices, without the
+        per-order terms; every term there is monotone in these, so it bounds every configuration of the
+        row): rows whose cheap bound is never reached cost one small call."""
         import numpy as np
 
         from hethub_jax.planner.search_configs import configuration_bounds
-        names, keys, rows = list(self.groups), [], []
+        names, pending = list(self.groups), []
         for mbs in self.microbatch_sizes():
             M = self.gbs // mbs
             for rec in self.opt.recompute:
@@ -756,19 +761,38 @@ class _Planner:
                     per = [self.choice_figures(g, cs, mbs, rec, M if sched == "gpipe" else 0, len(names) > 1,
                                                M if sched == "1f1b" else 0)
                            for g, cs in zip(names, choices)]
-                    lb = configuration_bounds(per, self.L, M, sched, self.delivery_lb(mbs))
-                    keep = np.nonzero(np.isfinite(lb))[0]
-                    self.skeletons += int(lb.size - keep.size)
-                    rows.append((mbs, rec, sched, choices, keep))
-                    keys.append(np.stack([lb[keep], np.full(keep.size, len(rows) - 1), keep], axis=1))
-        if not keys:
-            return
-        allk = np.concatenate(keys)
-        for i in np.lexsort((allk[:, 2], allk[:, 1], allk[:, 0])):
-            lb0, r, flat = allk[i]
-            mbs, rec, sched, choices, _ = rows[int(r)]
-            idx = np.unravel_index(int(flat), [len(cs) for cs in choices])
-            yield float(lb0), mbs, rec, sched, tuple(cs[int(x)] for cs, x in zip(choices, idx))
+                    relaxed = [{"k": [max(f["k"])], "w": [min(f["w"])], "K": [min(f["K"])], "cap": [max(f["cap"])],
+                                "own": [min(f["own"])]} for f in per]
+                    cheap = float(configuration_bounds(relaxed, self.L, M, sched, self.delivery_lb(mbs),
+                                                       orders=False)[0])
+                    pending.append((cheap, len(pending), mbs, rec, sched, choices, per))
+        pending.sort(key=lambda x: (x[0], x[1]))
+        heap: List[tuple] = []
+        i = 0
+        while True:
+            while i < len(pending) and (not heap or pending[i][0] <= heap[0][0]):
+                cheap, r, mbs, rec, sched, choices, per = pending[i]
+                i += 1
+                if cheap == math.inf:
+                    continue
+                lb = configuration_bounds(per, self.L, self.gbs // mbs, sched, self.delivery_lb(mbs))
+                keep = np.nonzero(np.isfinite(lb))[0]
+                self.skeletons += int(lb.size - keep.size)
+                if keep.size:
+                    order = keep[np.argsort(lb[keep], kind="stable")]
+                    vals = lb[order].tolist()
+                    it = iter(zip(vals, order.tolist()))
+                    v, flat = next(it)
+                    heapq.heappush(heap, (v, r, flat, it, (mbs, rec, sched, choices)))
+            if not heap:
+                return
+            v, r, flat, it, row = heapq.heappop(heap)
+            mbs, rec, sched, choices = row
+            idx = np.unravel_index(flat, [len(cs) for cs in choices])
+            yield v, mbs, rec, sched, tuple(cs[int(x)] for cs, x in zip(choices, idx))
+            nx = next(it, None)
+            if nx is not None:
+                heapq.heappush(heap, (nx[0], r, nx[1], it, row))
 
     def choice_figures(self, g: str, choices, mbs: int, rec: str, in_flight: int, copies: bool,
                        one_f_one_b: int = 0) -> dict:
