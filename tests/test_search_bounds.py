@@ -430,3 +430,34 @@ def test_kind_bound_holds_for_every_tp_dp_choice_and_split(bandwidth):
             checked += 1
         tight += least < math.inf and kb >= 0.5 * least
     assert checked > 20 and tight > 0
+
+
+def test_replica_may_fit_never_drops_a_replica_that_fits():
+    """``_Planner.replica_may_fit`` (the hetero-DP family's memory filter, session 9) against the replica's
+    own capped tables (what ``replica_of`` admits): whenever it says False, no balanced layer spread of that
+    choice fits under either schedule; and at the memory sizes used it says False on some choices and True
+    on some (else it filters nothing, or everything); some 1F1B replicas that fit would be dropped by a
+    filter that counted M microbatches in flight on the first stage instead of ``min(k, M)``."""
+    import dataclasses
+    import math
+    L = 8
+    cfg = small_model(layers=L, hidden=64)
+    cluster = cluster_from_dict({"groups": [{"name": "g1", "device": "cpu", "nodes": 2, "devices_per_node": 2}]})
+    base = _setup(cfg, cluster, 16, 512, None, SearchOptions(max_stages_per_group=4), None)
+    said, tight = set(), 0
+    for mem in (1.5 ** e * 1e6 for e in range(14)):
+        costs = {g: dataclasses.replace(base.costs[g], memory_bytes=int(mem)) for g in base.groups}
+        p = _setup(cfg, cluster, 16, 512, costs, SearchOptions(max_stages_per_group=4), None)
+        for mbs in (1, 2, 8):
+            M = 16 // mbs
+            for rec in ("none", "full"):
+                for k, tp, dp in p.choices("g1", mbs):
+                    ok = p.replica_may_fit("g1", k, tp, dp, mbs, rec, M)
+                    said.add(ok)
+                    for sched in ("1f1b", "gpipe"):
+                        sk = Skeleton(mbs, sched, rec, ("g1",), (k,), (tp,), (dp,))
+                        fits = p.group_tables(sk, p.tables(sk, M))[0][L] < math.inf
+                        assert ok or not fits, (k, tp, dp, mbs, rec, sched, mem)
+                        tight += ok and fits and sched == "1f1b" and 2 <= k < M and k * p.stage_cap(
+                            "g1", tp, dp, mbs, rec, False, False, M) < L
+    assert said == {True, False} and tight > 0

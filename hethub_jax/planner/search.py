@@ -1029,7 +1029,7 @@ class _Planner:
         best, key = None, None
         lbs = []
         for i, (k, tp, dp) in enumerate(self.choices(g, mbs)):
-            if self.L >= k:
+            if self.L >= k and self.replica_may_fit(g, k, tp, dp, mbs, rec, M):
                 lbs.append((k * self.stage_constant(g, tp, dp, mbs, rec) + self.L * self.layer_lb(g, tp, dp, mbs, rec),
                             i, (k, tp, dp)))
         for lb, i, (k, tp, dp) in sorted(lbs):
@@ -1069,14 +1069,27 @@ class _Planner:
     def hetero_lb(self, mbs: int, rec: str, M: int) -> float:
         """Lower bound of every hetero-DP plan's step time for one microbatch size and recompute policy
         (any schedule): replica ``r`` computes its ``u_r`` microbatches (``sum_r u_r = M``) on its island, at
-        least ``c_r`` seconds each, ``c_r`` the least over the group's choices of ``k x``
-        :meth:`stage_constant` ``+ L x`` :meth:`layer_lb`; so the step takes at least ``M / sum_r 1/c_r``."""
+        least ``c_r`` seconds each, ``c_r`` the least over the group's choices that may hold the layers
+        (:meth:`replica_may_fit`) of ``k x`` :meth:`stage_constant` ``+ L x`` :meth:`layer_lb`; so the step
+        takes at least ``M / sum_r 1/c_r``."""
         inv = 0.0
         for g in self.groups:
             c = min((k * self.stage_constant(g, tp, dp, mbs, rec) + self.L * self.layer_lb(g, tp, dp, mbs, rec)
-                     for k, tp, dp in self.choices(g, mbs)), default=math.inf)
+                     for k, tp, dp in self.choices(g, mbs) if self.replica_may_fit(g, k, tp, dp, mbs, rec, M)),
+                    default=math.inf)
             inv += 1.0 / c if c > 0 else math.inf
         return M / inv if inv > 0 else math.inf
+
+    def replica_may_fit(self, g: str, k: int, tp: int, dp: int, mbs: int, rec: str, M: int) -> bool:
+        """False when no hetero-DP replica of group ``g`` with ``k`` stages at (tp, dp) can hold the L layers in
+        memory, under any schedule: its layers are spread by :func:`balanced` (the first stage takes the
+        most), and the first stage holds at least ``min(k, M)`` microbatches in flight under 1F1B (``M`` under
+        GPipe, more memory), so at most ``k x`` :meth:`stage_cap` at that count fit (``k = 1``: the single stage
+        at 0 in flight, the fused last stage's count); the embedding only adds memory. An upper bound of
+        what :meth:`tables` admits, so skipping such choices changes no replica."""
+        if k == 1:
+            return self.stage_cap(g, tp, dp, mbs, rec, False, False, 0) >= self.L
+        return k * self.stage_cap(g, tp, dp, mbs, rec, False, False, min(k, M)) >= self.L
 
     def hetero_plan(self, reps, units, mbs: int, sched: str, rec: str) -> Plan:
         replicas = []
