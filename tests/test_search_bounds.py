@@ -461,3 +461,65 @@ def test_replica_may_fit_never_drops_a_replica_that_fits():
                         tight += ok and fits and sched == "1f1b" and 2 <= k < M and k * p.stage_cap(
                             "g1", tp, dp, mbs, rec, False, False, M) < L
     assert said == {True, False} and tight > 0
+
+
+def test_joint_group_step_rows_and_ranges_match_the_full_recursion():
+    """``joint_group_step`` (numpy, restricted to the layer counts that fit, several suffixes at once for
+    the root) against the same recursion written out in pure Python over every layer count (single-stage
+    groups, random tables with memory caps, no crossings), and never above the brute-force least of the
+    terms over every split; each root row of a batch equals that row alone."""
+    import itertools
+    import math
+
+    import numpy as np
+
+    from hethub_jax.planner.search_bounds import joint_group_step, joint_suffix_bounds, terminal_suffix
+    rnd = random.Random(9)
+    for _ in range(60):
+        L, M, G = rnd.randint(3, 7), rnd.choice([1, 3, 8]), rnd.randint(1, 3)
+        sched = rnd.choice(["1f1b", "gpipe"])
+        tabs = np.full((G, L + 1), math.inf)
+        for g in range(G):
+            lo, cap = rnd.randint(1, 2), rnd.randint(2, L)
+            a, b = rnd.random(), rnd.random()
+            tabs[g, lo:cap + 1] = a + b * np.arange(lo, cap + 1)
+        V, C = joint_suffix_bounds(tabs, [1] * G, [0.0] * G, [0.0] * G, M, sched, L)
+        # the recursion in pure Python: group g (stage g, S - g stages to the end) holding n layers
+        Vr, Cr = [0.0] + [math.inf] * L, [0.0] + [math.inf] * L
+        for g in range(G - 1, -1, -1):
+            nv, nc = [math.inf] * (L + 1), [math.inf] * (L + 1)
+            for x in range(L + 1):
+                for n in range(x + 1):
+                    t, y = tabs[g, n], x - n
+                    if t == math.inf or Cr[y] == math.inf:
+                        continue
+                    a = M * t
+                    if sched == "1f1b":
+                        a = max(a, -(-M // (G - g)) * (t + Cr[y]))
+                    else:
+                        a = max(a, M * t + Cr[y])
+                    nv[x] = min(nv[x], max(a, t + Vr[y]))
+                    nc[x] = min(nc[x], t + Cr[y])
+            Vr, Cr = nv, nc
+            for x in range(L + 1):
+                assert V[g][x] == pytest.approx(Vr[x], rel=1e-12, abs=0) if Vr[x] < math.inf else V[g][x] == math.inf
+                assert C[g][x] == pytest.approx(Cr[x], rel=1e-12, abs=0) if Cr[x] < math.inf else C[g][x] == math.inf
+        best = math.inf
+        for cuts in itertools.combinations(range(1, L), G - 1):
+            b = (0,) + cuts + (L,)
+            t = [tabs[g, b[g + 1] - b[g]] for g in range(G)]
+            if any(x == math.inf for x in t):
+                continue
+            terms = [sum(t[:g]) + M * t[g] for g in range(G)]
+            if sched == "1f1b":
+                terms += [sum(t[:g]) + -(-M // (G - g)) * sum(t[g:]) for g in range(G)]
+            else:
+                terms += [sum(t[:g]) + M * t[g] + sum(t[g + 1:]) for g in range(G)]
+            best = min(best, max(terms))
+        assert V[0][L] <= best * (1 + 1e-12)
+        rows = [terminal_suffix(L)] + [(np.sort(np.random.default_rng(i).random(L + 1)),) * 2 for i in range(3)]
+        got, _ = joint_group_step(tabs[:1], [0.0], [G], M, sched, np.stack([r[0] for r in rows]),
+                                  np.stack([r[1] for r in rows]), root=True)
+        for i, (v, c) in enumerate(rows):
+            one, _ = joint_group_step(tabs[:1], [0.0], [G], M, sched, v, c, root=True)
+            assert got[i] == one

@@ -585,33 +585,48 @@ class _Planner:
         counts and the delivery seconds (positions counted from the end), so its tables are shared between
         orders and stage counts (cached). Cached per argument tuple."""
         key = (mbs, rec, sched, groups, ks)
-        if key in self._kind:
-            return self._kind[key]
+        if key not in self._kind:
+            self._kind_batch(mbs, rec, sched, [(groups, ks)])
+        return self._kind[key]
+
+    def _kind_batch(self, mbs: int, rec: str, sched: str, orders) -> None:
+        """Fill :meth:`kind_bound`'s cache for ``orders`` (``(groups, ks)`` pairs): the suffix after the first
+        group from the shared cache, then the first group's step once per (first group, its stage count,
+        delivery seconds) for all its orders at once (numpy rows)."""
+        import numpy as np
+
         from hethub_jax.planner import analytic
         from hethub_jax.planner.search_bounds import joint_group_step, terminal_suffix
-        S, M, L, G = sum(ks), self.gbs // mbs, self.L, len(groups)
-        out = math.inf
-        if L >= S and all(any(c[0] == k for c in self.choices(g, mbs)) for g, k in zip(groups, ks)):
-            nbytes = mbs * self.seq * self.cfg.hidden_size * analytic.dtype_bytes(self.cfg.dtype)
+        M, L = self.gbs // mbs, self.L
+        nbytes = mbs * self.seq * self.cfg.hidden_size * analytic.dtype_bytes(self.cfg.dtype)
+        batches: Dict[tuple, list] = {}
+        for groups, ks in orders:
+            S, G = sum(ks), len(groups)
+            if L < S or not all(any(c[0] == k for c in self.choices(g, mbs)) for g, k in zip(groups, ks)):
+                self._kind[(mbs, rec, sched, groups, ks)] = math.inf
+                continue
             d = self.bridge(tuple(zip(groups, groups[1:]))).time_s(nbytes) if G > 1 else 0.0
             fu = self.fused(sched, S, M)
             V, C = terminal_suffix(L)
             after = 0
-            for j in range(G - 1, -1, -1):
-                g, k = groups[j], ks[j]
+            for j in range(G - 1, 0, -1):  # the suffix after the first group: shared between orders
                 skey = (mbs, rec, sched, d, fu, groups[j:], ks[j:])
-                if j > 0 and skey in self._suffix:
-                    V, C = self._suffix[skey]
-                else:
-                    u = self._kind_rows(g, k, mbs, rec, sched, j == 0, j == G - 1, after, fu, nbytes)
-                    rt = [0.0] * (k - 1) + [2.0 * d if j < G - 1 else 0.0]
-                    V, C = joint_group_step(u, rt, [after + k - i for i in range(k)], M, sched, V, C, root=j == 0)
-                    if j > 0:
-                        self._suffix[skey] = (V, C)
-                after += k
-            out = float(V)
-        self._kind[key] = out
-        return out
+                if skey not in self._suffix:
+                    u = self._kind_rows(groups[j], ks[j], mbs, rec, sched, False, j == G - 1, after, fu, nbytes)
+                    rt = [0.0] * (ks[j] - 1) + [2.0 * d if j < G - 1 else 0.0]
+                    self._suffix[skey] = joint_group_step(u, rt, [after + ks[j] - i for i in range(ks[j])], M, sched,
+                                                          V, C)
+                V, C = self._suffix[skey]
+                after += ks[j]
+            batches.setdefault((groups[0], ks[0], d, fu, G, after), []).append(((groups, ks), V, C))
+        for (g, k, d, fu, G, after), items in batches.items():
+            u = self._kind_rows(g, k, mbs, rec, sched, True, G == 1, after, fu, nbytes)
+            rt = [0.0] * (k - 1) + [2.0 * d if G > 1 else 0.0]
+            vals, _ = joint_group_step(u, rt, [after + k - i for i in range(k)], M, sched,
+                                       np.stack([v for _, v, _ in items]), np.stack([c for _, _, c in items]),
+                                       root=True)
+            for (key, _, _), v in zip(items, np.atleast_1d(vals).tolist()):
+                self._kind[(mbs, rec, sched) + key] = v
 
     def _kind_rows(self, g: str, k: int, mbs: int, rec: str, sched: str, first_group: bool, last_group: bool,
                    after: int, fu: str, nbytes: float):
@@ -650,13 +665,11 @@ class _Planner:
         ks = tuple(c[0] for c in combo)
         key = ("cfg", mbs, rec, sched, ks)
         if key not in self._kind:
-            best = math.inf
-            for perm in itertools.permutations(range(len(names))):
-                if self.opt.last_group is not None and names[perm[-1]] != self.opt.last_group:
-                    continue
-                best = min(best, self.kind_bound(mbs, rec, sched, tuple(names[j] for j in perm),
-                                                 tuple(ks[j] for j in perm)))
-            self._kind[key] = best
+            orders = [(tuple(names[j] for j in perm), tuple(ks[j] for j in perm))
+                      for perm in itertools.permutations(range(len(names)))
+                      if self.opt.last_group is None or names[perm[-1]] == self.opt.last_group]
+            self._kind_batch(mbs, rec, sched, [o for o in orders if (mbs, rec, sched) + o not in self._kind])
+            self._kind[key] = min((self._kind[(mbs, rec, sched) + o] for o in orders), default=math.inf)
         return self._kind[key]
 
     def order_lb(self, sk: Skeleton) -> float:

@@ -310,13 +310,20 @@ def joint_group_step(u, rt: Sequence[float], after: Sequence[int], M: int, sched
         count ``balanced`` gives it when the group holds ``n`` layers (``inf`` where it does not fit);
       rt: per stage, its outgoing crossing both ways; after: per stage ``b``, ``S - b`` (1F1B's cycle factor
         is ``ceil(M / (S - b))``); V_next, C_next: arrays over ``x = 0..L`` (:func:`terminal_suffix` for the
-        last group); root: compute only ``x = L`` (returns two floats).
+        last group); root: compute only ``x = L`` (returns two floats, or two arrays when ``V_next`` and
+        ``C_next`` are ``(B, L + 1)``: B suffixes after the same first group at once).
     """
     import numpy as np
     inf = np.inf
     L = u.shape[1] - 1
     k = u.shape[0]
     valid = np.isfinite(u).all(axis=0)
+    nz = np.flatnonzero(valid)
+    if nz.size == 0:
+        shape = np.shape(V_next)[:-1] if root else (L + 1,)
+        return np.full(shape, inf), np.full(shape, inf)
+    lo, hi = int(nz[0]), int(nz[-1]) + 1  # only the layer counts between the first and last that fit
+    u, valid = u[:, lo:hi], valid[lo:hi]
     u = np.where(valid[None, :], u, 0.0)
     ur = u + np.asarray(rt, dtype=float)[:, None]
     suf = np.cumsum(ur[::-1], axis=0)[::-1]          # sum_{i' >= i} (u + rt)
@@ -324,14 +331,14 @@ def joint_group_step(u, rt: Sequence[float], after: Sequence[int], M: int, sched
     U = suf[0]
     island = M * u.sum(axis=0)
     A0 = np.maximum((pre + M * u).max(axis=0), island)  # stage terms and the island term
-    if root:  # x = L: y = L - n
-        Cy, Vy, bad = C_next[::-1], V_next[::-1], ~valid
-    else:
-        if L not in _DIFF:
-            x, n = np.meshgrid(np.arange(L + 1), np.arange(L + 1), indexing="ij")
-            _DIFF[L] = (np.where(n <= x, x - n, 0), n > x)
-        diff, beyond = _DIFF[L]
-        Cy, Vy, bad = C_next[diff], V_next[diff], beyond | ~valid[None, :]   # (x, n): C[j+1][x - n]
+    if root:  # x = L: y = L - n; V_next, C_next may hold several suffixes (rows)
+        y = L - np.arange(lo, hi)
+        Cy, Vy, bad = C_next[..., y], V_next[..., y], ~valid
+    else:  # rows x = lo..L (fewer layers than lo: nothing fits), columns n = lo..hi-1
+        y = np.arange(lo, L + 1)[:, None] - np.arange(lo, hi)[None, :]
+        bad = (y < 0) | ~valid[None, :]
+        y = np.maximum(y, 0)
+        Cy, Vy = C_next[y], V_next[y]                  # (x, n): C[j+1][x - n]
     A = np.maximum(A0, U + Vy)
     if schedule == "gpipe":
         A = np.maximum(A, (island + rt[k - 1]) + Cy)
@@ -339,7 +346,10 @@ def joint_group_step(u, rt: Sequence[float], after: Sequence[int], M: int, sched
         for i in range(k):
             c = -(-M // after[i])
             A = np.maximum(A, (pre[i] + c * suf[i]) + c * Cy)
-    A[bad] = inf
-    cs = U + Cy
-    cs[bad] = inf
-    return A.min(axis=-1), cs.min(axis=-1)
+    A = np.where(bad, inf, A).min(axis=-1)
+    cs = np.where(bad, inf, U + Cy).min(axis=-1)
+    if root:
+        return A, cs
+    V, C = np.full(L + 1, inf), np.full(L + 1, inf)
+    V[lo:], C[lo:] = A, cs
+    return V, C
