@@ -149,7 +149,9 @@ class SearchResult:
 
     Attributes:
       candidates: the top k, best (least predicted step time) first; ties broken by the plan JSON.
-      skeletons: configurations the search enumerated; expanded: those not pruned by their bound.
+      skeletons: configurations and pipeline orders the search looked at (since session 9 the
+        configurations of a (microbatch size, recompute, schedule) row whose cheap bound exceeds the k-th
+        best are never built and not counted); expanded: pipeline orders not pruned by their bound.
       evaluated: ``predict`` calls.
       wall_s: seconds the search took.
       upper_bound_tokens_per_s: sum over groups of each group's best homogeneous tokens/s (or None).
