@@ -523,3 +523,35 @@ def test_joint_group_step_rows_and_ranges_match_the_full_recursion():
         for i, (v, c) in enumerate(rows):
             one, _ = joint_group_step(tabs[:1], [0.0], [G], M, sched, v, c, root=True)
             assert got[i] == one
+
+
+def test_row_cheap_bound_is_below_every_configuration_of_its_row():
+    """``_Planner.row_cheap_bound`` (session 9: a configuration row is built only when the stream reaches
+    it) against ``configuration_bounds`` of every configuration of the row, for every (microbatch size,
+    recompute, schedule) of a three-group cluster with several TP/stage choices: never above the least
+    finite one, and within 5% of it on most rows (fast bridge: the loads dominate; a relaxation taking the
+    slowest choice or the fewest stages would exceed it, one that dropped the loads would fall far below)."""
+    import math
+
+    from hethub_jax.planner.search_configs import configuration_bounds
+    cfg = small_model(layers=8, heads=4, kv=2)
+    cluster = cluster_from_dict({"groups": [{"name": f"g{i}", "device": "cpu", "nodes": 2, "devices_per_node": 2,
+                                             "slowdown": sd} for i, sd in enumerate((1.0, 2.0, 3.5))],
+                                 "default_link": {"bandwidth": 1e9, "latency_s": 1e-4}})
+    p = _setup(cfg, cluster, 16, 16, None, SearchOptions(max_stages_per_group=3), None)
+    names, rows, close = list(p.groups), 0, 0
+    for mbs in p.microbatch_sizes():
+        M = 16 // mbs
+        for rec in ("none", "full"):
+            choices = [p.choices(g, mbs) for g in names]
+            for sched in ("1f1b", "gpipe"):
+                per = [p.choice_figures(g, cs, mbs, rec, M if sched == "gpipe" else 0, True,
+                                        M if sched == "1f1b" else 0) for g, cs in zip(names, choices)]
+                full = configuration_bounds(per, 8, M, sched, p.delivery_lb(mbs))
+                least = float(full.min())
+                cheap = p.row_cheap_bound(per, M, sched, mbs)
+                assert cheap <= least * (1 + 1e-12), (mbs, rec, sched)
+                if least < math.inf:
+                    rows += 1
+                    close += cheap >= 0.95 * least
+    assert rows > 4 and close > rows / 2

@@ -776,10 +776,7 @@ class _Planner:
                     per = [self.choice_figures(g, cs, mbs, rec, M if sched == "gpipe" else 0, len(names) > 1,
                                                M if sched == "1f1b" else 0)
                            for g, cs in zip(names, choices)]
-                    relaxed = [{"k": [max(f["k"])], "w": [min(f["w"])], "K": [min(f["K"])], "cap": [max(f["cap"])],
-                                "own": [min(f["own"])]} for f in per]
-                    cheap = float(configuration_bounds(relaxed, self.L, M, sched, self.delivery_lb(mbs),
-                                                       orders=False)[0])
+                    cheap = self.row_cheap_bound(per, M, sched, mbs)
                     pending.append((cheap, len(pending), mbs, rec, sched, choices, per))
         pending.sort(key=lambda x: (x[0], x[1]))
         heap: List[tuple] = []
@@ -808,6 +805,16 @@ class _Planner:
             nx = next(it, None)
             if nx is not None:
                 heapq.heappush(heap, (nx[0], r, nx[1], it, row))
+
+    def row_cheap_bound(self, per: Sequence[dict], M: int, sched: str, mbs: int) -> float:
+        """A lower bound of every configuration bound of one (microbatch size, recompute, schedule) row
+        (``per``: :meth:`choice_figures` per group): ``configuration_bounds`` of ONE relaxed configuration, per
+        group the least ``K``, ``w`` and the most ``k``, ``cap`` over its choices, without the per-order terms
+        (every remaining term is nondecreasing in ``K``, ``w`` and nonincreasing in ``k``, ``cap``)."""
+        from hethub_jax.planner.search_configs import configuration_bounds
+        relaxed = [{"k": [max(f["k"])], "w": [min(f["w"])], "K": [min(f["K"])], "cap": [max(f["cap"])],
+                    "own": [min(f["own"])]} for f in per]
+        return float(configuration_bounds(relaxed, self.L, M, sched, self.delivery_lb(mbs), orders=False)[0])
 
     def choice_figures(self, g: str, choices, mbs: int, rec: str, in_flight: int, copies: bool,
                        one_f_one_b: int = 0) -> dict:
