@@ -278,3 +278,280 @@ def test_order_and_rest_bounds_never_exceed_predict(bandwidth):
             rest_gain += sk.schedule == "gpipe" and r > 1.01 * (M * isl + sum(sb.rt))
             s0 += kk
     assert order_gain > 0 and rest_gain > 0
+
+
+def _group_splits(sk, L):
+    """Every per-group layer count (each group >= its stage count) of ``sk`` summing to L."""
+    import itertools
+    G = len(sk.groups)
+    for cuts in itertools.combinations(range(1, L), G - 1):
+        b = (0,) + cuts + (L,)
+        pg = tuple(b[i + 1] - b[i] for i in range(G))
+        if all(n >= k for n, k in zip(pg, sk.stages)):
+            yield pg
+
+
+@pytest.mark.parametrize("bandwidth", [2e6, 1e9])
+def test_joint_suffix_bounds_never_exceed_predict_and_beat_one_layer_per_stage(bandwidth):
+    """``search_bounds.joint_suffix_bounds`` (session 9): for every configuration of random three-island
+    pipelines (1-2 stages per group, both schedules) and EVERY split that fits, each prefix's head plus
+    ``V[j]`` of the layers left is at most ``predict``'s pipeline seconds of that split (the reference: the
+    process-level simulator), ``C[j]`` at most the split's actual round trip after the prefix, and the whole
+    pipeline's ``V[0][L]`` at most the least ``predict`` over the splits. It must also exceed, on some
+    1F1B configurations, both the order bound (``order_lb``) and the root's partial-split bound
+    (``SplitBounds.group_lb`` counting each later stage at one layer plus the least slope), and come within
+    15% of the least ``predict`` on some, and under 1F1B reach 99% of the least :func:`cycle_bound` over the
+    splits on most configurations (a bound that dropped the cycle terms would not), under GPipe 99% of the
+    least :func:`process_bound` on every configuration here (one that dropped the round trip after an island
+    falls to 77-95% on a third of them)."""
+    import math
+
+    import numpy as np
+
+    from hethub_jax.planner.predictor import predict
+    from hethub_jax.planner.search_bounds import cycle_bound, joint_suffix_bounds, process_bound
+    L = 7
+    cfg = small_model(layers=L)
+    p = _setup(cfg, three_islands(bandwidth), 8, 16, None, SearchOptions(), None)
+    rnd, gain, tight, checked, cyc_hits, cyc_cases, gp_hits, gp_cases = random.Random(41), 0, 0, 0, 0, 0, 0, 0
+    seen = set()
+    for sk, _ in random_plans(p, rnd, 14, layers=L):
+        if (sk.groups, sk.stages, sk.schedule, sk.microbatch_size, sk.recompute) in seen:
+            continue
+        seen.add((sk.groups, sk.stages, sk.schedule, sk.microbatch_size, sk.recompute))
+        M = 8 // sk.microbatch_size
+        times = p.tables(sk)
+        sb = p.split_bounds(sk, times)
+        V, C = joint_suffix_bounds(np.array(times), sk.stages, sb.copies, sb.rt, M, sk.schedule, L)
+        least = cyc = proc = math.inf
+        for pg in _group_splits(sk, L):
+            counts = tuple(c for n, k in zip(pg, sk.stages) for c in balanced(n, k))
+            if any(times[s][n] == math.inf for s, n in enumerate(counts)):
+                continue
+            pred = predict(cfg, p.pipeline_plan(sk, counts), p.costs, seq_len=16,
+                           bridge=bridge_for(p.cluster, list(zip(sk.groups, sk.groups[1:]))))
+            least = min(least, pred.pipeline_s)
+            fw, bw, act, grad, _ = p.action_times(sk, counts)
+            cyc = min(cyc, cycle_bound(M, fw, bw, act, grad))
+            proc = min(proc, process_bound(sk.schedule, sk.stages, M, fw, bw, act, grad))
+            u = [f + b for f, b in zip(fw, bw)]
+            rt = [a + g for a, g in zip(act, grad)] + [0.0]
+            head, s0 = 0.0, 0
+            for j, k in enumerate(sk.stages):
+                x = L - sum(pg[:j])
+                assert head + V[j][x] <= pred.pipeline_s * (1 + 1e-9), (sk, pg, j)
+                assert C[j][x] <= sum(u[s0:]) + sum(rt[s0:]) + 1e-12, (sk, pg, j)
+                head += sum(u[s0:s0 + k]) + sum(rt[s0:s0 + k])
+                s0 += k
+            checked += 1
+        if least == math.inf:
+            assert V[0][L] == math.inf
+            continue
+        assert V[0][L] <= least * (1 + 1e-9)
+        tight += V[0][L] >= 0.85 * least
+        if sk.schedule == "1f1b":
+            _, root = sb.group_lb(0, 0.0, [times[i][1] for i in range(sk.stages[0])], L - sk.stages[0])
+            gain += V[0][L] > 1.02 * max(p.order_lb(sk), root)
+            cyc_cases += 1
+            cyc_hits += V[0][L] >= 0.99 * cyc
+        else:
+            gp_cases += 1
+            gp_hits += V[0][L] >= 0.99 * proc
+    assert checked > 20 and tight > 0 and gain > 0 and cyc_hits > cyc_cases / 2 and gp_hits == gp_cases > 0
+
+
+def test_order_fits_equals_brute_force_over_splits():
+    """``_Planner.order_fits`` (balanced() capacity of each group at its pipeline positions) against trying
+    every split with the memory-capped tables: False exactly when no split fits. Memory is set so that
+    caps bind (some orders fail, some fit)."""
+    import dataclasses
+    import itertools
+    import math
+    L = 8
+    cfg = small_model(layers=L, hidden=64)
+    cluster = three_islands(1e9)
+    base = _setup(cfg, cluster, 16, 64, None, SearchOptions(), None)
+    outcomes = set()
+    for mem in (2.2e6, 3e6, 4e6, 6e6):
+        costs = {g: dataclasses.replace(base.costs[g], memory_bytes=int(mem)) for g in base.groups}
+        p = _setup(cfg, cluster, 16, 64, costs, SearchOptions(), None)
+        for order in itertools.permutations(["g0", "g1", "g2"]):
+            for k in itertools.product((1, 2, 3), repeat=3):
+                for sched, mbs in (("1f1b", 2), ("1f1b", 8), ("gpipe", 4)):
+                    sk = Skeleton(mbs, sched, "none", order, k, (1, 1, 1), (1, 1, 1))
+                    times = p.tables(sk)
+                    fits = any(all(times[s][n] < math.inf for s, n in enumerate(
+                        c for m, kk in zip(pg, k) for c in balanced(m, kk))) for pg in _group_splits(sk, L))
+                    assert p.order_fits(sk) == fits, (sk, mem)
+                    outcomes.add(fits)
+    assert outcomes == {True, False}
+
+
+@pytest.mark.parametrize("bandwidth", [2e6, 1e9])
+def test_kind_bound_holds_for_every_tp_dp_choice_and_split(bandwidth):
+    """``_Planner.kind_bound`` (session 9: one joint suffix bound per pipeline order and stage counts, on the
+    elementwise least stage tables over the groups' TP/DP choices) and ``kind_config_lb`` (its least over
+    the orders) against ``predict`` on EVERY split of random configurations whose groups take different TP
+    degrees (so the choices differ in speed and memory): never above the step time nor the configuration's
+    own joint bound, and above half of the least step time on some configurations (a bound that took the slowest choice would exceed ``predict``; one that
+    forgot the crossings would be far below)."""
+    import math
+
+    import numpy as np
+
+    from hethub_jax.planner.predictor import predict
+    from hethub_jax.planner.search_bounds import joint_suffix_bounds
+    L = 6
+    cfg = small_model(layers=L)
+    p = _setup(cfg, three_islands(bandwidth), 8, 16, None, SearchOptions(), None)
+    rnd, tight, checked = random.Random(77), 0, 0
+    for _ in range(16):
+        mbs, sched, rec = rnd.choice([1, 2, 4]), rnd.choice(["1f1b", "gpipe"]), rnd.choice(["none", "full"])
+        order = tuple(rnd.sample(["g0", "g1", "g2"], 3))
+        combo = {g: rnd.choice(p.choices(g, mbs)) for g in order}
+        sk = Skeleton(mbs, sched, rec, order, tuple(combo[g][0] for g in order), tuple(combo[g][1] for g in order),
+                      tuple(combo[g][2] for g in order))
+        kb = p.kind_bound(mbs, rec, sched, sk.groups, sk.stages)
+        cb = p.kind_config_lb(mbs, rec, sched, tuple(combo[g] for g in p.groups))
+        assert cb <= kb
+        times = p.tables(sk)
+        sb = p.split_bounds(sk, times)
+        own = joint_suffix_bounds(np.array(times), sk.stages, sb.copies, sb.rt, 8 // mbs, sched, L)[0][0][L]
+        assert kb <= own * (1 + 1e-12)
+        least = math.inf
+        for pg in _group_splits(sk, L):
+            counts = tuple(c for n, k in zip(pg, sk.stages) for c in balanced(n, k))
+            if any(times[s][n] == math.inf for s, n in enumerate(counts)):
+                continue
+            pred = predict(cfg, p.pipeline_plan(sk, counts), p.costs, seq_len=16,
+                           bridge=bridge_for(p.cluster, list(zip(sk.groups, sk.groups[1:]))))
+            assert kb <= pred.step_time_s * (1 + 1e-9), (sk, counts)
+            least = min(least, pred.step_time_s)
+            checked += 1
+        tight += least < math.inf and kb >= 0.5 * least
+    assert checked > 20 and tight > 0
+
+
+def test_replica_may_fit_never_drops_a_replica_that_fits():
+    """``_Planner.replica_may_fit`` (the hetero-DP family's memory filter, session 9) against the replica's
+    own capped tables (what ``replica_of`` admits): whenever it says False, no balanced layer spread of that
+    choice fits under either schedule; and at the memory sizes used it says False on some choices and True
+    on some (else it filters nothing, or everything); some 1F1B replicas that fit would be dropped by a
+    filter that counted M microbatches in flight on the first stage instead of ``min(k, M)``."""
+    import dataclasses
+    import math
+    L = 8
+    cfg = small_model(layers=L, hidden=64)
+    cluster = cluster_from_dict({"groups": [{"name": "g1", "device": "cpu", "nodes": 2, "devices_per_node": 2}]})
+    base = _setup(cfg, cluster, 16, 512, None, SearchOptions(max_stages_per_group=4), None)
+    said, tight = set(), 0
+    for mem in (1.5 ** e * 1e6 for e in range(14)):
+        costs = {g: dataclasses.replace(base.costs[g], memory_bytes=int(mem)) for g in base.groups}
+        p = _setup(cfg, cluster, 16, 512, costs, SearchOptions(max_stages_per_group=4), None)
+        for mbs in (1, 2, 8):
+            M = 16 // mbs
+            for rec in ("none", "full"):
+                for k, tp, dp in p.choices("g1", mbs):
+                    ok = p.replica_may_fit("g1", k, tp, dp, mbs, rec, M)
+                    said.add(ok)
+                    for sched in ("1f1b", "gpipe"):
+                        sk = Skeleton(mbs, sched, rec, ("g1",), (k,), (tp,), (dp,))
+                        fits = p.group_tables(sk, p.tables(sk, M))[0][L] < math.inf
+                        assert ok or not fits, (k, tp, dp, mbs, rec, sched, mem)
+                        tight += ok and fits and sched == "1f1b" and 2 <= k < M and k * p.stage_cap(
+                            "g1", tp, dp, mbs, rec, False, False, M) < L
+    assert said == {True, False} and tight > 0
+
+
+def test_joint_group_step_rows_and_ranges_match_the_full_recursion():
+    """``joint_group_step`` (numpy, restricted to the layer counts that fit, several suffixes at once for
+    the root) against the same recursion written out in pure Python over every layer count (single-stage
+    groups, random tables with memory caps, no crossings), and never above the brute-force least of the
+    terms over every split; each root row of a batch equals that row alone."""
+    import itertools
+    import math
+
+    import numpy as np
+
+    from hethub_jax.planner.search_bounds import joint_group_step, joint_suffix_bounds, terminal_suffix
+    rnd = random.Random(9)
+    for _ in range(60):
+        L, M, G = rnd.randint(3, 7), rnd.choice([1, 3, 8]), rnd.randint(1, 3)
+        sched = rnd.choice(["1f1b", "gpipe"])
+        tabs = np.full((G, L + 1), math.inf)
+        for g in range(G):
+            lo, cap = rnd.randint(1, 2), rnd.randint(2, L)
+            a, b = rnd.random(), rnd.random()
+            tabs[g, lo:cap + 1] = a + b * np.arange(lo, cap + 1)
+        V, C = joint_suffix_bounds(tabs, [1] * G, [0.0] * G, [0.0] * G, M, sched, L)
+        # the recursion in pure Python: group g (stage g, S - g stages to the end) holding n layers
+        Vr, Cr = [0.0] + [math.inf] * L, [0.0] + [math.inf] * L
+        for g in range(G - 1, -1, -1):
+            nv, nc = [math.inf] * (L + 1), [math.inf] * (L + 1)
+            for x in range(L + 1):
+                for n in range(x + 1):
+                    t, y = tabs[g, n], x - n
+                    if t == math.inf or Cr[y] == math.inf:
+                        continue
+                    a = M * t
+                    if sched == "1f1b":
+                        a = max(a, -(-M // (G - g)) * (t + Cr[y]))
+                    else:
+                        a = max(a, M * t + Cr[y])
+                    nv[x] = min(nv[x], max(a, t + Vr[y]))
+                    nc[x] = min(nc[x], t + Cr[y])
+            Vr, Cr = nv, nc
+            for x in range(L + 1):
+                assert V[g][x] == pytest.approx(Vr[x], rel=1e-12, abs=0) if Vr[x] < math.inf else V[g][x] == math.inf
+                assert C[g][x] == pytest.approx(Cr[x], rel=1e-12, abs=0) if Cr[x] < math.inf else C[g][x] == math.inf
+        best = math.inf
+        for cuts in itertools.combinations(range(1, L), G - 1):
+            b = (0,) + cuts + (L,)
+            t = [tabs[g, b[g + 1] - b[g]] for g in range(G)]
+            if any(x == math.inf for x in t):
+                continue
+            terms = [sum(t[:g]) + M * t[g] for g in range(G)]
+            if sched == "1f1b":
+                terms += [sum(t[:g]) + -(-M // (G - g)) * sum(t[g:]) for g in range(G)]
+            else:
+                terms += [sum(t[:g]) + M * t[g] + sum(t[g + 1:]) for g in range(G)]
+            best = min(best, max(terms))
+        assert V[0][L] <= best * (1 + 1e-12)
+        rows = [terminal_suffix(L)] + [(np.sort(np.random.default_rng(i).random(L + 1)),) * 2 for i in range(3)]
+        got, _ = joint_group_step(tabs[:1], [0.0], [G], M, sched, np.stack([r[0] for r in rows]),
+                                  np.stack([r[1] for r in rows]), root=True)
+        for i, (v, c) in enumerate(rows):
+            one, _ = joint_group_step(tabs[:1], [0.0], [G], M, sched, v, c, root=True)
+            assert got[i] == one
+
+
+def test_row_cheap_bound_is_below_every_configuration_of_its_row():
+    """``_Planner.row_cheap_bound`` (session 9: a configuration row is built only when the stream reaches
+    it) against ``configuration_bounds`` of every configuration of the row, for every (microbatch size,
+    recompute, schedule) of a three-group cluster with several TP/stage choices: never above the least
+    finite one, and within 5% of it on most rows (fast bridge: the loads dominate; a relaxation taking the
+    slowest choice or the fewest stages would exceed it, one that dropped the loads would fall far below)."""
+    import math
+
+    from hethub_jax.planner.search_configs import configuration_bounds
+    cfg = small_model(layers=8, heads=4, kv=2)
+    cluster = cluster_from_dict({"groups": [{"name": f"g{i}", "device": "cpu", "nodes": 2, "devices_per_node": 2,
+                                             "slowdown": sd} for i, sd in enumerate((1.0, 2.0, 3.5))],
+                                 "default_link": {"bandwidth": 1e9, "latency_s": 1e-4}})
+    p = _setup(cfg, cluster, 16, 16, None, SearchOptions(max_stages_per_group=3), None)
+    names, rows, close = list(p.groups), 0, 0
+    for mbs in p.microbatch_sizes():
+        M = 16 // mbs
+        for rec in ("none", "full"):
+            choices = [p.choices(g, mbs) for g in names]
+            for sched in ("1f1b", "gpipe"):
+                per = [p.choice_figures(g, cs, mbs, rec, M if sched == "gpipe" else 0, True,
+                                        M if sched == "1f1b" else 0) for g, cs in zip(names, choices)]
+                full = configuration_bounds(per, 8, M, sched, p.delivery_lb(mbs))
+                least = float(full.min())
+                cheap = p.row_cheap_bound(per, M, sched, mbs)
+                assert cheap <= least * (1 + 1e-12), (mbs, rec, sched)
+                if least < math.inf:
+                    rows += 1
+                    close += cheap >= 0.95 * least
+    assert rows > 4 and close > rows / 2

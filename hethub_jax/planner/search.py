@@ -149,7 +149,9 @@ class SearchResult:
 
     Attributes:
       candidates: the top k, best (least predicted step time) first; ties broken by the plan JSON.
-      skeletons: configurations the search enumerated; expanded: those not pruned by their bound.
+      skeletons: configurations and pipeline orders the search looked at (since session 9 the
+        configurations of a (microbatch size, recompute, schedule) row whose cheap bound exceeds the k-th
+        best are never built and not counted); expanded: pipeline orders not pruned by their bound.
       evaluated: ``predict`` calls.
       wall_s: seconds the search took.
       upper_bound_tokens_per_s: sum over groups of each group's best homogeneous tokens/s (or None).
@@ -367,6 +369,9 @@ class _Planner:
         self._const: Dict[tuple, float] = {}
         self._layer_lb: Dict[tuple, float] = {}
         self._capped: Dict[tuple, List[float]] = {}
+        self._kind: Dict[tuple, float] = {}
+        self._suffix: Dict[tuple, tuple] = {}
+        self._rows: Dict[tuple, Any] = {}
         self._preds: Dict[str, Any] = {}
         self._choices: Dict[tuple, List[Tuple[int, int, int]]] = {}
         self.top: List[Tuple[float, str, Candidate]] = []
@@ -560,13 +565,114 @@ class _Planner:
             args = (sk.groups[j], sk.tp[j], sk.dp[j], sk.microbatch_size, sk.recompute, first, last)
             inflight = 0 if (last and sk.schedule == "1f1b") else in_flight_bound(sk.schedule, S, s, M)
             fu = (last_fused or self.fused(sk.schedule, S, M)) if last else "none"
-            key = args + (inflight, fu)
-            if key not in self._capped:  # shared across pipeline orders and configurations: read only
-                cap = self.stage_cap(*args, inflight)
-                t = self.stage_times(*args, fu)
-                self._capped[key] = t if cap >= self.L else t[:cap + 1] + [math.inf] * (self.L - cap)
-            out.append(self._capped[key])
+            out.append(self._capped_table(args + (inflight, fu)))
         return out
+
+    def _capped_table(self, key: tuple) -> List[float]:
+        """``t[n]`` of :meth:`stage_times` with ``inf`` above :meth:`stage_cap`; ``key`` = (group, tp, dp,
+        microbatch size, recompute, first, last, in-flight microbatches, fused). Cached; read only."""
+        if key not in self._capped:  # shared across pipeline orders and configurations: read only
+            cap = self.stage_cap(*key[:7], key[7])
+            t = self.stage_times(*key[:7], key[8])
+            self._capped[key] = t if cap >= self.L else t[:cap + 1] + [math.inf] * (self.L - cap)
+        return self._capped[key]
+
+    def kind_bound(self, mbs: int, rec: str, sched: str, groups: Tuple[str, ...], ks: Tuple[int, ...]) -> float:
+        """Lower bound (seconds) of the step time of every pipeline with groups in order ``groups`` holding
+        ``ks`` stages each, WHATEVER their TP/DP choices and layer split: :func:`search_bounds.joint_suffix_bounds`
+        on per-stage tables that are, elementwise, the least over the group's choices with that stage count
+        (:meth:`tables` at the stage's pipeline position; ``inf`` only where no choice fits), with the host
+        copies and crossings :meth:`message_times` charges (they do not depend on TP/DP). The recursion runs
+        from the last group; a suffix of groups after the first depends only on those groups, their stage
+        counts and the delivery seconds (positions counted from the end), so its tables are shared between
+        orders and stage counts (cached). Cached per argument tuple."""
+        key = (mbs, rec, sched, groups, ks)
+        if key not in self._kind:
+            self._kind_batch(mbs, rec, sched, [(groups, ks)])
+        return self._kind[key]
+
+    def _kind_batch(self, mbs: int, rec: str, sched: str, orders) -> None:
+        """Fill :meth:`kind_bound`'s cache for ``orders`` (``(groups, ks)`` pairs): the suffix after the first
+        group from the shared cache, then the first group's step once per (first group, its stage count,
+        delivery seconds) for all its orders at once (numpy rows)."""
+        import numpy as np
+
+        from hethub_jax.planner import analytic
+        from hethub_jax.planner.search_bounds import joint_group_step, terminal_suffix
+        M, L = self.gbs // mbs, self.L
+        nbytes = mbs * self.seq * self.cfg.hidden_size * analytic.dtype_bytes(self.cfg.dtype)
+        batches: Dict[tuple, list] = {}
+        for groups, ks in orders:
+            S, G = sum(ks), len(groups)
+            if L < S or not all(any(c[0] == k for c in self.choices(g, mbs)) for g, k in zip(groups, ks)):
+                self._kind[(mbs, rec, sched, groups, ks)] = math.inf
+                continue
+            d = self.bridge(tuple(zip(groups, groups[1:]))).time_s(nbytes) if G > 1 else 0.0
+            fu = self.fused(sched, S, M)
+            V, C = terminal_suffix(L)
+            after = 0
+            for j in range(G - 1, 0, -1):  # the suffix after the first group: shared between orders
+                skey = (mbs, rec, sched, d, fu, groups[j:], ks[j:])
+                if skey not in self._suffix:
+                    u = self._kind_rows(groups[j], ks[j], mbs, rec, sched, False, j == G - 1, after, fu, nbytes)
+                    rt = [0.0] * (ks[j] - 1) + [2.0 * d if j < G - 1 else 0.0]
+                    self._suffix[skey] = joint_group_step(u, rt, [after + ks[j] - i for i in range(ks[j])], M, sched,
+                                                          V, C)
+                V, C = self._suffix[skey]
+                after += ks[j]
+            batches.setdefault((groups[0], ks[0], d, fu, G, after), []).append(((groups, ks), V, C))
+        for (g, k, d, fu, G, after), items in batches.items():
+            u = self._kind_rows(g, k, mbs, rec, sched, True, G == 1, after, fu, nbytes)
+            rt = [0.0] * (k - 1) + [2.0 * d if G > 1 else 0.0]
+            vals, _ = joint_group_step(u, rt, [after + k - i for i in range(k)], M, sched,
+                                       np.stack([v for _, v, _ in items]), np.stack([c for _, _, c in items]),
+                                       root=True)
+            for (key, _, _), v in zip(items, np.atleast_1d(vals).tolist()):
+                self._kind[(mbs, rec, sched) + key] = v
+
+    def _kind_rows(self, g: str, k: int, mbs: int, rec: str, sched: str, first_group: bool, last_group: bool,
+                   after: int, fu: str, nbytes: float):
+        """``(k, L + 1)`` array for :meth:`kind_bound`: per stage of group ``g`` (``k`` stages, ``after`` stages
+        after them), the least over the group's choices of its capped table (:meth:`tables`' in-flight counts
+        and fused last stage) at the layer count ``balanced`` gives it, plus the host copies
+        :meth:`message_times` charges there (a RECV before F on every stage but the pipeline's first, a RECV
+        before B on every stage but the last, a SEND's copy on each side of a crossing). Cached."""
+        key = (g, k, mbs, rec, sched, first_group, last_group, after, fu)
+        if key not in self._rows:
+            import numpy as np
+
+            from hethub_jax.planner.search_bounds import _balanced_counts
+            S_after = after + k  # stages from this group's first to the pipeline's end
+            M = self.gbs // mbs
+            chs = [(tp, dp) for kk, tp, dp in self.choices(g, mbs) if kk == k]
+            copy = self.costs[g].host_copy_s(nbytes)
+            rows = []
+            for i in range(k):
+                first, last = first_group and i == 0, last_group and i == k - 1
+                to_end = S_after - i  # S - s
+                inflight = 0 if (last and sched == "1f1b") else (M if sched == "gpipe" else min(to_end, M))
+                tabs = [self._capped_table((g, tp, dp, mbs, rec, first, last, inflight, fu if last else "none"))
+                        for tp, dp in chs]
+                n_copies = ((not first) + (to_end >= 2) + (to_end >= 2 and i == k - 1)
+                            + (i == 0 and not first_group))
+                rows.append(np.min(np.asarray(tabs, dtype=float), axis=0) + n_copies * copy)
+            self._rows[key] = np.stack(rows)[np.arange(k)[:, None], _balanced_counts(k, self.L)]
+        return self._rows[key]
+
+    def kind_config_lb(self, mbs: int, rec: str, sched: str, combo) -> float:
+        """Lower bound of every pipeline of configuration ``combo`` (per group in cluster order ``(k, tp,
+        dp)``): the least :meth:`kind_bound` over the pipeline orders the search visits. Cached per stage
+        counts (it does not depend on TP/DP)."""
+        names = list(self.groups)
+        ks = tuple(c[0] for c in combo)
+        key = ("cfg", mbs, rec, sched, ks)
+        if key not in self._kind:
+            orders = [(tuple(names[j] for j in perm), tuple(ks[j] for j in perm))
+                      for perm in itertools.permutations(range(len(names)))
+                      if self.opt.last_group is None or names[perm[-1]] == self.opt.last_group]
+            self._kind_batch(mbs, rec, sched, [o for o in orders if (mbs, rec, sched) + o not in self._kind])
+            self._kind[key] = min((self._kind[(mbs, rec, sched) + o] for o in orders), default=math.inf)
+        return self._kind[key]
 
     def order_lb(self, sk: Skeleton) -> float:
         """1F1B: lower bound (seconds) of the step time of every split of ``sk`` from its pipeline order,
@@ -599,13 +705,15 @@ class _Planner:
         return best
 
     def order_fits(self, sk: Skeleton) -> bool:
-        """Whether some layer split of ``sk`` may fit memory: every stage holds >= 1 layer and the stages'
-        layer caps at their pipeline positions (:meth:`stage_cap` with the in-flight microbatches
-        :meth:`tables` uses) sum to >= L. A cheap test before :meth:`tables` (the configuration bound's caps
+        """Whether some layer split of ``sk`` may fit memory: every stage holds >= 1 layer and the groups'
+        capacities sum to >= L. A group's layers are spread by :func:`balanced`, so it holds at most ``k m + r``
+        layers, ``m`` the least layer cap of its stages at their pipeline positions (:meth:`stage_cap` with the
+        in-flight microbatches :meth:`tables` uses), ``r`` the leading stages (from its first) whose cap
+        exceeds ``m``; every count from ``k`` up to that fits (balanced counts grow with ``n``). A cheap test before :meth:`tables` (the configuration bound's caps
         do not know the positions: under 1F1B an early stage holds more microbatches)."""
         S, sg = sk.num_stages, sk.stage_group()
         M = self.gbs // sk.microbatch_size
-        total = 0
+        caps = []
         for s in range(S):
             j, first, last = sg[s], s == 0, s == S - 1
             inflight = 0 if (last and sk.schedule == "1f1b") else in_flight_bound(sk.schedule, S, s, M)
@@ -613,7 +721,14 @@ class _Planner:
                                  inflight)
             if cap < 1:
                 return False
-            total += cap
+            caps.append(cap)
+        total, s0 = 0, 0
+        for k in sk.stages:  # the most a group holds with balanced(): every stage at least m = its least cap,
+            c = caps[s0:s0 + k]  # plus one on each leading stage (from the first) that holds m + 1
+            m = min(c)
+            lead = next((i for i, x in enumerate(c) if x <= m), k)
+            total += k * m + lead
+            s0 += k
         return total >= self.L
 
     # ---- configurations --------------------------------------------------------------------------
@@ -638,14 +753,19 @@ class _Planner:
 
     def combo_streams(self) -> Iterator[Tuple[float, int, str, str, Tuple[Tuple[int, int, int], ...]]]:
         """``(LB0, mbs, recompute, schedule, per-group choices in cluster order)`` in ascending LB0 (ties in
-        a fixed order), LB0 a lower bound of the step time of every pipeline of those choices, whatever
-        the order and split (:func:`search_configs.configuration_bounds`, numpy over all configurations of
-        one (microbatch size, recompute, schedule) at once); the caller may stop at the first LB0 above
-        the k-th best. Configurations whose groups cannot hold the layers in memory are left out."""
+        a fixed order: the (microbatch size, recompute, schedule) row, then the flat index), LB0 a lower
+        bound of the step time of every pipeline of those choices, whatever the order and split
+        (:func:`search_configs.configuration_bounds`, numpy over all configurations of one (microbatch size,
+        recompute, schedule) at once); the caller may stop at the first LB0 above the k-th best.
+        Configurations whose groups cannot hold the layers in memory are left out. A row's arrays are built
+        only when the stream reaches its cheap bound (``configuration_bounds`` of one relaxed configuration:
+        per group the least ``K`` and ``w``, the most ``k`` and ``cap`` over its choices, without the
+        per-order terms; every term there is monotone in these, so it bounds every configuration of the
+        row): rows whose cheap bound is never reached cost one small call."""
         import numpy as np
 
         from hethub_jax.planner.search_configs import configuration_bounds
-        names, keys, rows = list(self.groups), [], []
+        names, pending = list(self.groups), []
         for mbs in self.microbatch_sizes():
             M = self.gbs // mbs
             for rec in self.opt.recompute:
@@ -656,19 +776,45 @@ class _Planner:
                     per = [self.choice_figures(g, cs, mbs, rec, M if sched == "gpipe" else 0, len(names) > 1,
                                                M if sched == "1f1b" else 0)
                            for g, cs in zip(names, choices)]
-                    lb = configuration_bounds(per, self.L, M, sched, self.delivery_lb(mbs))
-                    keep = np.nonzero(np.isfinite(lb))[0]
-                    self.skeletons += int(lb.size - keep.size)
-                    rows.append((mbs, rec, sched, choices, keep))
-                    keys.append(np.stack([lb[keep], np.full(keep.size, len(rows) - 1), keep], axis=1))
-        if not keys:
-            return
-        allk = np.concatenate(keys)
-        for i in np.lexsort((allk[:, 2], allk[:, 1], allk[:, 0])):
-            lb0, r, flat = allk[i]
-            mbs, rec, sched, choices, _ = rows[int(r)]
-            idx = np.unravel_index(int(flat), [len(cs) for cs in choices])
-            yield float(lb0), mbs, rec, sched, tuple(cs[int(x)] for cs, x in zip(choices, idx))
+                    cheap = self.row_cheap_bound(per, M, sched, mbs)
+                    pending.append((cheap, len(pending), mbs, rec, sched, choices, per))
+        pending.sort(key=lambda x: (x[0], x[1]))
+        heap: List[tuple] = []
+        i = 0
+        while True:
+            while i < len(pending) and (not heap or pending[i][0] <= heap[0][0]):
+                cheap, r, mbs, rec, sched, choices, per = pending[i]
+                i += 1
+                if cheap == math.inf:
+                    continue
+                lb = configuration_bounds(per, self.L, self.gbs // mbs, sched, self.delivery_lb(mbs))
+                keep = np.nonzero(np.isfinite(lb))[0]
+                self.skeletons += int(lb.size - keep.size)
+                if keep.size:
+                    order = keep[np.argsort(lb[keep], kind="stable")]
+                    vals = lb[order].tolist()
+                    it = iter(zip(vals, order.tolist()))
+                    v, flat = next(it)
+                    heapq.heappush(heap, (v, r, flat, it, (mbs, rec, sched, choices)))
+            if not heap:
+                return
+            v, r, flat, it, row = heapq.heappop(heap)
+            mbs, rec, sched, choices = row
+            idx = np.unravel_index(flat, [len(cs) for cs in choices])
+            yield v, mbs, rec, sched, tuple(cs[int(x)] for cs, x in zip(choices, idx))
+            nx = next(it, None)
+            if nx is not None:
+                heapq.heappush(heap, (nx[0], r, nx[1], it, row))
+
+    def row_cheap_bound(self, per: Sequence[dict], M: int, sched: str, mbs: int) -> float:
+        """A lower bound of every configuration bound of one (microbatch size, recompute, schedule) row
+        (``per``: :meth:`choice_figures` per group): ``configuration_bounds`` of ONE relaxed configuration, per
+        group the least ``K``, ``w`` and the most ``k``, ``cap`` over its choices, without the per-order terms
+        (every remaining term is nondecreasing in ``K``, ``w`` and nonincreasing in ``k``, ``cap``)."""
+        from hethub_jax.planner.search_configs import configuration_bounds
+        relaxed = [{"k": [max(f["k"])], "w": [min(f["w"])], "K": [min(f["K"])], "cap": [max(f["cap"])],
+                    "own": [min(f["own"])]} for f in per]
+        return float(configuration_bounds(relaxed, self.L, M, sched, self.delivery_lb(mbs), orders=False)[0])
 
     def choice_figures(self, g: str, choices, mbs: int, rec: str, in_flight: int, copies: bool,
                        one_f_one_b: int = 0) -> dict:
@@ -681,7 +827,10 @@ class _Planner:
         ``one_f_one_b = M`` (1F1B with M microbatches) the caps follow 1F1B's in-flight counts instead:
         the group's stages sit at ``k`` consecutive positions ``s..s+k-1``, and position ``s + i`` holds
         ``min(S - s - i, M) >= min(k - i, M)`` microbatches, except the pipeline's last stage (none, fused);
-        memory grows with them, so ``sum_{i<k-1} cap(min(k - i, M)) + cap(0)`` is an upper bound."""
+        memory grows with them. The group's layers are spread by :func:`balanced` (its first stage takes
+        the most), and for ``k >= 2`` its first stage is not the pipeline's last and holds ``>= min(k, M)``: at
+        most ``k x cap(min(k, M))`` layers fit (a first stage above its cap does not fit; one at ``cap`` leaves no
+        stage more); for ``k = 1`` at most ``cap(0)``."""
         from hethub_jax.planner import analytic
         nbytes = mbs * self.seq * self.cfg.hidden_size * analytic.dtype_bytes(self.cfg.dtype)
         c = self.costs[g].host_copy_s(nbytes) if copies else 0.0
@@ -692,8 +841,8 @@ class _Planner:
             out["K"].append(k * (self.stage_constant(g, tp, dp, mbs, rec) + 2 * c))
             out["own"].append(self.stage_constant(g, tp, dp, mbs, rec) + c + out["w"][-1])
             cap = lambda f: self.stage_cap(g, tp, dp, mbs, rec, False, False, f)
-            if one_f_one_b:
-                out["cap"].append(sum(cap(min(k - i, one_f_one_b)) for i in range(k - 1)) + cap(0))
+            if one_f_one_b:  # balanced() gives the group's first stage (the most in flight) the most layers
+                out["cap"].append(cap(0) if k == 1 else k * cap(min(k, one_f_one_b)))
             else:
                 out["cap"].append(k * cap(in_flight))
         return out
@@ -902,7 +1051,7 @@ class _Planner:
         best, key = None, None
         lbs = []
         for i, (k, tp, dp) in enumerate(self.choices(g, mbs)):
-            if self.L >= k:
+            if self.L >= k and self.replica_may_fit(g, k, tp, dp, mbs, rec, M):
                 lbs.append((k * self.stage_constant(g, tp, dp, mbs, rec) + self.L * self.layer_lb(g, tp, dp, mbs, rec),
                             i, (k, tp, dp)))
         for lb, i, (k, tp, dp) in sorted(lbs):
@@ -942,14 +1091,27 @@ class _Planner:
     def hetero_lb(self, mbs: int, rec: str, M: int) -> float:
         """Lower bound of every hetero-DP plan's step time for one microbatch size and recompute policy
         (any schedule): replica ``r`` computes its ``u_r`` microbatches (``sum_r u_r = M``) on its island, at
-        least ``c_r`` seconds each, ``c_r`` the least over the group's choices of ``k x``
-        :meth:`stage_constant` ``+ L x`` :meth:`layer_lb`; so the step takes at least ``M / sum_r 1/c_r``."""
+        least ``c_r`` seconds each, ``c_r`` the least over the group's choices that may hold the layers
+        (:meth:`replica_may_fit`) of ``k x`` :meth:`stage_constant` ``+ L x`` :meth:`layer_lb`; so the step
+        takes at least ``M / sum_r 1/c_r``."""
         inv = 0.0
         for g in self.groups:
             c = min((k * self.stage_constant(g, tp, dp, mbs, rec) + self.L * self.layer_lb(g, tp, dp, mbs, rec)
-                     for k, tp, dp in self.choices(g, mbs)), default=math.inf)
+                     for k, tp, dp in self.choices(g, mbs) if self.replica_may_fit(g, k, tp, dp, mbs, rec, M)),
+                    default=math.inf)
             inv += 1.0 / c if c > 0 else math.inf
         return M / inv if inv > 0 else math.inf
+
+    def replica_may_fit(self, g: str, k: int, tp: int, dp: int, mbs: int, rec: str, M: int) -> bool:
+        """False when no hetero-DP replica of group ``g`` with ``k`` stages at (tp, dp) can hold the L layers in
+        memory, under any schedule: its layers are spread by :func:`balanced` (the first stage takes the
+        most), and the first stage holds at least ``min(k, M)`` microbatches in flight under 1F1B (``M`` under
+        GPipe, more memory), so at most ``k x`` :meth:`stage_cap` at that count fit (``k = 1``: the single stage
+        at 0 in flight, the fused last stage's count); the embedding only adds memory. An upper bound of
+        what :meth:`tables` admits, so skipping such choices changes no replica."""
+        if k == 1:
+            return self.stage_cap(g, tp, dp, mbs, rec, False, False, 0) >= self.L
+        return k * self.stage_cap(g, tp, dp, mbs, rec, False, False, min(k, M)) >= self.L
 
     def hetero_plan(self, reps, units, mbs: int, sched: str, rec: str) -> Plan:
         replicas = []

@@ -21,7 +21,7 @@ import itertools
 import math
 from typing import Any, List, Tuple
 
-from hethub_jax.planner.search_bounds import rest_lb, suffix_minimax
+from hethub_jax.planner.search_bounds import joint_suffix_bounds, rest_lb, suffix_minimax
 
 __all__ = ["best_first"]
 
@@ -37,21 +37,26 @@ def best_first(p: Any) -> None:
     while heap or nxt is not None:
         ub = p.ub() * (1 + LB_SLACK)
         top = heap[0][0] if heap else math.inf
-        if nxt is not None and nxt[0] <= top:  # a configuration: one item per pipeline order
+        if nxt is not None and nxt[0] <= top:  # a configuration: keyed by its stage counts' bound
             lb0, mbs, rec, sched, combo = nxt
             if lb0 > ub:
                 break
-            for sk in p.skeletons_of(mbs, rec, combo, (sched,)):
-                p.skeletons += 1
-                lb = max(lb0, p.order_lb(sk))
-                if lb <= ub:
-                    heapq.heappush(heap, (lb, 0, next(seq), "sk", sk))
             nxt = next(stream, None)
+            lb = max(lb0, p.kind_config_lb(mbs, rec, sched, combo))
+            if lb <= ub:
+                heapq.heappush(heap, (lb, 1, next(seq), "cfg", (mbs, rec, sched, combo)))
             continue
         lb, _, _, kind, data = heapq.heappop(heap)
         if lb > ub:
             break
-        if kind == "sk":
+        if kind == "cfg":  # one item per pipeline order
+            mbs, rec, sched, combo = data
+            for sk in p.skeletons_of(mbs, rec, combo, (sched,)):
+                p.skeletons += 1
+                b = max(lb, p.order_lb(sk), p.kind_bound(mbs, rec, sched, sk.groups, sk.stages))
+                if b <= ub:
+                    heapq.heappush(heap, (b, 0, next(seq), "sk", sk))
+        elif kind == "sk":
             _open(p, heap, seq, lb, data, ub)
         elif kind == "node":
             _branch(p, heap, seq, lb, data, ub)
@@ -77,15 +82,19 @@ def _open(p: Any, heap, seq, lb: float, sk: Any, ub: float) -> None:
     lb = max(lb, rest_lb(M, gp, bounds.total_lb, rt, beta))
     if lb > ub:
         return
+    joint, _ = joint_suffix_bounds(times, sk.stages, bounds.copies, bounds.rt, M, sk.schedule, L)
+    lb = max(lb, float(joint[0][L]))
+    if lb > ub:
+        return
     p.expanded += 1
-    heapq.heappush(heap, (lb, -1, next(seq), "node", ((sk, times, gt, bounds, rest, gp, rt), 0, L, 0.0, ())))
+    heapq.heappush(heap, (lb, -1, next(seq), "node", ((sk, times, gt, bounds, rest, gp, rt, joint), 0, L, 0.0, ())))
 
 
 def _branch(p: Any, heap, seq, lb: float, data, ub: float) -> None:
     """A partial split with groups ``0..j-1`` holding ``cur``: one child per layer count of group ``j``
     whose bound is not above ``ub`` (a complete split when ``j`` is the last group)."""
     from hethub_jax.planner.search import _stage_counts, balanced
-    (sk, times, gt, bounds, rest, gp, rt), j, left, head, cur = data
+    (sk, times, gt, bounds, rest, gp, rt, joint), j, left, head, cur = data
     G, M = len(sk.groups), p.gbs // sk.microbatch_size
     nxt = rest[j + 1] if j < G - 1 else None
     need = sum(sk.stages[j + 1:])
@@ -105,6 +114,8 @@ def _branch(p: Any, heap, seq, lb: float, data, ub: float) -> None:
         ts = [times[b0 + i][c] for i, c in enumerate(balanced(n, sk.stages[j]))]
         h, glb = bounds.group_lb(j, head, ts, left - n)
         b = max(b, glb)
+        if j < G - 1:  # the later groups' terms, minimised jointly over their split
+            b = max(b, h + float(joint[j + 1][left - n]))
         if b > ub:
             continue
         if j == G - 1:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 from typing import List, Sequence, Tuple
 
-__all__ = ["cycle_bound", "process_bound", "suffix_minimax", "SplitBounds"]
+__all__ = ["cycle_bound", "process_bound", "suffix_minimax", "SplitBounds", "joint_suffix_bounds",
+           "joint_group_step", "terminal_suffix"]
 
 _DIFF: dict = {}
 
@@ -234,3 +235,121 @@ class SplitBounds:
                 hb -= tt[i] + self.rt[b]
                 lb = max(lb, hb + -(-M // (self.S - b)) * c)
         return h, lb
+
+
+_BAL: dict = {}
+
+
+def _balanced_counts(k: int, L: int):
+    """``(k, L + 1)`` int array: stage ``i``'s layers when a group of ``k`` stages holds ``n`` layers
+    (``search.balanced``: the first ``n % k`` stages take one more)."""
+    key = (k, L)
+    if key not in _BAL:
+        import numpy as np
+        n = np.arange(L + 1)
+        _BAL[key] = n[None, :] // k + (np.arange(k)[:, None] < (n % k)[None, :])
+    return _BAL[key]
+
+
+def joint_suffix_bounds(stage_times, stages: Sequence[int], copies: Sequence[float], rt: Sequence[float], M: int,
+                        schedule: str, num_layers: int):
+    """Lower bounds of the pipeline seconds over every layer split of the groups AFTER a prefix, minimised
+    JOINTLY over the later groups' layer counts (instead of counting each later stage at one layer).
+
+    Args:
+      stage_times: ``(S, L + 1)`` array, per pipeline stage ``t[n]`` = compute seconds (F + B per microbatch,
+        no host copies) at ``n`` layers, ``inf`` where ``n`` layers do not fit (``search._Planner.tables``);
+      stages: stage count per group in pipeline order (sum S); copies: per stage, the host-copy seconds
+        around its F and B (split-independent); rt: per stage, its outgoing boundary's delivery both ways
+        (0 for the last stage; ``SplitBounds.rt``); M: microbatches; schedule: ``"1f1b"`` or ``"gpipe"``.
+
+    Returns:
+      ``(V, C)``: per group ``j``, arrays over ``x = 0..L``: ``C[j][x]`` the least one-microbatch round trip
+      ``sum_{t >= f_j} (u_t + rt_t)`` (``u_t`` = compute + copies of stage ``t``) of groups ``j..`` holding ``x``
+      layers (each group's layers spread by ``balanced``), and ``V[j][x]`` a lower bound, relative to
+      ``H_f = sum_{t < f_j} (u_t + rt_t)``, of the largest of these terms over the stages ``b >= f_j``:
+      ``H_b + M u_b`` (``pipeline_time.makespan_lower_bound`` with the crossings); ``H_f + M sum_I u`` for each
+      island ``I`` (``process_bound``), under GPipe plus the round trip after the island ``rt_l + C_{l+1}``;
+      under 1F1B ``H_b + ceil(M / (S - b)) C_b`` (``cycle_bound``). ``inf`` where no split fits.
+      Recursion: ``V[j][x] = min_n max(A_j(n, x - n), U_j(n) + V[j+1][x - n])`` with ``U_j(n)`` the group's
+      ``sum (u + rt)`` and ``A_j`` its own stages' terms, in which the later round trip ``C_{l+1}`` is bounded
+      below by ``C[j+1][x - n]`` (the only relaxation: every term is a sum of non-negative stage figures,
+      so a split's terms are at least these). A split whose groups ``< j`` hold ``L - x`` layers with head
+      ``H`` (``SplitBounds.group``'s) takes at least ``H + V[j][x]``.
+    """
+    import numpy as np
+    L, S, G = num_layers, sum(stages), len(stages)
+    T = np.asarray(stage_times, dtype=float)
+    V_next, C_next = terminal_suffix(L)
+    V: List = [None] * G
+    C: List = [None] * G
+    end = S
+    for j in range(G - 1, -1, -1):
+        k = stages[j]
+        b0 = end - k
+        u = T[b0 + np.arange(k)[:, None], _balanced_counts(k, L)] + np.asarray(copies[b0:end], dtype=float)[:, None]
+        V[j], C[j] = joint_group_step(u, rt[b0:end], [S - b0 - i for i in range(k)], M, schedule, V_next, C_next)
+        V_next, C_next, end = V[j], C[j], b0
+    return V, C
+
+
+def terminal_suffix(L: int):
+    """``(V, C)`` of the empty suffix for :func:`joint_group_step`: 0 at 0 layers, ``inf`` elsewhere."""
+    import numpy as np
+    V = np.full(L + 1, np.inf)
+    V[0] = 0.0
+    return V, V.copy()
+
+
+def joint_group_step(u, rt: Sequence[float], after: Sequence[int], M: int, schedule: str, V_next, C_next,
+                     root: bool = False):
+    """One group of :func:`joint_suffix_bounds`' recursion: ``(V[j], C[j])`` from ``(V[j+1], C[j+1])``.
+
+    Args:
+      u: ``(k, L + 1)`` array, per stage of the group (in order) its compute plus host copies at the layer
+        count ``balanced`` gives it when the group holds ``n`` layers (``inf`` where it does not fit);
+      rt: per stage, its outgoing crossing both ways; after: per stage ``b``, ``S - b`` (1F1B's cycle factor
+        is ``ceil(M / (S - b))``); V_next, C_next: arrays over ``x = 0..L`` (:func:`terminal_suffix` for the
+        last group); root: compute only ``x = L`` (returns two floats, or two arrays when ``V_next`` and
+        ``C_next`` are ``(B, L + 1)``: B suffixes after the same first group at once).
+    """
+    import numpy as np
+    inf = np.inf
+    L = u.shape[1] - 1
+    k = u.shape[0]
+    valid = np.isfinite(u).all(axis=0)
+    nz = np.flatnonzero(valid)
+    if nz.size == 0:
+        shape = np.shape(V_next)[:-1] if root else (L + 1,)
+        return np.full(shape, inf), np.full(shape, inf)
+    lo, hi = int(nz[0]), int(nz[-1]) + 1  # only the layer counts between the first and last that fit
+    u, valid = u[:, lo:hi], valid[lo:hi]
+    u = np.where(valid[None, :], u, 0.0)
+    ur = u + np.asarray(rt, dtype=float)[:, None]
+    suf = np.cumsum(ur[::-1], axis=0)[::-1]          # sum_{i' >= i} (u + rt)
+    pre = suf[0][None, :] - suf                       # sum_{i' < i} (u + rt)
+    U = suf[0]
+    island = M * u.sum(axis=0)
+    A0 = np.maximum((pre + M * u).max(axis=0), island)  # stage terms and the island term
+    if root:  # x = L: y = L - n; V_next, C_next may hold several suffixes (rows)
+        y = L - np.arange(lo, hi)
+        Cy, Vy, bad = C_next[..., y], V_next[..., y], ~valid
+    else:  # rows x = lo..L (fewer layers than lo: nothing fits), columns n = lo..hi-1
+        y = np.arange(lo, L + 1)[:, None] - np.arange(lo, hi)[None, :]
+        bad = (y < 0) | ~valid[None, :]
+        y = np.maximum(y, 0)
+        Cy, Vy = C_next[y], V_next[y]                  # (x, n): C[j+1][x - n]
+    A = np.maximum(A0, U + Vy)
+    if schedule == "gpipe":
+        A = np.maximum(A, (island + rt[k - 1]) + Cy)
+    elif schedule == "1f1b":
+        for i in range(k):
+            c = -(-M // after[i])
+            A = np.maximum(A, (pre[i] + c * suf[i]) + c * Cy)
+    A = np.where(bad, inf, A).min(axis=-1)
+    cs = np.where(bad, inf, U + Cy).min(axis=-1)
+    if root:
+        return A, cs
+    V, C = np.full(L + 1, inf), np.full(L + 1, inf)
+    V[lo:], C[lo:] = A, cs
+    return V, C

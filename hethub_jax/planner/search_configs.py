@@ -72,7 +72,8 @@ def water_fill(K: np.ndarray, w: np.ndarray, cap: np.ndarray, L: int, iters: int
     return out
 
 
-def configuration_bounds(per_group: Sequence[dict], L: int, M: int, schedule: str, round_trip: float) -> np.ndarray:
+def configuration_bounds(per_group: Sequence[dict], L: int, M: int, schedule: str, round_trip: float,
+                         orders: bool = True) -> np.ndarray:
     """Lower bounds (seconds) of the step time of every configuration, flattened in C order over the
     groups' choices (``np.unravel_index`` with the choice counts recovers them); ``inf`` where the
     groups cannot hold the ``L`` layers.
@@ -83,6 +84,8 @@ def configuration_bounds(per_group: Sequence[dict], L: int, M: int, schedule: st
       L: decoder layers; M: microbatches per step.
       schedule: ``"1f1b"`` (the cycle factor applies) or another schedule.
       round_trip: lower bound of the delivery seconds on microbatch 0's round trip (the crossings).
+      orders: under 1F1B also the per-order cycle terms (:func:`order_cycle_bounds`); without them every
+        term is nondecreasing in ``K``, ``w`` and nonincreasing in ``k``, ``cap``.
     """
     G = len(per_group)
     sizes = [len(pg["k"]) for pg in per_group]
@@ -102,7 +105,7 @@ def configuration_bounds(per_group: Sequence[dict], L: int, M: int, schedule: st
     if schedule == "1f1b":
         chain = chain * np.ceil(M / k.sum(axis=1))
         live = np.nonzero(np.isfinite(wf))[0]  # only configurations that fit memory
-        if G <= 5 and live.size:
+        if orders and G <= 5 and live.size:
             d = round_trip / max(1, 2 * (G - 1))
             own = grids["own"][live] if "own" in grids else w[live]
             chain[live] = np.maximum(chain[live], order_cycle_bounds(k[live], (K + k * w)[live], own, M, d).min(axis=1))
