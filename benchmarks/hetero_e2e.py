@@ -95,7 +95,8 @@ def plans(cfg, args, costs) -> dict:
     return out
 
 
-def main() -> None:
+def parser():
+    """The benchmark's command-line parser (no JAX import)."""
     ap = training_parser(__doc__, batch=64, warmup=1, json_help="output path (written by rank 0)")
     ap.add_argument("--slowdown", type=float, default=3.0, help="EMULATED slowdown of the slow island")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per contender")
@@ -110,7 +111,11 @@ def main() -> None:
                     help="gradient bucket size of the two-island runtimes, MiB (train.grad_bucket_mb, whose "
                          "default this is; 0: off, the all-reduce after the whole backward)")
     ap.add_argument("--timeline-png", default=None, help="Gantt chart of the planned plan's last step")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     rank, core = start_pinned_rank(__file__)
     import jax  # noqa: F401  (JAX starts here, after the pinning)
     from mpi4py import MPI

@@ -160,3 +160,17 @@ def test_planless_training_profiles_up_to_the_global_batch(tmp_path, monkeypatch
     (tmp_path / "q" / "cpu.json").write_text(json.dumps(prof))
     msg = tp._plan_rank0(get_preset("tiny"), "tiny", cluster, 16, 32, 4, str(tmp_path / "q"), lambda m: None)
     assert len(asked) == 1 and any("EXTRAPOLATED" in x and "profiled 1)" in x for x in msg["lines"])
+
+
+def test_e2e_benchmark_defaults_follow_training():
+    """hetero_e2e's hetero-DP contender runs the bucketed all-reduce at training's default bucket size
+    (it ran unbucketed before session 9: the runtime's own default is off), and profiles every size the
+    planner may choose by default."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from benchmarks.hetero_e2e import parser
+    from hethub_jax.config import TrainSettings
+    args = parser().parse_args(["--json", "x.json"])
+    assert args.bucket_mb == TrainSettings().grad_bucket_mb
+    assert args.profile_mbs == "auto" and args.batch == 64
