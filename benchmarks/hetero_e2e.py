@@ -293,10 +293,11 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
         print(f"  {r['config']:<10} {r['tokens_per_s']:>9.1f} tokens/s  step {r['median_step_s']:.3f} s"
               + (f"  (PREDICTED error {e:.3f})" if e is not None else ""))
     b = figures["hetero_dp_buckets_per_rank"]
+    exposed = ", ".join(f"{x['bucket_exposed_s'] * 1e3:.0f} ms" for x in b)
+    after = ", ".join(f"{x * 1e3:.0f} ms" for x in figures["hetero_dp_reduce_after_backward_s_per_rank"])
     print(f"hetero DP: {b[0]['num_buckets']} gradient buckets of {args.bucket_mb:g} MiB, exposed wait per rank "
-          f"{', '.join(str(round(x['bucket_exposed_s'] * 1e3)) + ' ms' for x in b)}, all-reduce after the backward per rank "
-          f"{', '.join(str(round(x * 1e3)) + ' ms' for x in figures['hetero_dp_reduce_after_backward_s_per_rank'])}; PREDICTED "
-          f"(pipeline, all-reduce + norm, update) {figures['predicted_parts_s']['hetero_dp']}")
+          f"{exposed}, all-reduce after the backward per rank {after}; PREDICTED (pipeline, all-reduce + norm, "
+          f"update) {figures['predicted_parts_s']['hetero_dp']}")
     print(f"upper bound {upper:.1f} tokens/s; fraction_of_upper_bound {figures['fraction_of_upper_bound']:.3f}, "
           f"planned_over_uniform {figures['planned_over_uniform']:.3f}, prediction_error "
           f"{figures['prediction_error']:.3f} (predicted {pred:.3f} s from {source}) [EMULATED]")
