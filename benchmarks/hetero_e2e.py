@@ -14,9 +14,9 @@ Measured in one run, interleaved step by step (rotating order, a barrier before 
 steps excluded; medians):
   (a) ``alone``: each island trains alone (no communicator, both at once on their own cores) at its best
       homogeneous plan (the planner on that island alone) and, when it differs, at its best 1F1B plan
-      (``alone1f1b``: every forward fused with its backward; the planner's choice may be a GPipe plan whose
-      unfused calls cost more than the profile shows); the sum over the islands of the faster of the two
-      measured tokens/s is the upper bound;
+      (``alone1f1b``: every forward fused with its backward; the profile times each call on its own, so the
+      planner's ranking of fused against unfused schedules can be off); the sum over the islands of the
+      faster of the two measured tokens/s is the upper bound;
   (b) ``planned``: the planner's best plan for the two islands (``hethub_jax.planner.search``);
   (c) ``uniform``: a pipeline with the layers split evenly (fast island first, the planner's microbatch,
       schedule and recompute for pipelines);
@@ -96,8 +96,8 @@ def plans(cfg, args, costs) -> dict:
         alone = search(cfg, one, args.batch, args.seq, costs={isl: costs[isl]}, options=SearchOptions(top_k=1)).best
         out[f"alone_{isl}"] = (alone.plan, alone.step_time_s)
         # also the island's best 1F1B plan (every forward fused with its backward, and the update with the
-        # last one): on one CPU core the unfused path measured ~1.5x the CPU time per row (session 9),
-        # which the profile's isolated calls need not show; the bound takes the faster of the two measured
+        # last one): the profile times each call on its own, so its ranking of fused against unfused
+        # schedules can be off (session 9); the bound takes the faster of the two measured
         alt = search(cfg, one, args.batch, args.seq, costs={isl: costs[isl]},
                      options=SearchOptions(top_k=1, schedules=("1f1b",))).best
         out[f"alone1f1b_{isl}"] = (alt.plan, alt.step_time_s)
