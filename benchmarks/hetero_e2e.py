@@ -13,7 +13,10 @@ is 128 KiB per sample, small against its compute (compute dominates).
 Measured in one run, interleaved step by step (rotating order, a barrier before every step; warm-up
 steps excluded; medians):
   (a) ``alone``: each island trains alone (no communicator, both at once on their own cores) at its best
-      homogeneous plan (the planner on that island alone); the sum of their tokens/s is the upper bound;
+      homogeneous plan (the planner on that island alone) and, when it differs, at its best 1F1B plan
+      (``alone1f1b``: every forward fused with its backward; the profile times each call on its own, so the
+      planner's ranking of fused against unfused schedules can be off); the sum over the islands of the
+      faster of the two measured tokens/s is the upper bound;
   (b) ``planned``: the planner's best plan for the two islands (``hethub_jax.planner.search``);
   (c) ``uniform``: a pipeline with the layers split evenly (fast island first, the planner's microbatch,
       schedule and recompute for pipelines);
@@ -21,10 +24,28 @@ steps excluded; medians):
 Costs for the planner and the prediction: ``--profile-islands``: each rank profiles its own island after
 the pinning (``python -m hethub_jax.profile`` on this benchmark's model and sequence length, one device,
 no emulated slowdown: the predictor applies the island's slowdown; both ranks at once, as they train),
-and the profiles are exchanged; else ``--profiles DIR`` (``<DIR>/cpu.json`` for both islands, made under
-the same pinning); else the device catalog's ``cpu`` entry (an assumption; said in the output and the JSON).
+at microbatch sizes spanning every size the planner may choose (``--profile-mbs auto``: 1, 2, each power
+of two below the global batch and the global batch, so no plan is predicted by extrapolating the fitted
+lines beyond the profiled sizes), and the profiles are exchanged; else ``--profiles DIR``
+(``<DIR>/cpu.json`` for both islands, made under the same pinning); else the device catalog's ``cpu``
+entry (an assumption; said in the output and the JSON). A contender whose microbatch lies outside the
+profiled sizes is said in the output (``EXTRAPOLATED``) and in ``figures.extrapolated``.
+
+The two-island runtimes use the bucketed gradient all-reduce overlapped with the last backward, as
+training does by default (``--bucket-mb``, default 25 MiB = ``train.grad_bucket_mb``; it applies to the
+heterogeneous-DP plans); the figures give each rank's bucket count, overlap and exposed wait, and the
+seconds spent in the gradient sums after the backward.
+
+Default global batch 64 (rows of ``--seq`` tokens; it was 16 before session 9, and the recorded runs used
+8 and 32): heterogeneous DP replicates the optimizer update on each island (the slow one's EMULATED 3x)
+and all-reduces 60 MB of gradients per step, while each island alone (the upper bound) pays one update
+per global batch; at 64 rows these per-step costs are a few % of the step (compute dominates, as the
+issue asks) and microbatch 8 or 16 still splits the rows 48/16 between the islands.
+
 Figures: ``fraction_of_upper_bound`` = (b) / (a_fast + a_slow), ``planned_over_uniform`` = (b) / (c),
-``prediction_error`` = |predicted - measured| / measured median step time of (b).
+``prediction_error`` = |predicted - measured| / measured median step time of (b);
+``prediction_error_per_contender`` the same for every contender (alone: each island's own step);
+``predicted_parts_s``: the PREDICTED (pipeline, gradient sums + norm, update) seconds of (b) and (d).
 """
 from __future__ import annotations
 
@@ -63,25 +84,47 @@ def plans(cfg, args, costs) -> dict:
                    {"island": "slow", "first_layer": L // 2, "last_layer": L - 1}]
     p["description"] = "uniform layer split"
     p.pop("replicas", None)
-    out = {"planned": (best.plan, best.step_time_s), "uniform": (Plan.from_dict(p), None),
+    from hethub_jax.planner.predictor import predict
+    from hethub_jax.planner.search import bridge_for
+    uniform = Plan.from_dict(p)
+    pred_u = predict(cfg, uniform, {i.name: costs[i.name] for i in uniform.islands}, seq_len=args.seq,
+                     bridge=bridge_for(both, [("fast", "slow")])).step_time_s
+    out = {"planned": (best.plan, best.step_time_s), "uniform": (uniform, pred_u),
            "hetero_dp": (hdp.plan, hdp.step_time_s)}
     for isl in ("fast", "slow"):
-        alone = search(cfg, cluster_from_dict(cluster(args.slowdown, isl)), args.batch, args.seq,
-                       costs={isl: costs[isl]}, options=SearchOptions(top_k=1)).best
+        one = cluster_from_dict(cluster(args.slowdown, isl))
+        alone = search(cfg, one, args.batch, args.seq, costs={isl: costs[isl]}, options=SearchOptions(top_k=1)).best
         out[f"alone_{isl}"] = (alone.plan, alone.step_time_s)
+        # also the island's best 1F1B plan (every forward fused with its backward, and the update with the
+        # last one): the profile times each call on its own, so its ranking of fused against unfused
+        # schedules can be off (session 9); the bound takes the faster of the two measured
+        alt = search(cfg, one, args.batch, args.seq, costs={isl: costs[isl]},
+                     options=SearchOptions(top_k=1, schedules=("1f1b",))).best
+        out[f"alone1f1b_{isl}"] = (alt.plan, alt.step_time_s)
     return out
 
 
-def main() -> None:
-    ap = training_parser(__doc__, batch=16, warmup=1, json_help="output path (written by rank 0)")
+def parser():
+    """The benchmark's command-line parser (no JAX import)."""
+    ap = training_parser(__doc__, batch=64, warmup=1, json_help="output path (written by rank 0)")
     ap.add_argument("--slowdown", type=float, default=3.0, help="EMULATED slowdown of the slow island")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per contender")
     ap.add_argument("--profiles", default=None, help="directory with cpu.json (python -m hethub_jax.profile)")
     ap.add_argument("--profile-islands", action="store_true",
                     help="each rank profiles its pinned island first (measured costs for the plan and the prediction)")
-    ap.add_argument("--profile-mbs", default="1,2,4", help="microbatch sizes for --profile-islands")
+    ap.add_argument("--profile-mbs", default="auto",
+                    help="microbatch sizes for --profile-islands (auto: 1, 2, every power of two below the "
+                         "global batch and the global batch: every size the planner may choose is then "
+                         "interpolated between profiled sizes, not extrapolated)")
+    ap.add_argument("--bucket-mb", type=float, default=25.0,
+                    help="gradient bucket size of the two-island runtimes, MiB (train.grad_bucket_mb, whose "
+                         "default this is; 0: off, the all-reduce after the whole backward)")
     ap.add_argument("--timeline-png", default=None, help="Gantt chart of the planned plan's last step")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     rank, core = start_pinned_rank(__file__)
     import jax  # noqa: F401  (JAX starts here, after the pinning)
     from mpi4py import MPI
@@ -101,28 +144,45 @@ def main() -> None:
     spec = cluster(args.slowdown)
     prof = os.path.join(args.profiles, "cpu.json") if args.profiles else None
     from hethub_jax.planner import cluster_from_dict
+    if args.profile_mbs == "auto":
+        from hethub_jax.train_predict import microbatch_sizes_to_profile, planner_microbatch_sizes
+        args.profile_mbs = ",".join(map(str, microbatch_sizes_to_profile(planner_microbatch_sizes(args.batch),
+                                                                         every_power_of_two=True)))
     if args.profile_islands:
         profs = world.allgather(_profile_island(args, rank))
-        costs = cluster_costs(cluster_from_dict(spec), {"fast": profs[0], "slow": profs[1]})
-        source = "profiles of the pinned islands, measured by each rank before the run"
+        profiles = {"fast": profs[0], "slow": profs[1]}
+        costs = cluster_costs(cluster_from_dict(spec), profiles)
+        source = (f"profiles of the pinned islands, measured by each rank before the run (microbatch sizes "
+                  f"{args.profile_mbs})")
     else:
-        costs = (cluster_costs(cluster_from_dict(spec), {"fast": _load(prof), "slow": _load(prof)}) if prof
+        profiles = {"fast": _load(prof), "slow": _load(prof)} if prof else {"fast": None, "slow": None}
+        costs = (cluster_costs(cluster_from_dict(spec), profiles) if prof
                  else group_costs(cluster_from_dict(spec)))
         source = f"profile {prof}" if prof else "catalog 'cpu' entry (assumption, not measured)"
     contenders = plans(cfg, args, costs)
+    from hethub_jax.train_predict import extrapolation_note
+    notes = {n: extrapolation_note(p, profiles) for n, (p, _) in contenders.items()}
     optim = OptimConfig(learning_rate=1e-3, warmup_steps=2, decay_steps=1000)
     isl = ("fast", "slow")[rank]
     same = contenders["planned"][0].to_dict() == contenders["hetero_dp"][0].to_dict()
     runtimes = {n: PipelineRuntime(p, cfg, optim, seed=0, comm=comm, rank=rank)
                 for n, (p, _) in contenders.items() if not n.startswith("alone") and not (same and n == "hetero_dp")}
+    for rt in runtimes.values():  # as training does (train.grad_bucket_mb): applies to the hetero-DP plans
+        rt.set_grad_buckets(args.bucket_mb if args.bucket_mb > 0 else None)
     runtimes["alone"] = PipelineRuntime(contenders[f"alone_{isl}"][0], cfg, optim, seed=0)
+    if any(contenders[f"alone1f1b_{i}"][0].to_dict() != contenders[f"alone_{i}"][0].to_dict()
+           for i in ("fast", "slow")):  # the same decision on both ranks (they step the same contenders)
+        runtimes["alone1f1b"] = PipelineRuntime(contenders[f"alone1f1b_{isl}"][0], cfg, optim, seed=0)
     if rank == 0:
         print(f"hetero_e2e: 2 CPU islands pinned to one core each; model {cfg.num_params() / 1e6:.1f} M params "
               f"(d {cfg.hidden_size}, {cfg.num_hidden_layers} layers), seq {args.seq}, global batch {args.batch}; "
               f"EMULATED slowdown {args.slowdown:g}x on island slow; planner costs: {source}", flush=True)
+        for n, note in notes.items():
+            if note:
+                print(f"  {n}: {note}", flush=True)
     result = _measure(args, world, rank, core, runtimes, contenders)
     if rank == 0:
-        _report(args, cfg, contenders, result, costs, source)
+        _report(args, cfg, contenders, result, costs, source, notes)
 
 
 def _profile_island(args, rank: int) -> dict:
@@ -159,9 +219,22 @@ def _measure(args, world, rank, core, runtimes, contenders):
     names, load0 = list(runtimes), loadavg()
     times = {n: [] for n in names}
     tokens, records = {n: [] for n in names}, None
+    reduce_s = {"t": 0.0}  # seconds in the runtime's gradient sums after the backward (_reduce_shared)
+    for rt in runtimes.values():
+        orig = rt._reduce_shared
+
+        def timed(acc, _orig=orig):
+            t0 = time.perf_counter()
+            out = _orig(acc)
+            reduce_s["t"] += time.perf_counter() - t0
+            return out
+        rt._reduce_shared = timed
+    reduce, buckets = {n: [] for n in names}, {n: [] for n in names}
     for i in range(n_steps):
         order = names[i % len(names):] + names[:i % len(names)]
         for n in order:
+            reduce_s["t"] = 0.0
+            runtimes[n].last_bucket_stats = None
             world.Barrier()
             t0 = time.perf_counter()
             res = runtimes[n].train_step(batches[i])
@@ -169,14 +242,18 @@ def _measure(args, world, rank, core, runtimes, contenders):
             if i > args.warmup:
                 times[n].append(dt)
                 tokens[n].append(res.num_tokens)
+                reduce[n].append(reduce_s["t"])
+                buckets[n].append(runtimes[n].last_bucket_stats)
             if n == "planned":
                 records = res.records
     return world.gather({"rank": rank, "core": core, "times": times, "tokens": tokens, "records": records,
+                         "reduce_s": reduce, "buckets": buckets,
                          "machine": machine(), "load": (load0, loadavg())}, root=0)
 
 
-def _report(args, cfg, contenders, gathered, costs, source) -> None:
+def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
     from benchmarks.common import command_line, median, write_json
+    from benchmarks.hetero_dp import bucket_figures
     g = sorted(gathered, key=lambda x: x["rank"])
 
     def tps(n, ranks=(0, 1)):
@@ -185,7 +262,9 @@ def _report(args, cfg, contenders, gathered, costs, source) -> None:
     rows = {}
     for n in ("planned", "uniform", "hetero_dp"):
         rows[n] = tps(n if n in g[0]["times"] else "planned")  # the planner's plan may be the hetero-DP one
-    alone = [tps("alone", (r,)) for r in (0, 1)]
+    planner_alone = [tps("alone", (r,)) for r in (0, 1)]
+    alt = [tps("alone1f1b", (r,)) if "alone1f1b" in g[0]["times"] else planner_alone[r] for r in (0, 1)]
+    alone = [max(a, b) for a, b in zip(planner_alone, alt)]  # each island's faster measured plan
     upper = alone[0][0] + alone[1][0]
     pred = contenders["planned"][1]
     figures = {"emulated": True, "slowdown": args.slowdown,
@@ -195,7 +274,23 @@ def _report(args, cfg, contenders, gathered, costs, source) -> None:
                "predicted_step_s_planned": pred, "measured_step_s_planned": rows["planned"][1],
                "tokens_per_s": {n: r[0] for n, r in rows.items()},
                "tokens_per_s_alone": {"fast": alone[0][0], "slow": alone[1][0]}, "upper_bound_tokens_per_s": upper,
-               "planned_is_hetero_dp": "hetero_dp" not in g[0]["times"]}
+               "alone_bound_plan": {i: ("planner" if a is p else "1f1b")
+                                    for i, a, p in zip(("fast", "slow"), alone, planner_alone)},
+               "planned_is_hetero_dp": "hetero_dp" not in g[0]["times"],
+               # every contender's PREDICTED against measured median step (alone: each island's own)
+               "prediction_error_per_contender": {
+                   **{n: _err(contenders[n][1], rows[n][1]) for n in rows},
+                   **{f"alone_{i}": _err(contenders[f"alone_{i}"][1], a[1])
+                      for i, a in zip(("fast", "slow"), planner_alone)},
+                   **{f"alone1f1b_{i}": _err(contenders[f"alone1f1b_{i}"][1], a[1])
+                      for i, a in zip(("fast", "slow"), alt) if "alone1f1b" in g[0]["times"]}},
+               "extrapolated": {n: note for n, note in notes.items() if note},
+               "bucket_mb": args.bucket_mb,
+               "hetero_dp_buckets_per_rank": [bucket_figures(x["buckets"].get("hetero_dp", x["buckets"]["planned"]))
+                                              for x in g],
+               "hetero_dp_reduce_after_backward_s_per_rank": [
+                   median(x["reduce_s"].get("hetero_dp", x["reduce_s"]["planned"])) for x in g],
+               "predicted_parts_s": {n: _parts(contenders[n][0], cfg, costs, args) for n in ("planned", "hetero_dp")}}
     result = {"benchmark": "hetero_e2e", "command": command_line(),
               "machine": dict(g[0]["machine"], cores_per_rank=[x["core"] for x in g],
                               loadavg_per_rank=[x["load"] for x in g]),
@@ -209,15 +304,41 @@ def _report(args, cfg, contenders, gathered, costs, source) -> None:
                         "times_s_per_rank": [x["times"].get(n, x["times"]["planned"]) for x in g]}
                        for n, r in rows.items()]
               + [{"config": f"alone_{i}", "tokens_per_s": a[0], "median_step_s": a[1]}
-                 for i, a in zip(("fast", "slow"), alone)]}
+                 for i, a in zip(("fast", "slow"), planner_alone)]
+              + [{"config": f"alone1f1b_{i}", "tokens_per_s": a[0], "median_step_s": a[1]}
+                 for i, a in zip(("fast", "slow"), alt) if "alone1f1b" in g[0]["times"]]}
     write_json(args.json, result)
+    errs = figures["prediction_error_per_contender"]
     for r in result["rows"]:
-        print(f"  {r['config']:<10} {r['tokens_per_s']:>9.1f} tokens/s  step {r['median_step_s']:.3f} s")
+        e = errs.get(r["config"])
+        print(f"  {r['config']:<10} {r['tokens_per_s']:>9.1f} tokens/s  step {r['median_step_s']:.3f} s"
+              + (f"  (PREDICTED error {e:.3f})" if e is not None else ""))
+    b = figures["hetero_dp_buckets_per_rank"]
+    exposed = ", ".join(f"{x['bucket_exposed_s'] * 1e3:.0f} ms" for x in b)
+    after = ", ".join(f"{x * 1e3:.0f} ms" for x in figures["hetero_dp_reduce_after_backward_s_per_rank"])
+    print(f"hetero DP: {b[0]['num_buckets']} gradient buckets of {args.bucket_mb:g} MiB, exposed wait per rank "
+          f"{exposed}, all-reduce after the backward per rank {after}; PREDICTED (pipeline, all-reduce + norm, "
+          f"update) {figures['predicted_parts_s']['hetero_dp']}")
     print(f"upper bound {upper:.1f} tokens/s; fraction_of_upper_bound {figures['fraction_of_upper_bound']:.3f}, "
           f"planned_over_uniform {figures['planned_over_uniform']:.3f}, prediction_error "
           f"{figures['prediction_error']:.3f} (predicted {pred:.3f} s from {source}) [EMULATED]")
     if args.timeline_png:
         _timeline(args, cfg, contenders, g, costs)
+
+
+def _err(pred, measured):
+    """|PREDICTED - measured| / measured (None without a prediction)."""
+    return None if pred is None or not measured else round(abs(pred - measured) / measured, 4)
+
+
+def _parts(plan, cfg, costs, args) -> list:
+    """The PREDICTED (pipeline, gradient all-reduce + norm, update) seconds of ``plan``."""
+    from hethub_jax.planner import cluster_from_dict
+    from hethub_jax.planner.predictor import predict
+    from hethub_jax.planner.search import bridge_for
+    p = predict(cfg, plan, {i.name: costs[i.name] for i in plan.islands}, seq_len=args.seq,
+                bridge=bridge_for(cluster_from_dict(cluster(args.slowdown)), [("fast", "slow")]))
+    return [round(p.pipeline_s, 4), round(p.allreduce_s, 4), round(p.update_s, 4)]
 
 
 def _timeline(args, cfg, contenders, g, costs) -> None:

@@ -25,13 +25,95 @@ import time
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 __all__ = ["RunPrediction", "predict_run", "plan_from_cluster", "profile_device", "measured_bubble",
-           "PROFILE_SETTINGS"]
+           "PROFILE_SETTINGS", "planner_microbatch_sizes", "microbatch_sizes_to_profile",
+           "profiled_microbatch_sizes", "extrapolation_note"]
 
-#: the brief profile of plan-less training (``python -m hethub_jax.profile`` flags): one TP degree, two
-#: microbatch sizes, the fastest of 2 timed calls (the machine may be shared); no co-run slowdown, runtime
-#: per-action seconds or in-process bridge (the training islands are processes, planned without them)
-PROFILE_SETTINGS = ("--microbatch-sizes", "1,2", "--tp", "1", "--repeats", "2", "--statistic", "min",
-                    "--corun", "off", "--no-runtime")
+#: the brief profile of plan-less training (``python -m hethub_jax.profile`` flags): one TP degree, the
+#: fastest of 2 timed calls (the machine may be shared); no co-run slowdown, runtime per-action seconds or
+#: in-process bridge (the training islands are processes, planned without them). The microbatch sizes
+#: are added per run (:func:`microbatch_sizes_to_profile`: they span every size the planner may choose).
+PROFILE_SETTINGS = ("--tp", "1", "--repeats", "2", "--statistic", "min", "--corun", "off", "--no-runtime")
+
+
+# ---------------------------------------------------------------------------------------------------
+# profile coverage of the microbatch sizes (issue 17: a plan at microbatch 8 predicted from a profile
+# of 1, 2, 4 was 26% low; measured per-sample cost on one CPU core: flat from 4 to 8, +7% at 16 and 32,
+# while the line fitted on 1, 2, 4 has a per-call intercept that the larger sizes do not pay)
+
+def planner_microbatch_sizes(global_batch: int, microbatch_size: Optional[int] = None) -> List[int]:
+    """The microbatch sizes the planner may choose (``planner.search``: the given one, else every
+    divisor of the global batch), ascending.
+
+    Raises:
+      ValueError: if ``global_batch < 1`` or ``microbatch_size`` does not divide it.
+    """
+    if global_batch < 1:
+        raise ValueError(f"global_batch must be >= 1, got {global_batch}")
+    if microbatch_size is not None:
+        if microbatch_size < 1 or global_batch % microbatch_size:
+            raise ValueError(f"microbatch_size {microbatch_size} must be >= 1 and divide the global batch "
+                             f"{global_batch}")
+        return [int(microbatch_size)]
+    return [d for d in range(1, global_batch + 1) if global_batch % d == 0]
+
+
+def microbatch_sizes_to_profile(sizes: List[int], every_power_of_two: bool = False) -> List[int]:
+    """Microbatch sizes to profile so that each of ``sizes`` (the planner's choices) is interpolated
+    between profiled sizes, never extrapolated beyond them: 1 and 2 (two points for the fitted lines
+    even when one size is planned), the largest of ``sizes``, the sizes themselves when there are at
+    most two (e.g. the microbatch the config fixes), and with ``every_power_of_two`` each power of two
+    in between (more points where the cost bends; a longer profile). Ascending, no duplicates.
+
+    Raises:
+      ValueError: for an empty list or a size < 1.
+    """
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"microbatch sizes must be a non-empty list of integers >= 1, got {sizes}")
+    top = max(sizes)
+    out = {1, 2, top}
+    if len(sizes) <= 2:
+        out |= set(sizes)
+    if every_power_of_two:
+        p = 4
+        while p < top:
+            out.add(p)
+            p *= 2
+    return sorted(out)
+
+
+def profiled_microbatch_sizes(profile: Optional[Mapping[str, Any]]) -> List[int]:
+    """The microbatch sizes (samples per DP rank) a profile's stage calls were measured at, from its
+    ``samples`` (``tokens / seq_len`` of the ``"stage"`` samples); [] for None or a profile without
+    them (the catalog)."""
+    if not profile:
+        return []
+    seq = int(profile.get("seq_len") or 0)
+    if seq < 1:
+        return []
+    return sorted({int(s["tokens"]) // seq for s in profile.get("samples", ())
+                   if s.get("kind") == "stage" and int(s.get("dp", 1)) == 1})
+
+
+def extrapolation_note(plan: Any, profiles: Mapping[str, Optional[Mapping[str, Any]]]) -> Optional[str]:
+    """One line when ``plan``'s microbatch (per DP rank of a stage) lies outside the microbatch sizes an
+    island's profile measured (its costs are then EXTRAPOLATED from the profile's fitted lines, not
+    measured at that size), else None. ``profiles``: per island name, the profile dict (None: the
+    catalog, not a profile: no note)."""
+    out = []
+    for isl in plan.islands:
+        sizes = profiled_microbatch_sizes(profiles.get(isl.name))
+        if not sizes:
+            continue
+        per_rank = sorted({plan.microbatch_size // st.dp for rep in plan.replicas for st in rep.stages
+                           if st.island == isl.name})
+        beyond = [m for m in per_rank if m < sizes[0] or m > sizes[-1]]
+        if beyond:
+            out.append(f"{isl.name} (microbatch {', '.join(map(str, beyond))}; profiled "
+                       f"{', '.join(map(str, sizes))})")
+    if not out:
+        return None
+    return ("PREDICTED costs EXTRAPOLATED beyond the profiled microbatch sizes on " + "; ".join(out)
+            + ": profile those sizes (python -m hethub_jax.profile --microbatch-sizes ...) for a measured figure")
 
 #: environment variables of MPI launchers; removed for the profiler child so that it starts as a
 #: single-process (singleton) MPI program instead of joining the job
@@ -144,15 +226,17 @@ def measured_bubble(records: list, start_s: Optional[float] = None) -> Optional[
 # ---------------------------------------------------------------------------------------------------
 # plan-less training
 
-def profile_device(model: str, seq_len: int, out: str, timeout_s: float = 600.0) -> Tuple[bool, str]:
+def profile_device(model: str, seq_len: int, out: str, timeout_s: float = 600.0,
+                   microbatch_sizes: Tuple[int, ...] = (1, 2)) -> Tuple[bool, str]:
     """Profile this machine's CPU as device type ``cpu`` into ``out`` (``python -m hethub_jax.profile``
-    with :data:`PROFILE_SETTINGS`, preset ``model``) in a child process with the MPI launcher's variables
-    removed. Returns ``(ok, message)``; never raises for a failed profile (the caller falls back to the
-    catalog and says so)."""
+    with :data:`PROFILE_SETTINGS` at ``microbatch_sizes``, preset ``model``) in a child process with the
+    MPI launcher's variables removed. Returns ``(ok, message)``; never raises for a failed profile (the
+    caller falls back to the catalog and says so)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_ENV)}
     env["JAX_PLATFORMS"] = "cpu"
     cmd = [sys.executable, "-m", "hethub_jax.profile", "--model", model, "--seq-len", str(seq_len),
-           "--device-type", "cpu", "--out", out, *PROFILE_SETTINGS]
+           "--device-type", "cpu", "--out", out, "--microbatch-sizes", ",".join(map(str, microbatch_sizes)),
+           *PROFILE_SETTINGS]
     t0 = time.perf_counter()
     try:
         rc, err = _run_showing_stderr(cmd, env, timeout_s)
@@ -196,17 +280,19 @@ def _run_showing_stderr(cmd: List[str], env: Mapping[str, str], timeout_s: float
     return rc, b"".join(chunks).decode(errors="replace")
 
 
-def _profiles(cluster: Any, model: str, seq_len: int, profiles_dir: str, log) -> Tuple[Dict[str, Any], List[str]]:
+def _profiles(cluster: Any, model: str, seq_len: int, profiles_dir: str, log,
+              microbatch_sizes: Tuple[int, ...] = (1, 2)) -> Tuple[Dict[str, Any], List[str]]:
     """Per group name, a profile dict (or None: the catalog), and one line per profile file (or catalog
     entry) saying which groups use it: groups of one device type share one profile (emulated slowdowns
-    are applied by the predictor), reported once, not once per group."""
+    are applied by the predictor), reported once, not once per group. A profile that is measured here
+    is measured at ``microbatch_sizes``."""
     users: Dict[str, List[Any]] = {}  # profile path -> the groups using it, in cluster order
     for g in cluster.resolved().groups:
         users.setdefault(g.profile or os.path.join(profiles_dir, f"{g.device or g.name}.json"), []).append(g)
     out: Dict[str, Any] = {}
     notes: List[str] = []
     for path, groups in users.items():
-        notes.append(f"{_groups_text(groups)}: {_get_profile(path, groups, model, seq_len, log)}")
+        notes.append(f"{_groups_text(groups)}: {_get_profile(path, groups, model, seq_len, log, microbatch_sizes)}")
         prof = None
         if os.path.exists(path):
             with open(path) as f:
@@ -224,16 +310,18 @@ def _groups_text(groups: List[Any]) -> str:
             + (f"; {', '.join(emu)} by the predictor" if emu else "") + ")")
 
 
-def _get_profile(path: str, groups: List[Any], model: str, seq_len: int, log) -> str:
-    """Reuses the profile at ``path``, or measures it (device type cpu), or falls back to the catalog.
-    Returns the text saying which."""
+def _get_profile(path: str, groups: List[Any], model: str, seq_len: int, log,
+                 microbatch_sizes: Tuple[int, ...] = (1, 2)) -> str:
+    """Reuses the profile at ``path``, or measures it (device type cpu, at ``microbatch_sizes``), or
+    falls back to the catalog. Returns the text saying which."""
     if os.path.exists(path):
         return f"reusing saved profile {path}"
     if not all(g.platform == "cpu" and g.device == "cpu" for g in groups):
         return f"no profile; the catalog entry {groups[0].device!r} (assumption, not measured)"
     log(f"profiling device type cpu for {_groups_text(groups)} into {path} (python -m hethub_jax.profile "
-        f"{' '.join(PROFILE_SETTINGS)}; emulated slowdowns are applied by the predictor)...")
-    ok, msg = profile_device(model, seq_len, path)
+        f"--microbatch-sizes {','.join(map(str, microbatch_sizes))} {' '.join(PROFILE_SETTINGS)}; emulated "
+        f"slowdowns are applied by the predictor)...")
+    ok, msg = profile_device(model, seq_len, path, microbatch_sizes=tuple(microbatch_sizes))
     return (f"measured profile {path} ({msg})" if ok
             else f"{msg}; using the catalog 'cpu' entry (assumption, not measured)")
 
@@ -271,11 +359,14 @@ def _plan_rank0(cfg: Any, model: str, cluster_path: str, gbs: int, seq_len: int,
     """Rank 0's work: profiles, search, lines. Returns the message sent to every rank."""
     from hethub_jax.planner.cluster import load_cluster
     cluster = load_cluster(cluster_path)
-    profiles, notes = _profiles(cluster, model, seq_len, profiles_dir, log)
+    sizes = tuple(microbatch_sizes_to_profile(planner_microbatch_sizes(gbs, mbs)))
+    profiles, notes = _profiles(cluster, model, seq_len, profiles_dir, log, sizes)
     t0 = time.perf_counter()
     res = _search(cfg, cluster, gbs, seq_len, mbs, profiles)
     lines = [f"planner ({time.perf_counter() - t0:.1f} s, {res.evaluated} plans predicted): chosen plan for "
              f"cluster {cluster.name}, every figure PREDICTED", *_plan_lines(res, cluster, cluster_costs(cluster, profiles))]
+    note = extrapolation_note(res.best.plan, profiles)  # e.g. a saved profile of other sizes, reused
+    lines += [note] if note else []
     return {"plan": res.best.plan.to_dict(), "profiles": profiles, "notes": notes, "lines": lines,
             "kind": res.best.kind}
 

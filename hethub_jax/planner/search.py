@@ -148,7 +148,8 @@ class SearchResult:
     """Result of :func:`search`.
 
     Attributes:
-      candidates: the top k, best (least predicted step time) first; ties broken by the plan JSON.
+      candidates: the top k, best (least predicted step time) first; ties go to recompute ``none``
+        (see ``_Planner.offer``), then to the plan JSON.
       skeletons: configurations and pipeline orders the search looked at (since session 9 the
         configurations of a (microbatch size, recompute, schedule) row whose cheap bound exceeds the k-th
         best are never built and not counted); expanded: pipeline orders not pruned by their bound.
@@ -390,7 +391,10 @@ class _Planner:
         if any(k[1] == key[1] for k in self.top):
             return
         self.top.append((key[0], key[1], cand))
-        self.top.sort(key=lambda x: (x[0], x[1]))
+        # Ties (equal PREDICTED step time) go to recompute "none" first (branch s9-e2e, issue 17): when
+        # every forward of a plan is fused with its backward (one-stage replicas under 1F1B) both
+        # policies run the same calls, and the JSON order alone ("full" < "none") chose "full".
+        self.top.sort(key=lambda x: (x[0], x[2].plan.recompute != "none", x[1]))
         del self.top[self.opt.top_k:]
 
     # ---- per-stage costs (the same calls predict makes) -----------------------------------------
