@@ -2,16 +2,19 @@
 
 Why (measured, docs/benchmarks.md "Predictor accuracy", session 9): XLA:CPU allocates each call's
 temporary and output buffers with the C library's ``malloc``. glibc serves a block above its mmap
-threshold (128 KiB, raised dynamically up to 32 MiB after frees) with a fresh ``mmap`` and returns it
-with ``munmap`` on free, and gives the top of the heap back to the kernel above its trim threshold;
-every such block is then faulted in again, page by page, on the next call. On the tiny model
-(32000 x 64 tied embedding) a last stage's fused forward + backward took 7,000-20,000 minor page
-faults PER CALL (about 28-80 MB of fresh pages) and a first stage's backward about 2,200, with
-mmap on; which calls fault depends on what the process ran before (the dynamic threshold), so a
-call profiled alone (no faults) and the same call inside a pipeline next to other stages (faults)
-cost different amounts: the per-call costs were not a property of the call. With the settings
-below the same calls took 0-30 faults and 0.50-0.79x the time, measured in one process,
-alternating the two settings (``mallopt`` can be changed at run time).
+threshold (128 KiB, raised after frees up to a 32 MiB ceiling) with a fresh ``mmap``, returns it with
+``munmap`` on free, and gives the top of the heap back to the kernel above its trim threshold; such
+a block is faulted in again, page by page, on the next call. On the tiny model (32000 x 64 tied
+embedding, sequences of 64) with glibc's defaults, a last stage's fused forward + backward took about
+8,300 minor page faults per call at microbatch 2 and 16,600-17,600 at microbatch 4 (its logits are
+16-33 MB; 0-30 at microbatch 1), in a process running one stage at a time; with the threshold no
+longer adapting (as after any ``mallopt``), also microbatch 1 faulted (about 7,100 per call; a first
+stage's backward about 2,200). Which calls fault thus depends on the sizes the process allocated and
+freed before -- in a pipeline, on the other stages -- so a call's cost was not a property of the call;
+in a VM each fault is costly: a 3-layer last stage at microbatch 4 took 90-100 ms with the faults
+against 44-46 ms without them (two processes a minute apart, load 5). With the settings below those
+calls took 0-30 faults and 0.50-0.79x the time (one process alternating the settings with ``mallopt``,
+its "default" side with a fixed 128 KiB threshold).
 
 What :func:`steady_host_allocator` sets (glibc ``mallopt(3)``): ``M_MMAP_MAX = 0`` (every block
 from the heap, none mmapped) and ``M_TRIM_THRESHOLD = 1 GiB`` (the heap's free top is kept). The
@@ -56,9 +59,10 @@ def steady_host_allocator(enable: Optional[bool] = None) -> Dict[str, object]:
     at start).
 
     Args:
-      enable: True sets the steady settings, False restores glibc's defaults (``M_MMAP_MAX``
-        65536, ``M_TRIM_THRESHOLD`` 128 KiB; for A/B measurements); None (default): steady unless
-        the environment variable :data:`ENV` is ``default``.
+      enable: True sets the steady settings; False leaves glibc's own settings when this process
+        never set them, else sets glibc's default values back (``M_MMAP_MAX`` 65536,
+        ``M_TRIM_THRESHOLD`` 128 KiB; glibc's adaptive threshold does not come back); None
+        (default): steady unless the environment variable :data:`ENV` is ``default``.
 
     Returns:
       ``{"allocator": "steady" | "default", "applied": bool, "reason": str}``: which settings are in
@@ -69,8 +73,8 @@ def steady_host_allocator(enable: Optional[bool] = None) -> Dict[str, object]:
         enable = os.environ.get(ENV, "steady").strip().lower() != "default"
     want = "steady" if enable else "default"
     with _lock:
-        if _state.get("allocator") == want:
-            return dict(_state, applied=False)
+        if _state.get("allocator", "default") == want:
+            return dict(_state, allocator=want, applied=False, reason=_state.get("reason", "glibc's own settings"))
         lib = _libc()
         if lib is None:
             return {"allocator": "default", "applied": False, "reason": "not glibc: mallopt unavailable"}

@@ -24,6 +24,10 @@ What is measured, with the runtime's own code paths (``hethub_jax.parallel.stage
     while a second island of the process computes (:func:`measure_corun`); the runtime's own seconds
     per action (:func:`measure_runtime_overhead`).
 Each figure is the median of ``--repeats`` timed calls after one untimed call (compilation).
+The process's host allocator is set as ``PipelineRuntime`` sets it for CPU islands
+(``hethub_jax.host_allocator``, recorded as ``host_allocator``), so that a call costs here what it
+costs in a pipeline (with glibc's defaults XLA:CPU's large buffers are mmapped and faulted in again on
+every call, depending on what ran before).
 An emulated slowdown (``--slowdown f``, DESIGN.md section 9) multiplies every compute and update
 time by f (what the runtime's wait adds) and is recorded as ``emulated_slowdown``.
 ``hethub_jax.planner.costs.DeviceCosts.from_profile`` reads the file.
