@@ -37,8 +37,10 @@ settings under which XLA:CPU's large buffers are not mmapped and unmapped on eve
 sets them for CPU islands, and the profile is made under the same settings. ``default`` leaves glibc's
 own (for A/B runs; the calls then fault in up to 20,000 pages each, depending on what ran before).
 
-Duration: about 2.5 minutes of profile plus about 10 s per configuration and round (compilation
-included): about 8 minutes with the defaults (11 configurations x 3 rounds) on 2 quiet cores.
+Duration (measured, session 9, with ``--statistic min --profile-tp 1,2 --profile-mbs 1,4 --steps 3
+--rounds 3``): 322 s at load 0.7-2.6 (profile 91 s, 11 configurations x 3 rounds 231 s, about 7 s per
+configuration and round, compilation included), 532 s at load 2.4-4.5; the default ``--profile-mbs
+1,2,4`` profiles one more microbatch size (about a third more profile time).
 
 XLA runs one compute thread per computation (``--xla_cpu_multi_thread_eigen=false``) so that two
 islands on two cores do not fight over one thread pool; 8 fake CPU devices, 4 per island.
