@@ -226,9 +226,9 @@ def finish_row(name: str, pred, pred_base, rounds: list, args) -> dict:
            "faults_per_step": median([r["faults_per_step"] for r in rounds]),
            "loadavg": [r["loadavg"] for r in rounds],
            "others_cpu_share": sum(shares) / len(shares) if shares else None}
+    outside = "" if sp["within_spread"] else f" (outside the spread by {100 * sp['ape_beyond_spread']:.1f}%)"
     print(f"{name:24s} predicted {pred.step_time_s:7.4f} s  measured min/median/max {sp['min_s']:7.4f} / "
-          f"{meas:7.4f} / {sp['max_s']:7.4f} s (spread {sp['spread']:.2f}x)  APE {100 * sp['ape']:5.1f}%"
-          f"{'' if sp['within_spread'] else ' (outside the spread by ' + format(100 * sp['ape_beyond_spread'], '.1f') + '%)'}"
+          f"{meas:7.4f} / {sp['max_s']:7.4f} s (spread {sp['spread']:.2f}x)  APE {100 * sp['ape']:5.1f}%{outside}"
           f"  catalog {100 * row['baseline_ape']:5.1f}%  faults/step {row['faults_per_step']:.0f}"
           + ("" if row["others_cpu_share"] is None else f"  others {100 * row['others_cpu_share']:.0f}% CPU"),
           flush=True)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import threading
 from typing import Dict, Optional
@@ -43,7 +44,9 @@ _lock = threading.Lock()
 _state: Dict[str, object] = {}
 
 
+@functools.lru_cache(maxsize=1)
 def _libc() -> Optional[ctypes.CDLL]:
+    """The C library when it is glibc (has ``mallopt`` and ``gnu_get_libc_version``), else None; looked up once."""
     name = ctypes.util.find_library("c")
     try:
         lib = ctypes.CDLL(name or "libc.so.6")

@@ -1,8 +1,8 @@
 """hethub_jax.host_allocator: glibc settings under which large blocks are reused, not re-faulted.
 
 Checked against an independent measurement: the kernel's count of minor page faults (``getrusage``)
-when a 64 MiB block (C ``malloc``, as XLA:CPU allocates) is freed and allocated again, in fresh processes (glibc's own defaults apply only
-before any ``mallopt``). With glibc's defaults a block that large (over its 32 MiB mmap threshold
+when a 64 MiB block (C ``malloc``, as XLA:CPU allocates) is freed and allocated again, in fresh
+processes (glibc's own defaults apply only before any ``mallopt``). With glibc's defaults a block that large (over its 32 MiB mmap threshold
 ceiling) is mmapped afresh and every page faults again (~16,000 4-KiB pages); with the steady settings
 the second allocation reuses the heap's pages."""
 import json
