@@ -25,6 +25,9 @@
    (how many rows), ``mape_beyond_spread``, and per round ``round_mape`` and ``round_scale`` (the
    geometric mean of measured / predicted over the configurations: a machine that drifts moves every
    configuration of a round together, a model error moves one configuration in every round).
+   ``drift``: a fixed pair of calls (:func:`canary`) timed before and after the profile and at the start
+   of every round, round / profile: the machine's own change of speed between the profile and each
+   round (the rounds cannot show that one; a ``drift`` of 1.3 with every row 30% low is the machine).
    ``--breakdown`` lays each configuration's measured step (of its median round) beside its predicted
    timeline per island, stage and action kind (``hethub_jax.planner.accuracy.action_breakdown``).
    Each row also records the host's minor page faults per timed step (``faults_per_step``, from
@@ -177,6 +180,31 @@ def measure_steps(plan, cfg, seq: int, steps: int, warmup: int, statistic: str =
             "islands": {plan.islands[i].name: (x[0], x[1]) for i, x in enumerate(timed[pick])}}
 
 
+_CANARY = {}
+
+
+def canary(cfg, args) -> float:
+    """Seconds of two fixed stage calls on one fake device, alone (``hethub_jax.profile.measure_stage``:
+    a first stage's (layer 0) B and a last stage's (last layer) fused F+B, one sample, ``--repeats``
+    calls each, the ``--statistic``), summed: a yardstick of the machine's speed, timed before and after
+    the profile and at the start of every round. Its ratio round / profile (``figures.drift``) says how
+    much faster or slower the machine ran the same calls when a round was measured than when the
+    profile was made: VM drift between the two, which the rounds' spread alone cannot show."""
+    import jax
+
+    from hethub_jax import profile
+    from hethub_jax.optim import OptimConfig, make_optimizer
+    from hethub_jax.parallel.stage import PipelineStage
+    profile.STATISTIC["name"] = args.statistic
+    if not _CANARY:
+        tx, L, dev = make_optimizer(OptimConfig()), cfg.num_hidden_layers, jax.devices()[0]
+        _CANARY["stages"] = [PipelineStage(cfg, a, a, [dev], 1, 1, seed=0, recompute=False, optimizer=tx)
+                             for a in (0, L - 1)]
+    first, last = _CANARY["stages"]
+    return (profile.measure_stage(first, cfg, 1, args.seq, args.repeats)["B"]
+            + profile.measure_stage(last, cfg, 1, args.seq, args.repeats)["B_recompute"])
+
+
 def run_profile(args) -> str:
     from hethub_jax import profile
     path = args.profile or os.path.join(tempfile.mkdtemp(prefix="hethub-profile-"), "cpu.json")
@@ -300,7 +328,9 @@ def main() -> None:
     cfg = get_preset("tiny")
     load_before, t_start, snap0 = loadavg(), time.time(), cpu_snapshot()
     profiled = not (args.profile and os.path.exists(args.profile))
+    canary_profile = [canary(cfg, args)] if profiled else []
     prof_path = run_profile(args)
+    canary_profile += [canary(cfg, args)] if profiled else []
     share_profile = others_share(snap0, cpu_snapshot()) if profiled else None  # while this run profiled
     t_profile = time.time() - t_start
     # the islands are threads of this process: they share its cores (the profile's measured co-run factor)
@@ -314,7 +344,9 @@ def main() -> None:
     preds = {n: predict_row(n, cfg, costs, base, bridge, args) for n in names}
     orders = round_orders(names, args.rounds)
     measured = {n: [] for n in names}
+    canary_rounds = []
     for i, order in enumerate(orders):
+        canary_rounds.append(canary(cfg, args))
         for n in order:
             measured[n].append(measure_round(preds[n][0], cfg, args))
         print(f"round {i + 1}/{len(orders)} done ({time.time() - t_start:.0f} s): "
@@ -324,7 +356,10 @@ def main() -> None:
     figures.update(statistic=args.statistic, trials=args.trials, host_allocator=alloc["allocator"],
                    # CPU used by other processes during the whole run (profile included): ~0 on a quiet machine
                    others_cpu_share=others_share(snap0, cpu_snapshot()), others_cpu_share_profile=share_profile,
-                   profile_s=t_profile, wall_s=time.time() - t_start)
+                   profile_s=t_profile, wall_s=time.time() - t_start,
+                   # the yardstick (canary) before/after the profile and per round; drift = round / profile
+                   canary_profile_s=canary_profile, canary_rounds_s=canary_rounds,
+                   drift=[c / median(canary_profile) for c in canary_rounds] if canary_profile else None)
     print(f"MAPE {100 * figures['mape']:.1f}% against the median of {args.rounds} rounds (max "
           f"{100 * figures['max_ape']:.1f}%; against the rounds' minima {100 * figures['mape_min']:.1f}%) over "
           f"{len(rows)} configurations; {figures['within_spread']}/{len(rows)} predictions inside their rounds' "
@@ -336,7 +371,10 @@ def main() -> None:
           + ("" if figures["others_cpu_share"] is None else
              f"; other processes used {100 * figures['others_cpu_share']:.0f}% of the CPUs during the run")
           + ("" if share_profile is None else f" ({100 * share_profile:.0f}% while profiling)")
-          + f"; {figures['wall_s']:.0f} s (profile {t_profile:.0f} s); host allocator {alloc['allocator']}")
+          + f"; {figures['wall_s']:.0f} s (profile {t_profile:.0f} s); host allocator {alloc['allocator']}"
+          + ("" if not figures["drift"] else "; machine speed drift (canary calls, round / profile) "
+             + ", ".join(f"{x:.3f}" for x in figures["drift"])
+             + f" (canary around the profile {', '.join(f'{1e3 * x:.2f}' for x in canary_profile)} ms)"))
     for r in rows:
         for k in ("records", "islands"):
             r.pop(k, None)
