@@ -11,18 +11,39 @@
    at least 10 larger configurations on this machine: 2-4 pipeline stages over 2 islands, 2-8
    microbatches, fake-device DP and TP, an EMULATED slowdown, recompute on and off, GPipe and 1F1B,
    heterogeneous DP. Measured with the real ``PipelineRuntime``, one thread per island in this
-   process, joined by ``LocalCommunicator``; the median step time over ``--steps`` steps after
-   ``--warmup`` untimed ones (and the compiling step), a step's time being the slowest island's;
-   with ``--trials N`` N fresh runtimes per configuration, the minimum of their statistics (their
-   spread is recorded: one configuration's fresh runtimes differ by 1.1-3.4x on this machine, see
-   docs/benchmarks.md). ``--breakdown`` lays each configuration's measured step beside its predicted
+   process, joined by ``LocalCommunicator``; a step's time is the slowest island's.
+3. **Rounds against VM drift** (``--rounds R``, default 3): the same configurations measured on this VM
+   a few minutes apart differ by 7-57% (docs/benchmarks.md), more than the goal. So every
+   configuration is measured once per round, in ``R`` rounds whose order is rotated
+   (``hethub_jax.planner.accuracy.round_orders``): a fresh runtime per configuration and round
+   (``--trials`` of them), ``--warmup`` untimed steps after the compiling one, then ``--steps`` timed
+   ones, their ``--statistic`` (min or median) being that round's figure. A configuration's measured
+   figure is the MEDIAN over its rounds; each row records the rounds' figures and their min / median /
+   max, ``spread`` (max / min: this machine's noise on it), ``within_spread`` (the prediction lies
+   inside [min, max]) and ``ape_beyond_spread`` (how far outside); ``figures`` has ``mape`` (against the
+   medians), ``mape_min`` (against the minima), ``max_spread``, ``median_spread``, ``within_spread``
+   (how many rows), ``mape_beyond_spread``, and per round ``round_mape`` and ``round_scale`` (the
+   geometric mean of measured / predicted over the configurations: a machine that drifts moves every
+   configuration of a round together, a model error moves one configuration in every round).
+   ``drift``: a fixed pair of calls (:func:`canary`) timed before and after the profile and at the start
+   of every round, round / profile: the machine's own change of speed between the profile and each
+   round (the rounds cannot show that one; a ``drift`` of 1.3 with every row 30% low is the machine).
+   ``--breakdown`` lays each configuration's measured step (of its median round) beside its predicted
    timeline per island, stage and action kind (``hethub_jax.planner.accuracy.action_breakdown``).
-3. ``figures``: ``mape`` (mean absolute percentage error of the predicted median step time; with
-   ``--statistic min`` the minimum step time against a profile of minimum call times) and
-   ``max_ape`` over the configurations, every configuration's row, and the same for a BASELINE in the
-   same run: the catalog's ``cpu`` entry at its stated efficiency instead of the profile;
-   ``max_trial_spread`` (slowest / fastest trial of one configuration) and ``mape_trials_median``
-   (against the median of the trials).
+   Each row also records the host's minor page faults per timed step (``faults_per_step``, from
+   ``getrusage``: a count, not a time, so the same on a loaded machine).
+4. ``figures`` also holds ``max_ape`` and the same for a BASELINE in the same run: the catalog's ``cpu``
+   entry at its stated efficiency instead of the profile.
+
+The host allocator (``--host-allocator``, default ``steady``, ``hethub_jax.host_allocator``): glibc
+settings under which XLA:CPU's large buffers are not mmapped and unmapped on every call; the runtime
+sets them for CPU islands, and the profile is made under the same settings. ``default`` leaves glibc's
+own (for A/B runs; the calls then fault in up to 20,000 pages each, depending on what ran before).
+
+Duration (measured, session 9, with ``--statistic min --profile-tp 1,2 --profile-mbs 1,4 --steps 3
+--rounds 3``): 322 s at load 0.7-2.6 (profile 91 s, 11 configurations x 3 rounds 231 s, about 7 s per
+configuration and round, compilation included), 532 s at load 2.4-4.5; the default ``--profile-mbs
+1,2,4`` profiles one more microbatch size (about a third more profile time).
 
 XLA runs one compute thread per computation (``--xla_cpu_multi_thread_eigen=false``) so that two
 islands on two cores do not fight over one thread pool; 8 fake CPU devices, 4 per island.
@@ -32,6 +53,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import resource
 import tempfile
 import threading
 import time
@@ -47,7 +69,8 @@ if "xla_cpu_multi_thread_eigen" not in _flags:
 os.environ["XLA_FLAGS"] = _flags.strip()
 
 from benchmarks.common import command_line, loadavg, machine, median, write_json  # noqa: E402
-from hethub_jax.planner.accuracy import action_breakdown, format_breakdown  # noqa: E402
+from hethub_jax.planner.accuracy import (action_breakdown, format_breakdown, round_orders,  # noqa: E402
+                                        spread_summary)
 from hethub_jax.profile import cpu_snapshot, others_share  # noqa: E402
 
 DEVICES_PER_ISLAND = 4
@@ -102,7 +125,8 @@ def measure_steps(plan, cfg, seq: int, steps: int, warmup: int, statistic: str =
     over the timed steps of the slowest island's step time), ``"steps_s"`` (every timed step's
     slowest island, seconds), ``"records"`` (the measured ``ActionRecord``s of the step that gave
     ``statistic_s``, or of the median step), ``"t0"`` (that step's start, ``perf_counter`` seconds),
-    ``"islands"`` (that step's ``(start, seconds)`` per island name)}``."""
+    ``"islands"`` (that step's ``(start, seconds)`` per island name), ``"faults_per_step"`` (the
+    process's minor page faults over the timed steps / steps, ``getrusage``)}``."""
     import jax
     import numpy as np
 
@@ -121,32 +145,64 @@ def measure_steps(plan, cfg, seq: int, steps: int, warmup: int, statistic: str =
     runs = [[None] * n for _ in range(1 + warmup + steps)]  # (start, step seconds, records) per island
     errors = []
 
-    def body(rank):
+    def body(rank, count_faults):
         try:
             rt = PipelineRuntime(plan, cfg, OptimConfig(), seed=0, comm=comms[rank], rank=rank,
                                  devices=devs[rank * DEVICES_PER_ISLAND:(rank + 1) * DEVICES_PER_ISLAND])
             for i in range(len(runs)):
                 barrier.wait()
+                count_faults(i)
                 t0 = time.perf_counter()
                 res = rt.train_step(batch)
                 runs[i][rank] = (t0, res.step_time_s, res.records)
         except BaseException as e:  # noqa: BLE001 -- reported after the join
             errors.append(e)
             barrier.abort()
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(n)]
+    faults = {}  # minor page faults of the whole process when the first island starts steps (index)
+
+    def count_faults(i):
+        faults.setdefault(i, resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+    threads = [threading.Thread(target=body, args=(r, count_faults)) for r in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     if errors:
         raise errors[0]
+    count_faults(len(runs))
     timed = runs[1 + warmup:]
     steps_s = [max(x[1] for x in row) for row in timed]
     order = sorted(range(len(timed)), key=steps_s.__getitem__)
     pick = order[0] if statistic == "min" else order[(len(order) - 1) // 2]
     return {"statistic_s": min(steps_s) if statistic == "min" else median(steps_s), "steps_s": steps_s,
+            "faults_per_step": (faults[len(runs)] - faults[1 + warmup]) / max(1, steps),
             "records": [r for x in timed[pick] for r in x[2]], "t0": min(x[0] for x in timed[pick]),
             "islands": {plan.islands[i].name: (x[0], x[1]) for i, x in enumerate(timed[pick])}}
+
+
+_CANARY = {}
+
+
+def canary(cfg, args) -> float:
+    """Seconds of two fixed stage calls on one fake device, alone (``hethub_jax.profile.measure_stage``:
+    a first stage's (layer 0) B and a last stage's (last layer) fused F+B, one sample, ``--repeats``
+    calls each, the ``--statistic``), summed: a yardstick of the machine's speed, timed before and after
+    the profile and at the start of every round. Its ratio round / profile (``figures.drift``) says how
+    much faster or slower the machine ran the same calls when a round was measured than when the
+    profile was made: VM drift between the two, which the rounds' spread alone cannot show."""
+    import jax
+
+    from hethub_jax import profile
+    from hethub_jax.optim import OptimConfig, make_optimizer
+    from hethub_jax.parallel.stage import PipelineStage
+    profile.STATISTIC["name"] = args.statistic
+    if not _CANARY:
+        tx, L, dev = make_optimizer(OptimConfig()), cfg.num_hidden_layers, jax.devices()[0]
+        _CANARY["stages"] = [PipelineStage(cfg, a, a, [dev], 1, 1, seed=0, recompute=False, optimizer=tx)
+                             for a in (0, L - 1)]
+    first, last = _CANARY["stages"]
+    return (profile.measure_stage(first, cfg, 1, args.seq, args.repeats)["B"]
+            + profile.measure_stage(last, cfg, 1, args.seq, args.repeats)["B_recompute"])
 
 
 def run_profile(args) -> str:
@@ -159,46 +215,84 @@ def run_profile(args) -> str:
     return path
 
 
-def measure_row(name: str, cfg, costs, base, bridge, args) -> dict:
-    """Predicts and measures configuration ``name`` (``--trials`` fresh runtimes, the statistic over
-    their timed steps: the minimum of the trials' statistics) and prints its line (and, with
-    ``--breakdown``, its measured-against-predicted seconds per action class,
-    :func:`hethub_jax.planner.accuracy.action_breakdown`)."""
+def predict_row(name: str, cfg, costs, base, bridge, args) -> tuple:
+    """(plan, prediction with the profile, prediction with the catalog baseline) of configuration ``name``."""
     from hethub_jax.parallel.plan import Plan
     from hethub_jax.planner.predictor import predict
     plan = Plan.from_dict(configs()[name]).validate(cfg)
     pred = predict(cfg, plan, {i.name: costs for i in plan.islands}, seq_len=args.seq, bridge=bridge)
     pred_base = predict(cfg, plan, {i.name: base for i in plan.islands}, seq_len=args.seq, bridge=bridge)
+    return plan, pred, pred_base
+
+
+def measure_round(plan, cfg, args) -> dict:
+    """One round of one configuration: ``--trials`` fresh runtimes (:func:`measure_steps`); the round's
+    figure is the minimum of their statistics. Returns that trial's dict plus ``"trials_statistic_s"``,
+    ``"others_cpu_share"`` (CPU used by other processes meanwhile) and ``"loadavg"``."""
     snap = cpu_snapshot()
     trials = [measure_steps(plan, cfg, args.seq, args.steps, args.warmup, args.statistic)
               for _ in range(args.trials)]
-    share = others_share(snap, cpu_snapshot())
-    best = min(trials, key=lambda t: t["statistic_s"])
-    meas = best["statistic_s"]
-    row = {"config": name, "predicted_step_s": pred.step_time_s, "measured_step_s": meas,
-           "ape": abs(pred.step_time_s - meas) / meas, "baseline_catalog_step_s": pred_base.step_time_s,
+    best = dict(min(trials, key=lambda t: t["statistic_s"]))
+    best.update(trials_statistic_s=[t["statistic_s"] for t in trials], loadavg=loadavg(),
+                others_cpu_share=others_share(snap, cpu_snapshot()))
+    return best
+
+
+def finish_row(name: str, pred, pred_base, rounds: list, args) -> dict:
+    """The configuration's row over its rounds (``rounds``: :func:`measure_round` dicts in round
+    order): predicted, the rounds' figures and their spread (:func:`spread_summary`), the catalog
+    baseline, and with ``--breakdown`` the breakdown of the median round's step. Prints its line."""
+    figs = [r["statistic_s"] for r in rounds]
+    sp = spread_summary(pred.step_time_s, figs)
+    meas = sp["median_s"]
+    shares = [r["others_cpu_share"] for r in rounds if r["others_cpu_share"] is not None]
+    row = {"config": name, "predicted_step_s": pred.step_time_s, "measured_step_s": meas, **sp,
+           "baseline_catalog_step_s": pred_base.step_time_s,
            "baseline_ape": abs(pred_base.step_time_s - meas) / meas, "critical_path": pred.critical_path,
-           "trials_statistic_s": [t["statistic_s"] for t in trials], "trials_steps_s": [t["steps_s"] for t in trials],
-           "loadavg": loadavg(), "others_cpu_share": share}
-    row["trials_median_s"] = median(row["trials_statistic_s"])
-    row["ape_trials_median"] = abs(pred.step_time_s - row["trials_median_s"]) / row["trials_median_s"]
-    spread = max(row["trials_statistic_s"]) / min(row["trials_statistic_s"])
-    print(f"{name:28s} predicted {pred.step_time_s:8.4f} s  measured {meas:8.4f} s  "
-          f"APE {100 * row['ape']:5.1f}%  (catalog baseline {100 * row['baseline_ape']:6.1f}%)"
-          + (f"  trials {', '.join(f'{x:.4f}' for x in row['trials_statistic_s'])} (spread {spread:.2f}x)"
-             if args.trials > 1 else "") + f"  load {row['loadavg'][0]}"
-          + ("" if share is None else f", other processes {100 * share:.0f}% of the CPUs"), flush=True)
+           "rounds_steps_s": [r["steps_s"] for r in rounds],
+           "rounds_trials_statistic_s": [r["trials_statistic_s"] for r in rounds],
+           "faults_per_step": median([r["faults_per_step"] for r in rounds]),
+           "loadavg": [r["loadavg"] for r in rounds],
+           "others_cpu_share": sum(shares) / len(shares) if shares else None}
+    outside = "" if sp["within_spread"] else f" (outside the spread by {100 * sp['ape_beyond_spread']:.1f}%)"
+    print(f"{name:24s} predicted {pred.step_time_s:7.4f} s  measured min/median/max {sp['min_s']:7.4f} / "
+          f"{meas:7.4f} / {sp['max_s']:7.4f} s (spread {sp['spread']:.2f}x)  APE {100 * sp['ape']:5.1f}%{outside}"
+          f"  catalog {100 * row['baseline_ape']:5.1f}%  faults/step {row['faults_per_step']:.0f}"
+          + ("" if row["others_cpu_share"] is None else f"  others {100 * row['others_cpu_share']:.0f}% CPU"),
+          flush=True)
     if args.breakdown:
-        row["breakdown"] = action_breakdown(pred, best["records"], best["t0"], best["islands"])
+        pick = min(rounds, key=lambda r: abs(r["statistic_s"] - meas))  # the median round
+        row["breakdown"] = action_breakdown(pred, pick["records"], pick["t0"], pick["islands"])
         print(format_breakdown(row["breakdown"]))
     return row
+
+
+def summary(rows: list, names_by_round: list) -> dict:
+    """The run's ``figures`` over the rows (see the module docstring, point 3)."""
+    import math
+    n = len(rows)
+    by = {r["config"]: r for r in rows}
+    round_mape, round_scale = [], []
+    for i in range(len(names_by_round)):
+        ratios = [by[c]["rounds_s"][i] / by[c]["predicted_step_s"] for c in names_by_round[i]]
+        round_mape.append(sum(abs(1 / x - 1) for x in ratios) / len(ratios))
+        round_scale.append(math.exp(sum(math.log(x) for x in ratios) / len(ratios)))
+    spreads = sorted(r["spread"] for r in rows)
+    return {"mape": sum(r["ape"] for r in rows) / n, "max_ape": max(r["ape"] for r in rows),
+            "mape_min": sum(r["ape_min"] for r in rows) / n,
+            "baseline_catalog_mape": sum(r["baseline_ape"] for r in rows) / n,
+            "configurations": n, "goal_mape": 0.05, "rounds": len(names_by_round),
+            "max_spread": spreads[-1], "median_spread": spreads[(n - 1) // 2],
+            "within_spread": sum(bool(r["within_spread"]) for r in rows),
+            "mape_beyond_spread": sum(r["ape_beyond_spread"] for r in rows) / n,
+            "round_mape": round_mape, "round_scale": round_scale}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", required=True, help="output path")
     ap.add_argument("--seq", type=int, default=64, help="tokens per sample")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per configuration and round")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps after the compiling one")
     ap.add_argument("--repeats", type=int, default=7, help="profiler repeats per figure")
     ap.add_argument("--profile-tp", default="1,2", help="TP degrees to profile")
@@ -207,25 +301,38 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="existing profile JSON to use (else one is made)")
     ap.add_argument("--only", default=None, help="comma-separated configuration names")
     ap.add_argument("--quick", action="store_true", help="3 configurations (a validation run)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds: every configuration is measured once per round, the rounds' order rotated; "
+                         "its figure is the median over rounds and the spread is recorded (VM drift)")
     ap.add_argument("--trials", type=int, default=1,
-                    help="fresh runtimes per configuration (the minimum of their statistics is the measured "
-                         "figure; the spread between trials is recorded)")
+                    help="fresh runtimes per configuration and round (the minimum of their statistics is the "
+                         "round's figure)")
     ap.add_argument("--breakdown", action="store_true",
                     help="print (and record in each row) measured against predicted seconds per island, stage "
                          "and action kind (F, B, SEND, RECV), idle time and the tail after the pipeline")
     ap.add_argument("--statistic", choices=("median", "min"), default="median",
-                    help="statistic of the profile's calls and of the measured steps (min: on a machine shared "
-                         "with other jobs; the issue's figure is the median)")
+                    help="statistic of the profile's calls and of each round's timed steps (min: on a machine "
+                         "shared with other jobs; the issue's figure is the median)")
+    ap.add_argument("--host-allocator", choices=("steady", "default"), default="steady",
+                    help="glibc allocator settings of this process (hethub_jax.host_allocator; the runtime "
+                         "sets steady for CPU islands unless default is asked for here)")
     args = ap.parse_args()
+    from hethub_jax import host_allocator
     from hethub_jax.models.config import get_preset
     from hethub_jax.planner.costs import DeviceCosts, LinkModel
-    if args.trials < 1 or args.steps < 1:
-        raise SystemExit("--trials and --steps must be >= 1")
+    if args.trials < 1 or args.steps < 1 or args.rounds < 1:
+        raise SystemExit("--trials, --steps and --rounds must be >= 1")
+    if args.host_allocator == "default":
+        os.environ[host_allocator.ENV] = "default"
+    alloc = host_allocator.steady_host_allocator()
     cfg = get_preset("tiny")
     load_before, t_start, snap0 = loadavg(), time.time(), cpu_snapshot()
     profiled = not (args.profile and os.path.exists(args.profile))
+    canary_profile = [canary(cfg, args)] if profiled else []
     prof_path = run_profile(args)
+    canary_profile += [canary(cfg, args)] if profiled else []
     share_profile = others_share(snap0, cpu_snapshot()) if profiled else None  # while this run profiled
+    t_profile = time.time() - t_start
     # the islands are threads of this process: they share its cores (the profile's measured co-run factor)
     costs = DeviceCosts.from_profile(prof_path).on_shared_host("this process")
     base = DeviceCosts.from_catalog("cpu")
@@ -234,29 +341,47 @@ def main() -> None:
     bridge = costs.local_bridge_link or costs.host_link or LinkModel(0.0, 1e12)
     names = list(configs())
     names = args.only.split(",") if args.only else names[:3] if args.quick else names
-    rows = [measure_row(name, cfg, costs, base, bridge, args) for name in names]
-    mape = sum(r["ape"] for r in rows) / len(rows)
-    figures = {"mape": mape, "statistic": args.statistic, "max_ape": max(r["ape"] for r in rows),
-               "baseline_catalog_mape": sum(r["baseline_ape"] for r in rows) / len(rows),
-               "configurations": len(rows), "goal_mape": 0.05, "trials": args.trials,
-               # the measurement's own reproducibility: slowest / fastest trial of one configuration
-               "max_trial_spread": max(max(r["trials_statistic_s"]) / min(r["trials_statistic_s"]) for r in rows),
-               # against the median of the trials' statistics instead of their minimum (equal with one trial)
-               "mape_trials_median": sum(r["ape_trials_median"] for r in rows) / len(rows),
-               # CPU used by other processes during the whole run (profile included): ~0 on a quiet machine
-               "others_cpu_share": others_share(snap0, cpu_snapshot()),
-               "others_cpu_share_profile": share_profile}
-    print(f"MAPE {100 * mape:.1f}% (max {100 * figures['max_ape']:.1f}%) over {len(rows)} configurations; "
-          f"catalog baseline {100 * figures['baseline_catalog_mape']:.1f}%"
+    preds = {n: predict_row(n, cfg, costs, base, bridge, args) for n in names}
+    orders = round_orders(names, args.rounds)
+    measured = {n: [] for n in names}
+    canary_rounds = []
+    for i, order in enumerate(orders):
+        canary_rounds.append(canary(cfg, args))
+        for n in order:
+            measured[n].append(measure_round(preds[n][0], cfg, args))
+        print(f"round {i + 1}/{len(orders)} done ({time.time() - t_start:.0f} s): "
+              + ", ".join(f"{n} {measured[n][-1]['statistic_s']:.4f}" for n in order), flush=True)
+    rows = [finish_row(n, preds[n][1], preds[n][2], measured[n], args) for n in names]
+    figures = summary(rows, orders)
+    figures.update(statistic=args.statistic, trials=args.trials, host_allocator=alloc["allocator"],
+                   # CPU used by other processes during the whole run (profile included): ~0 on a quiet machine
+                   others_cpu_share=others_share(snap0, cpu_snapshot()), others_cpu_share_profile=share_profile,
+                   profile_s=t_profile, wall_s=time.time() - t_start,
+                   # the yardstick (canary) before/after the profile and per round; drift = round / profile
+                   canary_profile_s=canary_profile, canary_rounds_s=canary_rounds,
+                   drift=[c / median(canary_profile) for c in canary_rounds] if canary_profile else None)
+    print(f"MAPE {100 * figures['mape']:.1f}% against the median of {args.rounds} rounds (max "
+          f"{100 * figures['max_ape']:.1f}%; against the rounds' minima {100 * figures['mape_min']:.1f}%) over "
+          f"{len(rows)} configurations; {figures['within_spread']}/{len(rows)} predictions inside their rounds' "
+          f"spread (median spread {figures['median_spread']:.2f}x, max {figures['max_spread']:.2f}x; beyond the "
+          f"spread {100 * figures['mape_beyond_spread']:.1f}%); per round MAPE "
+          + ", ".join(f"{100 * x:.1f}%" for x in figures["round_mape"]) + ", measured/predicted "
+          + ", ".join(f"{x:.3f}" for x in figures["round_scale"])
+          + f"; catalog baseline {100 * figures['baseline_catalog_mape']:.1f}%"
           + ("" if figures["others_cpu_share"] is None else
              f"; other processes used {100 * figures['others_cpu_share']:.0f}% of the CPUs during the run")
           + ("" if share_profile is None else f" ({100 * share_profile:.0f}% while profiling)")
-          + (f"; against the median of {args.trials} trials {100 * figures['mape_trials_median']:.1f}%, largest "
-             f"spread between trials {figures['max_trial_spread']:.2f}x" if args.trials > 1 else ""))
+          + f"; {figures['wall_s']:.0f} s (profile {t_profile:.0f} s); host allocator {alloc['allocator']}"
+          + ("" if not figures["drift"] else "; machine speed drift (canary calls, round / profile) "
+             + ", ".join(f"{x:.3f}" for x in figures["drift"])
+             + f" (canary around the profile {', '.join(f'{1e3 * x:.2f}' for x in canary_profile)} ms)"))
+    for r in rows:
+        for k in ("records", "islands"):
+            r.pop(k, None)
     write_json(args.json, {"benchmark": "predictor_accuracy", "command": command_line(), "figures": figures,
                            "rows": rows, "profile": prof_path, "machine": machine(),
                            "loadavg_before": load_before, "loadavg_after": loadavg(),
-                           "wall_s": time.time() - t_start,
+                           "wall_s": time.time() - t_start, "host_allocator": alloc,
                            "note": "emulated slowdowns are EMULATED (sleeps); predictions are PREDICTED"})
 
 

@@ -24,6 +24,10 @@ What is measured, with the runtime's own code paths (``hethub_jax.parallel.stage
     while a second island of the process computes (:func:`measure_corun`); the runtime's own seconds
     per action (:func:`measure_runtime_overhead`).
 Each figure is the median of ``--repeats`` timed calls after one untimed call (compilation).
+The process's host allocator is set as ``PipelineRuntime`` sets it for CPU islands
+(``hethub_jax.host_allocator``, recorded as ``host_allocator``), so that a call costs here what it
+costs in a pipeline (with glibc's defaults XLA:CPU's large buffers are mmapped and faulted in again on
+every call, depending on what ran before).
 An emulated slowdown (``--slowdown f``, DESIGN.md section 9) multiplies every compute and update
 time by f (what the runtime's wait adds) and is recorded as ``emulated_slowdown``.
 ``hethub_jax.planner.costs.DeviceCosts.from_profile`` reads the file.
@@ -619,6 +623,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                                    f" --xla_force_host_platform_device_count={max(tps + dps + [2])}").strip()
     import jax
 
+    from hethub_jax.host_allocator import steady_host_allocator
+    alloc = steady_host_allocator()  # as PipelineRuntime sets it for CPU islands: calls cost the same there
     cfg = _model(args.model)
     bridge = None if args.no_bridge else measure_bridge([1024, 64 * 1024, 1024 * 1024], args.repeats)
     if bridge is not None and bridge and _mpi_rank() != 0:
@@ -642,6 +648,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     copies += measure_shared_sum(cfg, devices, args.repeats)
     prof = build_profile(cfg, args, samples, updates, copies, allreduce, bridge, platform_name, corun)
     prof["others_cpu_share"] = others_share(snap, cpu_snapshot())
+    prof["host_allocator"] = {"allocator": alloc["allocator"], "note": alloc["reason"]}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(prof, fh, indent=1)

@@ -67,3 +67,36 @@ def test_breakdown_of_a_real_prediction_against_itself():
             assert r["measured_s"] == pytest.approx(r["predicted_s"]), k
         assert r["measured_s"] >= r["predicted_s"] - 1e-12, k  # a measured RECV keeps its wait here
     assert b["actions"]["a/0/F"]["count"] == plan.num_microbatches(0)
+
+
+def test_round_orders_rotate_and_cover():
+    from hethub_jax.planner.accuracy import round_orders
+    names = ["a", "b", "c", "d", "e"]
+    orders = round_orders(names, 3)
+    assert len(orders) == 3
+    for o in orders:  # every configuration once per round
+        assert sorted(o) == names
+    assert [o[0] for o in orders] == ["a", "b", "d"]  # starts at 0, 5 // 3, 10 // 3
+    assert orders[1] == ["b", "c", "d", "e", "a"]      # a rotation, not a shuffle
+    assert round_orders(names, 1) == [names]
+    for bad in ((names, 0), ([], 2)):
+        with pytest.raises(ValueError, match="rounds >= 1"):
+            round_orders(*bad)
+
+
+def test_spread_summary_by_hand():
+    from hethub_jax.planner.accuracy import spread_summary
+    s = spread_summary(0.11, [0.12, 0.10, 0.15])
+    assert s["rounds_s"] == [0.12, 0.10, 0.15]
+    assert (s["min_s"], s["median_s"], s["max_s"]) == (0.10, 0.12, 0.15)
+    assert s["spread"] == pytest.approx(1.5)
+    assert s["ape"] == pytest.approx(0.01 / 0.12) and s["ape_min"] == pytest.approx(0.1)
+    assert s["within_spread"] and s["ape_beyond_spread"] == 0.0
+    out = spread_summary(0.2, [0.12, 0.10, 0.15, 0.13])  # even count: the mean of the middle two
+    assert out["median_s"] == pytest.approx(0.125)
+    assert not out["within_spread"] and out["ape_beyond_spread"] == pytest.approx(0.05 / 0.125)
+    below = spread_summary(0.05, [0.1])
+    assert below["spread"] == 1.0 and below["ape_beyond_spread"] == pytest.approx(0.5)
+    for bad in ([], [0.1, 0.0]):
+        with pytest.raises(ValueError, match="positive measured"):
+            spread_summary(0.1, bad)

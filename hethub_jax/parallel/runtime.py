@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hethub_jax.host_allocator import steady_host_allocator
 from hethub_jax.models.config import LlamaConfig
 from hethub_jax.models.llama import Llama
 from hethub_jax.optim import OptimConfig, make_optimizer
@@ -129,6 +130,8 @@ class PipelineRuntime:
         if devices is None and jax.process_count() > 1:
             devices = self._island_devices()
         devices = list(jax.devices()) if devices is None else list(devices)
+        if any(d.platform == "cpu" for d in devices):  # XLA:CPU buffers: no mmap churn (host_allocator)
+            steady_host_allocator()
         tx = make_optimizer(optim)
         self.stages: dict[StageKey, PipelineStage] = {}
         for k in self.local_keys:

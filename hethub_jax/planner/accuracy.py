@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, Mapping, Sequence, Tuple
 
-__all__ = ["action_kind", "action_breakdown", "format_breakdown"]
+__all__ = ["action_kind", "action_breakdown", "format_breakdown", "round_orders", "spread_summary"]
 
 
 def action_kind(action: str) -> str:
@@ -123,3 +123,50 @@ def format_breakdown(b: Mapping[str, Any]) -> str:
                      f"{ms['predicted_idle_s']:.1f} ms, tail {ms['measured_tail_s']:.1f} / "
                      f"{ms['predicted_tail_s']:.1f} ms")
     return "\n".join(lines)
+
+
+def round_orders(names: Sequence[str], rounds: int) -> list:
+    """The order in which to measure ``names`` in each of ``rounds`` rounds: round ``r`` starts at
+    position ``r x len(names) // rounds`` of ``names`` and wraps (a rotation), so that every
+    configuration is measured once per round, at a different point of each round, and a drift of the
+    machine's speed during the run spreads over the configurations instead of landing on the ones
+    measured last. Returns a list of ``rounds`` lists.
+
+    Raises:
+      ValueError: if ``rounds < 1`` or ``names`` is empty.
+    """
+    names = list(names)
+    if rounds < 1 or not names:
+        raise ValueError(f"need rounds >= 1 and at least one configuration, got {rounds} and {len(names)}")
+    out = []
+    for r in range(rounds):
+        k = (r * len(names)) // rounds
+        out.append(names[k:] + names[:k])
+    return out
+
+
+def spread_summary(predicted_s: float, per_round_s: Sequence[float]) -> Dict[str, Any]:
+    """Predicted seconds against one configuration's measured seconds in several rounds (one figure
+    per round, e.g. the minimum step time of that round's fresh runtime).
+
+    Returns ``{"rounds_s"`` (the figures, in round order), ``"min_s"``, ``"median_s"``, ``"max_s"``,
+    ``"spread"`` (max / min: the machine's noise on this configuration), ``"ape"`` (absolute error of
+    the prediction against the median, as a fraction of it), ``"ape_min"`` (against the minimum),
+    ``"within_spread"`` (min <= predicted <= max: the error is not larger than the measurement's own
+    spread), ``"ape_beyond_spread"`` (distance from the prediction to the nearest end of
+    ``[min, max]`` as a fraction of the median; 0 when within)``}``.
+
+    Raises:
+      ValueError: for no rounds or a non-positive figure.
+    """
+    xs = [float(x) for x in per_round_s]
+    if not xs or min(xs) <= 0:
+        raise ValueError(f"need at least one positive measured figure, got {per_round_s!r}")
+    s = sorted(xs)
+    n = len(s)
+    med = s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+    lo, hi = s[0], s[-1]
+    beyond = max(0.0, lo - predicted_s, predicted_s - hi)
+    return {"rounds_s": xs, "min_s": lo, "median_s": med, "max_s": hi, "spread": hi / lo,
+            "ape": abs(predicted_s - med) / med, "ape_min": abs(predicted_s - lo) / lo,
+            "within_spread": lo <= predicted_s <= hi, "ape_beyond_spread": beyond / med}

@@ -1,0 +1,99 @@
+"""A steady host allocator for CPU islands: no ``mmap``/``munmap`` churn of XLA's large buffers.
+
+Why (measured, docs/benchmarks.md "Predictor accuracy", session 9): XLA:CPU allocates each call's
+temporary and output buffers with the C library's ``malloc``. glibc serves a block above its mmap
+threshold (128 KiB, raised after frees up to a 32 MiB ceiling) with a fresh ``mmap``, returns it with
+``munmap`` on free, and gives the top of the heap back to the kernel above its trim threshold; such
+a block is faulted in again, page by page, on the next call. On the tiny model (32000 x 64 tied
+embedding, sequences of 64) with glibc's defaults, a last stage's fused forward + backward took about
+8,300 minor page faults per call at microbatch 2 and 16,600-17,600 at microbatch 4 (its logits are
+16-33 MB; 0-30 at microbatch 1), in a process running one stage at a time; with the threshold no
+longer adapting (as after any ``mallopt``), also microbatch 1 faulted (about 7,100 per call; a first
+stage's backward about 2,200). Which calls fault thus depends on the sizes the process allocated and
+freed before -- in a pipeline, on the other stages -- so a call's cost was not a property of the call;
+in a VM each fault is costly: a 3-layer last stage at microbatch 4 took 90-100 ms with the faults
+against 44-46 ms without them (two processes a minute apart, load 5). With the settings below those
+calls took 0-30 faults and 0.50-0.79x the time (one process alternating the settings with ``mallopt``,
+its "default" side with a fixed 128 KiB threshold).
+
+What :func:`steady_host_allocator` sets (glibc ``mallopt(3)``): ``M_MMAP_MAX = 0`` (every block
+from the heap, none mmapped) and ``M_TRIM_THRESHOLD = 1 GiB`` (the heap's free top is kept). The
+process keeps its peak host memory instead of returning it to the kernel between calls: the cost.
+Only glibc has ``mallopt``; elsewhere nothing is changed (and the result says so). Set the
+environment variable ``HETHUB_HOST_ALLOCATOR=default`` to leave the C library's defaults.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import os
+import threading
+from typing import Dict, Optional
+
+__all__ = ["steady_host_allocator", "current", "ENV", "M_MMAP_MAX", "M_TRIM_THRESHOLD", "TRIM_THRESHOLD_BYTES"]
+
+#: environment variable: ``default`` leaves the C library's allocator settings alone
+ENV = "HETHUB_HOST_ALLOCATOR"
+#: glibc ``mallopt`` parameter numbers (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+#: the trim threshold set (bytes): the heap's free top up to this size stays with the process
+TRIM_THRESHOLD_BYTES = 1 << 30
+
+_lock = threading.Lock()
+_state: Dict[str, object] = {}
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> Optional[ctypes.CDLL]:
+    """The C library when it is glibc (has ``mallopt`` and ``gnu_get_libc_version``), else None; looked up once."""
+    name = ctypes.util.find_library("c")
+    try:
+        lib = ctypes.CDLL(name or "libc.so.6")
+    except OSError:
+        return None
+    return lib if hasattr(lib, "mallopt") and hasattr(lib, "gnu_get_libc_version") else None
+
+
+def steady_host_allocator(enable: Optional[bool] = None) -> Dict[str, object]:
+    """Sets the C library's allocator so that large blocks are neither mmapped nor trimmed (module
+    docstring: why). Idempotent and thread-safe; call it early in a process that runs CPU islands
+    (``PipelineRuntime`` does for CPU stages, the profiler and ``benchmarks/predictor_accuracy.py``
+    at start).
+
+    Args:
+      enable: True sets the steady settings; False leaves glibc's own settings when this process
+        never set them, else sets glibc's default values back (``M_MMAP_MAX`` 65536,
+        ``M_TRIM_THRESHOLD`` 128 KiB; glibc's adaptive threshold does not come back); None
+        (default): steady unless the environment variable :data:`ENV` is ``default``.
+
+    Returns:
+      ``{"allocator": "steady" | "default", "applied": bool, "reason": str}``: which settings are in
+      force, whether this call changed them (False when they were already in force), and what was set
+      (not glibc, or ``mallopt`` refused: ``applied`` False and ``allocator`` ``"default"``).
+    """
+    if enable is None:
+        enable = os.environ.get(ENV, "steady").strip().lower() != "default"
+    want = "steady" if enable else "default"
+    with _lock:
+        if _state.get("allocator", "default") == want:
+            return dict(_state, allocator=want, applied=False, reason=_state.get("reason", "glibc's own settings"))
+        lib = _libc()
+        if lib is None:
+            return {"allocator": "default", "applied": False, "reason": "not glibc: mallopt unavailable"}
+        ok = (lib.mallopt(M_MMAP_MAX, 0 if enable else 65536) == 1
+              and lib.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES if enable else 128 * 1024) == 1)
+        if not ok:
+            return {"allocator": "default", "applied": False, "reason": "mallopt refused the settings"}
+        if not enable and hasattr(lib, "malloc_trim"):
+            lib.malloc_trim(0)
+        lib.gnu_get_libc_version.restype = ctypes.c_char_p
+        _state.update(allocator=want, reason=f"glibc {lib.gnu_get_libc_version().decode()} mallopt: M_MMAP_MAX "
+                                             f"{0 if enable else 65536}, M_TRIM_THRESHOLD "
+                                             f"{TRIM_THRESHOLD_BYTES if enable else 128 * 1024}")
+        return dict(_state, applied=True)
+
+
+def current() -> str:
+    """``"steady"`` or ``"default"``: what :func:`steady_host_allocator` last set in this process."""
+    return str(_state.get("allocator", "default"))
