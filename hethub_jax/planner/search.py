@@ -1177,8 +1177,10 @@ class _Planner:
                 "nodes (a stage that spans nodes partly shares a process with its neighbour, which no split per "
                 "stage runs; parallel.rules.uniform_stages_run); it lowers DP, so each device holds more of the "
                 f"microbatch ({lowered}{', ...' if len(self.restricted) > 4 else ''}). Without it the best plan "
-                f"({r.best.step_time_s:.4g} s PREDICTED, not runnable today) has {'; '.join(shown)}. Use fewer "
-                "stages per group (--max-stages-per-group), smaller microbatches, recompute, or more memory")
+                f"({r.best.step_time_s:.4g} s PREDICTED, not runnable today) has {'; '.join(shown)}. Try other "
+                "stage counts per group (--max-stages-per-group), smaller microbatches (--microbatch-sizes), "
+                "recompute, or devices with more memory")
+
     def why_infeasible(self) -> str:
         """The binding constraint when no candidate fits (most memory-friendly settings tried first)."""
         mbs = self.microbatch_sizes()[0] if self.microbatch_sizes() else 1
