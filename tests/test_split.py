@@ -343,7 +343,8 @@ def test_runtime_rule_as_binding_constraint_is_named():
     for f in (search, exhaustive_search):
         with pytest.raises(PlanningError, match="binding constraint is today's runtime's stage-size rule") as e:
             f(cfg, cl, 12, 16, costs=costs, options=opt)
-        assert "dp 12 -> 4" in str(e.value) and "2 stage(s) of dp 12 x tp 1 = 12 devices on 8-device nodes" in str(e.value)
+        msg = str(e.value)
+        assert "dp 12 -> 4" in msg and "2 stage(s) of dp 12 x tp 1 = 12 devices on 8-device nodes" in msg
 
 
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -410,8 +410,9 @@ def test_planless_training_plan_is_split_per_stage_as_the_cli_emits_it(tmp_path)
     got = Plan.from_json(path)
     check_runtime_support(got)
     assert {"a.0", "a.1"} <= {i.name for i in got.islands}
-    assert plan_main(["--model", "llama3-70b", "--cluster", str(cluster), "--global-batch", "16", "--seq-len", "2048",
-                      "--top", "1", "--microbatch-sizes", "1", "--no-upper-bound", "--out", str(tmp_path / "cli.json")]) == 0
+    assert plan_main(["--model", "llama3-70b", "--cluster", str(cluster), "--global-batch", "16", "--seq-len",
+                      "2048", "--top", "1", "--microbatch-sizes", "1", "--no-upper-bound",
+                      "--out", str(tmp_path / "cli.json")]) == 0
     assert Plan.from_json(str(tmp_path / "cli.json")) == got
     assert any("split per stage" in x and "group a -> islands a.0, a.1" in x for x in lines)
     # the PREDICTED step is the split plan's (islands a.0, a.1 costed as group a), not the searched one's

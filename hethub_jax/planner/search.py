@@ -768,7 +768,8 @@ class _Planner:
                     break
                 dp = _largest_divisor_at_most(mbs, grp.num_devices // (k * tp))
                 if self.opt.runnable_stages and not uniform_stages_run(k, dp * tp, grp.devices_per_node):
-                    ok = max(d for d in _divisors(mbs) if d < dp and uniform_stages_run(k, d * tp, grp.devices_per_node))
+                    ok = max(d for d in _divisors(mbs)
+                             if d < dp and uniform_stages_run(k, d * tp, grp.devices_per_node))
                     self.restricted[(g, mbs, k, tp)] = (dp, ok)
                     dp = ok
                 out.append((k, tp, dp))
