@@ -7,7 +7,8 @@ Two entry points used by ``hethub_jax.train`` during set-up (before any JAX impo
   assumption, not a measurement); :class:`RunPrediction` says which.
 * :func:`plan_from_cluster`: ``--cluster CLUSTER.yaml`` without ``--plan``: profile the CPU device type of
   the cluster briefly (``python -m hethub_jax.profile`` in a child process with small settings) or reuse
-  saved profiles, ask the planner (``hethub_jax.planner.search``), write the chosen plan as ``plan.json``
+  saved profiles, ask the planner (``hethub_jax.planner.search``, split per stage as the plan CLI does:
+  ``planner.runnable``), write the chosen plan as ``plan.json``
   beside the metrics. Under ``mpiexec`` rank 0 profiles and plans and sends the plan and the profiles to
   every other rank (so every rank trains the SAME plan; ``cluster.handshake`` then checks the plan digest).
 
@@ -339,9 +340,38 @@ def cluster_costs(cluster: Any, profiles: Mapping[str, Any]) -> Dict[str, Any]:
 
 
 def _search(cfg: Any, cluster: Any, gbs: int, seq_len: int, mbs: Optional[int], profiles: Mapping[str, Any]):
+    """The planner's best plan (top 1) as ``python -m hethub_jax.plan`` emits it: a multi-node group
+    holding several stages split into one island per stage and predicted again
+    (``planner.runnable.runnable_result``), so that today's runtime runs it; unchanged otherwise. A
+    ``SearchResult`` of ``RunnableCandidate`` s (``island_groups``: island -> node group)."""
+    from hethub_jax.planner.runnable import runnable_result
     from hethub_jax.planner.search import SearchOptions, search
     opts = SearchOptions(top_k=1, microbatch_sizes=(mbs,) if mbs else None)
-    return search(cfg, cluster, gbs, seq_len, costs=cluster_costs(cluster, profiles), options=opts)
+    costs = cluster_costs(cluster, profiles)
+    res = search(cfg, cluster, gbs, seq_len, costs=costs, options=opts)
+    return runnable_result(res, cfg, cluster, seq_len, costs=costs, options=opts)
+
+
+def _check_ranks(c: Any, cluster_path: str, world_size: int, model: str = "MODEL", gbs: Any = "N") -> None:
+    """Refuse a split plan whose rank count differs from the job's (the split leaves out processes that
+    hold no stage): the job was started with one rank per node, and its ranks cannot be renumbered.
+
+    Raises:
+      ValueError: naming the plan's and the job's rank counts and the commands that run the plan.
+    """
+    n = c.plan.world_size
+    if world_size <= 1 or n == world_size or getattr(c, "searched", None) is None:
+        return
+    parts: Dict[str, List[str]] = {}
+    for isl, grp in c.island_groups.items():
+        parts.setdefault(grp, []).append(isl)
+    split = "; ".join(f"group {g} -> islands {', '.join(v)}" for g, v in parts.items() if v != [g])
+    raise ValueError(
+        f"the planner's best plan runs a multi-node group's stages as one island per stage ({split}) and "
+        f"leaves out the processes that hold no stage: it needs {n} MPI ranks, this job has {world_size}. "
+        f"Plan it first and train that plan with its rank count: `python -m hethub_jax.plan --model {model} "
+        f"--cluster {cluster_path} --global-batch {gbs} --out plan.json`, then `mpiexec -n {n} python -m "
+        f"hethub_jax.train --plan plan.json ...` (or start this job with {n} ranks)")
 
 
 def _plan_lines(res: Any, cluster: Any, costs: Mapping[str, Any]) -> List[str]:
@@ -355,7 +385,7 @@ def _plan_lines(res: Any, cluster: Any, costs: Mapping[str, Any]) -> List[str]:
 
 
 def _plan_rank0(cfg: Any, model: str, cluster_path: str, gbs: int, seq_len: int, mbs: Optional[int],
-                profiles_dir: str, log) -> Dict[str, Any]:
+                profiles_dir: str, log, world_size: int = 1) -> Dict[str, Any]:
     """Rank 0's work: profiles, search, lines. Returns the message sent to every rank."""
     from hethub_jax.planner.cluster import load_cluster
     cluster = load_cluster(cluster_path)
@@ -363,12 +393,13 @@ def _plan_rank0(cfg: Any, model: str, cluster_path: str, gbs: int, seq_len: int,
     profiles, notes = _profiles(cluster, model, seq_len, profiles_dir, log, sizes)
     t0 = time.perf_counter()
     res = _search(cfg, cluster, gbs, seq_len, mbs, profiles)
+    _check_ranks(res.best, cluster_path, world_size, model, gbs)
     lines = [f"planner ({time.perf_counter() - t0:.1f} s, {res.evaluated} plans predicted): chosen plan for "
              f"cluster {cluster.name}, every figure PREDICTED", *_plan_lines(res, cluster, cluster_costs(cluster, profiles))]
     note = extrapolation_note(res.best.plan, profiles)  # e.g. a saved profile of other sizes, reused
     lines += [note] if note else []
     return {"plan": res.best.plan.to_dict(), "profiles": profiles, "notes": notes, "lines": lines,
-            "kind": res.best.kind}
+            "kind": res.best.kind, "island_groups": dict(res.best.island_groups)}
 
 
 def _share(make, rank: int, size: int):
@@ -415,15 +446,20 @@ def plan_from_cluster(cfg: Any, model: str, cluster_path: str, *, global_batch: 
 
     Returns:
       ``(plan_path, prediction, lines)``.
+    The plan is the planner's best as ``python -m hethub_jax.plan`` emits it: a multi-node group holding
+    several stages is split into one island per stage (``planner.runnable``), which today's runtime runs.
+
     Raises:
-      ValueError: a bad cluster spec or an infeasible request (``PlanningError``), naming it.
+      ValueError: a bad cluster spec or an infeasible request (``PlanningError``), naming it; under MPI a
+        split plan whose rank count differs from the job's (:func:`_check_ranks`: it says which
+        ``python -m hethub_jax.plan`` and ``mpiexec -n`` commands run the plan).
     """
     from hethub_jax.parallel.plan import Plan
     from hethub_jax.planner.cluster import load_cluster
     from hethub_jax.planner.search import bridge_for
     profiles_dir = profiles_dir or os.path.join(out_dir, "profiles")
     msg = _share(lambda: _plan_rank0(cfg, model, cluster_path, global_batch, seq_len, microbatch_size,
-                                     profiles_dir, log), rank, world_size)
+                                     profiles_dir, log, world_size), rank, world_size)
     if "error" in msg:
         raise ValueError(f"--cluster {cluster_path}: {msg['error']}")
     plan = Plan.from_dict(msg["plan"])
@@ -435,13 +471,15 @@ def plan_from_cluster(cfg: Any, model: str, cluster_path: str, *, global_batch: 
             f.write(text)
         os.replace(path + f".tmp{rank}", path)
     cluster = load_cluster(cluster_path)
+    group = msg.get("island_groups") or {i.name: i.name for i in plan.islands}  # split island -> node group
     if msg["kind"] == "pipeline":  # the planner's bridge: the links between consecutive groups
-        seq = [st.island for st in plan.replicas[0].stages]
+        seq = [group[st.island] for st in plan.replicas[0].stages]
         pairs = [(a, b) for a, b in zip(seq, seq[1:]) if a != b]
     else:
-        names = [i.name for i in plan.islands]
+        names = list(dict.fromkeys(group[i.name] for i in plan.islands))
         pairs = [(a, b) for i, a in enumerate(names) for b in names[i + 1:]]
     src = "; ".join(msg["notes"]) or "catalog"
-    pred = predict_run(cfg, plan, seq_len, costs=cluster_costs(cluster, msg["profiles"]),
+    costs = cluster_costs(cluster, msg["profiles"])
+    pred = predict_run(cfg, plan, seq_len, costs={i.name: costs[group[i.name]] for i in plan.islands},
                        bridge=bridge_for(cluster, pairs), source=src)
     return path, pred, [*msg["notes"], *msg["lines"], f"plan written to {path}"]

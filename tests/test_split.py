@@ -227,3 +227,149 @@ def test_a_candidate_no_split_runs_keeps_its_not_runnable_line():
     assert "NOT RUNNABLE YET: island 'a' has 3 processes" in text and "sharing some" in text
     assert "processes holding no stage left out" in text and "split per stage" not in text
     assert candidate_dict(c)["runnable"] is False
+
+
+# ---- session 9: the planner emits only runnable plans (rules.uniform_stages_run) ----------------------
+
+def _uniform(k, d, p):
+    """``k`` stages of ``d`` devices each (default devices: one after another) on one island of
+    processes of ``p`` devices, as many processes as they need."""
+    return Plan.from_dict({
+        "islands": [{"name": "a", "platform": "cpu", "num_processes": -(-k * d // p), "devices_per_process": p}],
+        "stages": [{"island": "a", "dp": d, "tp": 1, "first_layer": i, "last_layer": i} for i in range(k)],
+        "global_batch_size": d, "microbatch_size": d})
+
+
+def _runs(plan):
+    try:
+        check_runtime_support(split_islands(plan)[0])
+    except ValueError:
+        return False
+    return True
+
+
+def test_uniform_stages_run_is_what_the_split_and_the_runtime_check_say():
+    from hethub_jax.parallel.rules import uniform_stages_run
+    for k in range(1, 5):
+        for d in range(1, 21):
+            for p in range(1, 9):
+                assert uniform_stages_run(k, d, p) == _runs(_uniform(k, d, p)), (k, d, p)
+    assert not uniform_stages_run(2, 12, 8) and uniform_stages_run(2, 16, 8) and uniform_stages_run(3, 2, 8)
+    with pytest.raises(ValueError, match=">= 1"):
+        uniform_stages_run(0, 1, 1)
+
+
+def _small_cfg(layers):
+    from hethub_jax.planner import load_model
+    return load_model({"preset": "tiny", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": layers,
+                       "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 256})
+
+
+#: a group of 3 nodes x 8 devices at microbatch 12: the largest DP for 2 stages at TP 1 is 12, i.e. 12
+#: devices per stage, which spans nodes 0-1 and 1-2 (no split runs it); the runtime's rule gives DP 4
+NODES8 = {"name": "n8", "groups": [{"name": "a", "device": "cpu", "nodes": 3, "devices_per_node": 8},
+                                   {"name": "b", "device": "cpu", "nodes": 2, "devices_per_node": 4}]}
+
+
+def test_level_two_keeps_only_stage_sizes_the_runtime_runs_and_without_the_rule_plans_do_not_run():
+    """Mutation check of the restriction: without it (``runnable_stages=False``) the planner emits a
+    candidate that no split runs; with it (default) every candidate runs after the split."""
+    from hethub_jax.planner import SearchOptions, plan
+    from hethub_jax.planner.search import _setup
+    cfg = _small_cfg(6)
+    opt = dict(microbatch_sizes=(12,), max_stages_per_group=2, tp_degrees=(1,), hetero_dp=False)
+    p = _setup(cfg, NODES8, 12, 16, None, SearchOptions(**opt), None)
+    assert (2, 1, 4) in p.choices("a", 12) and (1, 1, 12) in p.choices("a", 12)
+    assert p.restricted[("a", 12, 2, 1)] == (12, 4)
+    free = _setup(cfg, NODES8, 12, 16, None, SearchOptions(**opt, runnable_stages=False), None)
+    assert (2, 1, 12) in free.choices("a", 12) and not free.restricted
+    res = plan(cfg, NODES8, 12, 16, top_k=40, upper_bound=False, **opt)
+    assert len(res.candidates) > 1 and all(_runs(c.plan) for c in res.candidates)
+    assert any(sum(c.island_groups[x.island] == "b" for x in c.plan.replicas[0].stages) >= 2
+               for c in res.candidates)  # several stages on a multi-node group (b: one node each)
+    bad = plan(cfg, NODES8, 12, 16, top_k=40, upper_bound=False, runnable_stages=False, **opt)
+    assert not all(_runs(c.plan) for c in bad.candidates)
+
+
+@st.composite
+def node_clusters(draw):
+    """Random clusters of 1-2 groups of 2-3 nodes x 4 or 8 devices (cpu), a small model and batch."""
+    groups = [{"name": f"g{i}", "device": "cpu", "nodes": draw(st.integers(2, 3)),
+               "devices_per_node": draw(st.sampled_from([4, 8])), "slowdown": draw(st.sampled_from([1.0, 2.0]))}
+              for i in range(draw(st.integers(1, 2)))]
+    return (_small_cfg(draw(st.integers(3, 6))), {"name": "r", "groups": groups},
+            draw(st.sampled_from([6, 12, 24])), draw(st.sampled_from([1, 2, 3])))
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(node_clusters())
+def test_every_emitted_candidate_runs_on_random_multi_node_clusters(problem):
+    """Every candidate of ``planner.plan`` (split per stage) passes ``check_runtime_support``, and every
+    stage layout of the searched plans satisfies ``uniform_stages_run`` (no NOT RUNNABLE candidate)."""
+    from hethub_jax.plan import candidate_dict
+    from hethub_jax.planner import PlanningError, plan
+    from hethub_jax.parallel.rules import uniform_stages_run
+    cfg, cluster, gbs, stages = problem
+    try:
+        res = plan(cfg, cluster, gbs, 16, top_k=12, upper_bound=False, max_stages_per_group=stages)
+    except PlanningError:
+        return
+    for c in res.candidates:
+        check_runtime_support(c.plan)
+        assert candidate_dict(c)["runnable"] is True
+        src = c.searched.plan if c.searched is not None else c.plan
+        for isl in src.islands:
+            keys = src.island_stages(isl.name)
+            if keys:
+                st0 = src.stage(*keys[0])
+                assert uniform_stages_run(len(keys), st0.dp * st0.tp, isl.devices_per_process)
+
+
+def test_runtime_rule_as_binding_constraint_is_named():
+    """3 nodes x 8 devices, microbatch 12, 8 layers: two stages of 12 devices (DP 12) fit 4 MB per device,
+    but the runtime's rule lowers DP to 4 (3x the activations per device) and one stage of 8 layers does
+    not fit: the error names the rule and the plan that would fit without it."""
+    import dataclasses
+
+    from hethub_jax.planner import PlanningError, SearchOptions, exhaustive_search, load_cluster, search
+    from hethub_jax.planner.search import group_costs
+    cfg = _small_cfg(8)
+    cl = {"name": "one", "groups": [NODES8["groups"][0]]}
+    costs = {"a": dataclasses.replace(group_costs(load_cluster(cl))["a"], memory_bytes=4e6)}
+    opt = SearchOptions(microbatch_sizes=(12,), max_stages_per_group=2, top_k=1, schedules=("1f1b",),
+                        recompute=("none",), tp_degrees=(1,))
+    free = search(cfg, cl, 12, 16, costs=costs, options=dataclasses.replace(opt, runnable_stages=False)).best
+    assert [(s.dp, s.tp) for s in free.plan.replicas[0].stages] == [(12, 1), (12, 1)] and not _runs(free.plan)
+    for f in (search, exhaustive_search):
+        with pytest.raises(PlanningError, match="binding constraint is today's runtime's stage-size rule") as e:
+            f(cfg, cl, 12, 16, costs=costs, options=opt)
+        msg = str(e.value)
+        assert "dp 12 -> 4" in msg and "2 stage(s) of dp 12 x tp 1 = 12 devices on 8-device nodes" in msg
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(node_clusters())
+def test_search_equals_exhaustive_enumeration_of_the_runnable_space(problem):
+    """The restricted level 2 is the same for both (``_Planner.choices``): the search stays exact on
+    multi-node groups where the runtime's rule lowers DP (e.g. microbatch 12 or 6 on 8-device nodes)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from search_checks import assert_search_equals_exhaustive
+
+    from hethub_jax.planner import SearchOptions, load_cluster
+    cfg, cluster, gbs, stages = problem
+    cfg = _small_cfg(min(cfg.num_hidden_layers, 4))
+    assert_search_equals_exhaustive(cfg, load_cluster(cluster), gbs, 16,
+                                    SearchOptions(top_k=2, max_stages_per_group=min(stages, 2)))
+
+
+def test_search_equals_exhaustive_where_the_runtime_rule_lowers_dp():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from search_checks import assert_search_equals_exhaustive
+
+    from hethub_jax.planner import SearchOptions, load_cluster
+    assert_search_equals_exhaustive(_small_cfg(4), load_cluster(NODES8), 12, 16,
+                                    SearchOptions(top_k=2, max_stages_per_group=2, microbatch_sizes=(6, 12)))

@@ -8,6 +8,9 @@
 * :func:`check_runtime_support`: does today's runtime run a valid plan? (an island of several
   processes runs one stage; ``parallel.split`` splits such islands per stage). Called by the runtime
   and by ``python -m hethub_jax.plan``.
+* :func:`uniform_stages_run`: do ``k`` stages of ``d`` devices each, laid out one after another on an
+  island of processes of ``p`` devices, run once the island is split per stage? The planner's level-2
+  choice (``planner.search``) keeps only such layouts, so every plan it emits runs.
 
 Every function raises ``ValueError`` naming the constraint and the offending values.
 """
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-__all__ = ["check_tp", "check_batch", "check_shares", "check_runtime_support"]
+__all__ = ["check_tp", "check_batch", "check_shares", "check_runtime_support", "uniform_stages_run"]
 
 
 def check_tp(config: Any, tp: int, where: str = "the stage") -> None:
@@ -129,3 +132,29 @@ def check_runtime_support(plan: Any) -> None:
             raise ValueError(f"{head}; its stages hold disjoint processes: split it into one island per stage "
                              f"(`python -m hethub_jax.parallel.split PLAN.json OUT.json`, or "
                              f"hethub_jax.parallel.split.split_islands; docs/multiprocess_islands.md)")
+
+
+def uniform_stages_run(num_stages: int, stage_devices: int, devices_per_process: int) -> bool:
+    """Whether ``num_stages`` stages of ``stage_devices`` devices each, taking an island's devices one
+    after another from device 0 (``Plan.stage_devices``' default assignment: the planner's layout of a
+    node group, one process per node), pass :func:`check_runtime_support` once the island is split per
+    stage (``parallel.split.split_islands``).
+
+    The rule: one stage; or each stage is a whole number of processes (``p | d``: the stages hold
+    disjoint processes); or each stage fits inside one process without crossing a process boundary
+    (``d | p``); or all stages fit in the first process (``k d <= p``: one island of one process runs
+    them). Otherwise some stage spans two processes and shares one with its neighbour (e.g. 12 devices
+    per stage on 8-device processes: stages 0 and 1 share process 1), and no split runs the plan.
+    Tested against ``split_islands`` + :func:`check_runtime_support` on every small layout
+    (tests/test_split.py).
+
+    Args:
+      num_stages: ``k >= 1``; stage_devices: ``d = dp x tp >= 1``; devices_per_process: ``p >= 1``.
+
+    Raises:
+      ValueError: for a non-positive argument.
+    """
+    k, d, p = num_stages, stage_devices, devices_per_process
+    if min(k, d, p) < 1:
+        raise ValueError(f"stages, devices per stage and devices per process must be >= 1, got {k}, {d}, {p}")
+    return k == 1 or d % p == 0 or p % d == 0 or k * d <= p

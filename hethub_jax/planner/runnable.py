@@ -5,9 +5,9 @@ runtime would run one island: its stages one action at a time (``predict(concurr
 Today's runtime, though, runs only one stage on an island of several processes
 (``parallel.rules.check_runtime_support``), so a candidate with several stages on a multi-node group
 could not be trained. :func:`split_candidate` replaces such a group's island by one island per stage
-(``parallel.split.split_islands``; the planner gives each stage whole nodes: ``dp x tp`` devices from
-the group's first free device, so the stages hold disjoint processes unless a stage is smaller than a
-node) and predicts the split plan again, as the runtime runs it: the group's stages now run
+(``parallel.split.split_islands``; the planner gives each stage ``dp x tp`` devices from the group's
+first free device, and its level 2 keeps only sizes ``parallel.rules.uniform_stages_run`` accepts: inside
+one node or whole nodes, so the split always runs) and predicts the split plan again, as the runtime runs it: the group's stages now run
 concurrently (one process each) and each of the group's internal stage boundaries crosses the MPI host
 bridge (host copies + the plan's bridge, the slowest inter-group link the search passes, as for
 boundaries between groups). :func:`runnable_result` does this for every candidate of a search, ranks

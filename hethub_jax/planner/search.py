@@ -7,7 +7,9 @@ Search space (for a model, a cluster spec and a global batch size):
     number of stages ``k`` (1..``max_stages_per_group``), a TP degree ``tp`` (level 3: divides the
     devices per node, divides the attention heads and divides or is a multiple of the KV heads) and
     the DP degree ``dp`` (level 2: the largest divisor of the microbatch size with ``k * dp * tp`` <=
-    the group's devices); the microbatch size (a divisor of the global batch), the schedule, the
+    the group's devices and, with ``SearchOptions.runnable_stages`` (default), a stage size ``dp * tp``
+    that today's runtime runs once the group is split per stage: ``rules.uniform_stages_run``, inside one
+    node or a whole number of nodes, so every emitted plan runs); the microbatch size (a divisor of the global batch), the schedule, the
     recompute policy, and every split of the layers into contiguous stages of >= 1 layer (level 1);
   * heterogeneous-DP plans: one replica per group (each a pipeline inside its group, chosen as the
     group's minimum-bottleneck pipeline), batch shares by ``parallel.plan.proportional_shares`` of
@@ -29,6 +31,7 @@ Python and numpy: no JAX import.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 import itertools
@@ -72,6 +75,11 @@ class SearchOptions:
       top_k: candidates kept.
       efficiency: fraction of datasheet peak assumed for catalog device types (``DeviceCosts.from_catalog``).
       last_group: only pipelines whose last stage (final norm, LM head, loss) is on this group.
+      runnable_stages: level 2 keeps only stage sizes that today's runtime runs once a multi-node group
+        is split per stage (``parallel.rules.uniform_stages_run``: a group holding several stages gives
+        each ``dp x tp`` devices inside one node or a whole number of nodes), so every emitted plan runs
+        (after ``planner.runnable``'s split); False: the largest DP that fits the group, as before
+        session 9 (plans of 12 devices per stage on 8-device nodes, which no split runs, for comparisons).
     """
 
     microbatch_sizes: Optional[Tuple[int, ...]] = None
@@ -83,6 +91,7 @@ class SearchOptions:
     top_k: int = 3
     efficiency: float = 0.4
     last_group: Optional[str] = None
+    runnable_stages: bool = True
 
 
 @dataclass(frozen=True)
@@ -375,6 +384,8 @@ class _Planner:
         self._rows: Dict[tuple, Any] = {}
         self._preds: Dict[str, Any] = {}
         self._choices: Dict[tuple, List[Tuple[int, int, int]]] = {}
+        #: (group, mbs, k, tp) -> (largest dp that fits, dp the runtime rule leaves) where they differ
+        self.restricted: Dict[tuple, Tuple[int, int]] = {}
         self.top: List[Tuple[float, str, Candidate]] = []
         self.skeletons = self.expanded = self.evaluated = 0
 
@@ -742,9 +753,13 @@ class _Planner:
 
     def choices(self, g: str, mbs: int) -> List[Tuple[int, int, int]]:
         """Levels 2 and 3 for group ``g``: ``(stages, tp, dp)`` with ``dp`` the largest divisor of
-        ``mbs`` such that ``stages * dp * tp`` devices fit the group."""
+        ``mbs`` such that ``stages * dp * tp`` devices fit the group and (``opt.runnable_stages``) the
+        runtime runs ``stages`` stages of ``dp * tp`` devices on its nodes once split per stage
+        (``rules.uniform_stages_run``; ``dp = 1`` always does, as ``tp`` divides the node). Where the rule
+        lowers ``dp``, :attr:`restricted` records both (for :meth:`why_infeasible`)."""
         if (g, mbs) in self._choices:
             return self._choices[(g, mbs)]
+        from hethub_jax.parallel.rules import uniform_stages_run
         grp = self.groups[g]
         out = self._choices[(g, mbs)] = []
         for tp in valid_tp_degrees(self.cfg, grp.devices_per_node, self.opt.tp_degrees):
@@ -752,6 +767,11 @@ class _Planner:
                 if k * tp > grp.num_devices:
                     break
                 dp = _largest_divisor_at_most(mbs, grp.num_devices // (k * tp))
+                if self.opt.runnable_stages and not uniform_stages_run(k, dp * tp, grp.devices_per_node):
+                    ok = max(d for d in _divisors(mbs)
+                             if d < dp and uniform_stages_run(k, d * tp, grp.devices_per_node))
+                    self.restricted[(g, mbs, k, tp)] = (dp, ok)
+                    dp = ok
                 out.append((k, tp, dp))
         return out
 
@@ -1133,6 +1153,35 @@ class _Planner:
             "microbatch_size": mbs, "schedule": sched, "recompute": rec})
 
     # ---- infeasibility ---------------------------------------------------------------------------
+    def runtime_rule_binds(self) -> Optional[str]:
+        """When the runtime's stage-size rule (``opt.runnable_stages``) lowered some DP degree and the same
+        search without it finds a plan, the sentence naming that rule as the binding constraint; else None."""
+        if not self.opt.runnable_stages or not self.restricted:
+            return None
+        try:
+            r = search(self.cfg, self.cluster, self.gbs, self.seq, costs=self.costs,
+                       options=dataclasses.replace(self.opt, runnable_stages=False, top_k=1))
+        except PlanningError:
+            return None
+        plan, shown = r.best.plan, []
+        for isl in plan.islands:
+            keys = plan.island_stages(isl.name)
+            if not keys:
+                continue
+            st = plan.stage(*keys[0])
+            shown.append(f"group {isl.name!r}: {len(keys)} stage(s) of dp {st.dp} x tp {st.tp} = {st.dp * st.tp} "
+                         f"devices on {isl.devices_per_process}-device nodes")
+        lowered = "; ".join(f"group {g!r} at microbatch {m}, {k} stages, tp {t}: dp {a} -> {b}"
+                            for (g, m, k, t), (a, b) in list(self.restricted.items())[:4])
+        return ("infeasible: the binding constraint is today's runtime's stage-size rule: a node group holding "
+                "several stages must give each stage's dp x tp devices inside one node or a whole number of "
+                "nodes (a stage that spans nodes partly shares a process with its neighbour, which no split per "
+                "stage runs; parallel.rules.uniform_stages_run); it lowers DP, so each device holds more of the "
+                f"microbatch ({lowered}{', ...' if len(self.restricted) > 4 else ''}). Without it the best plan "
+                f"({r.best.step_time_s:.4g} s PREDICTED, not runnable today) has {'; '.join(shown)}. Try other "
+                "stage counts per group (--max-stages-per-group), smaller microbatches (--microbatch-sizes), "
+                "recompute, or devices with more memory")
+
     def why_infeasible(self) -> str:
         """The binding constraint when no candidate fits (most memory-friendly settings tried first)."""
         mbs = self.microbatch_sizes()[0] if self.microbatch_sizes() else 1
@@ -1151,6 +1200,9 @@ class _Planner:
                          f"layer(s) per stage at TP={tp}, microbatch {mbs}, recompute {rec}")
             total += cap * min(self.opt.max_stages_per_group, grp.num_devices // tp)
         detail = "; ".join(lines)
+        rule = self.runtime_rule_binds()
+        if rule:
+            return f"{rule}; {detail}"
         if self.L < len(self.groups) and (not self.opt.hetero_dp or self.gbs // min(self.microbatch_sizes() or [1])
                                           < len(self.groups)):
             return (f"infeasible: the model has {self.L} layers, fewer than the {len(self.groups)} node groups a "
