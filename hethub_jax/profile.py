@@ -104,8 +104,8 @@ def fit_shared_sum(samples: List[dict]) -> Optional[Dict[str, float]]:
 
 
 def fit_compute(cfg: Any, samples: List[dict], seq_len: int, dp: int = 1) -> Dict[str, Dict[str, Dict[str, dict]]]:
-    """Per TP degree and phase, the ``base``/``layer``/``embed``/``head`` lines, fitted JOINTLY by least
-    squares over all stage samples of DP degree ``dp`` (``"dp"`` absent: 1), that TP degree and phase
+    """Per TP degree and phase, the ``base``/``layer``/``embed``/``head`` lines, fitted JOINTLY by
+    relative least squares (the sum of squared ``(fitted - measured) / measured``) over all stage samples of DP degree ``dp`` (``"dp"`` absent: 1), that TP degree and phase
     (``{"kind": "stage", "tp", "phase", "tokens" (per DP rank), "layers": n, "is_first", "is_last",
     "seconds"}``):
 
@@ -123,8 +123,15 @@ def fit_compute(cfg: Any, samples: List[dict], seq_len: int, dp: int = 1) -> Dic
                        float(r["is_first"]), r["is_first"] * r["tokens"], float(r["is_last"]),
                        r["is_last"] * analytic.head_flops(cfg, r["tokens"])] for r in rows])
         y = np.array([r["seconds"] for r in rows])
-        scale = np.maximum(np.abs(a).max(axis=0), 1e-30)  # column scaling for a well-conditioned solve
-        coef = np.linalg.lstsq(a / scale, y, rcond=None)[0] / scale
+        # relative least squares (each row divided by its measured seconds): every call counts by its
+        # RELATIVE error. Plain least squares in seconds let the largest calls set the line: with
+        # microbatch sizes 1..64 profiled, the LM head's fitted intercept went to -51 ms and calls at
+        # microbatch 1 were PREDICTED at a tenth of their measured time, which the planner then chose
+        # (session 9, benchmarks/hetero_e2e.py: PREDICTED 1.2 s, measured 6.2 s)
+        w = 1.0 / np.maximum(y, 1e-9)
+        aw = a * w[:, None]
+        scale = np.maximum(np.abs(aw).max(axis=0), 1e-30)  # column scaling for a well-conditioned solve
+        coef = np.linalg.lstsq(aw / scale, np.ones_like(y), rcond=None)[0] / scale
         rmse = float(np.sqrt(np.mean((a @ coef - y) ** 2)))
         line = lambda c0, c1: {"c0": float(c0), "c1": float(c1), "rmse": rmse}
         out.setdefault(str(tp), {})[phase] = {

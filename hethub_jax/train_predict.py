@@ -26,14 +26,16 @@ import time
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 __all__ = ["RunPrediction", "predict_run", "plan_from_cluster", "profile_device", "measured_bubble",
-           "PROFILE_SETTINGS", "planner_microbatch_sizes", "microbatch_sizes_to_profile",
+           "PROFILE_SETTINGS", "planner_microbatch_sizes", "microbatch_sizes_to_profile", "tp_degrees_to_profile",
+           "profiled_tp_degrees",
            "profiled_microbatch_sizes", "extrapolation_note"]
 
-#: the brief profile of plan-less training (``python -m hethub_jax.profile`` flags): one TP degree, the
-#: fastest of 2 timed calls (the machine may be shared); no co-run slowdown, runtime per-action seconds or
-#: in-process bridge (the training islands are processes, planned without them). The microbatch sizes
-#: are added per run (:func:`microbatch_sizes_to_profile`: they span every size the planner may choose).
-PROFILE_SETTINGS = ("--tp", "1", "--repeats", "2", "--statistic", "min", "--corun", "off", "--no-runtime")
+#: the brief profile of plan-less training (``python -m hethub_jax.profile`` flags): the fastest of 2
+#: timed calls (the machine may be shared); no co-run slowdown, runtime per-action seconds or in-process
+#: bridge (the training islands are processes, planned without them). The microbatch sizes and TP
+#: degrees are added per run (:func:`microbatch_sizes_to_profile`, :func:`tp_degrees_to_profile`: every
+#: size and degree the planner may choose is measured, none extrapolated).
+PROFILE_SETTINGS = ("--repeats", "2", "--statistic", "min", "--corun", "off", "--no-runtime")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -82,6 +84,38 @@ def microbatch_sizes_to_profile(sizes: List[int], every_power_of_two: bool = Fal
     return sorted(out)
 
 
+def tp_degrees_to_profile(cfg: Any, groups: List[Any]) -> List[int]:
+    """The TP degrees the planner may choose for ``groups`` (``planner.cluster`` groups, defaults
+    filled): 1 and every divisor of a group's ``devices_per_node`` that fits the model
+    (``parallel.rules.check_tp``), ascending. Profiling them all keeps TP costs measured: a degree not
+    profiled is predicted from the nearest lower one with its per-FLOP slope divided by the ratio
+    (``planner.costs``), i.e. perfect TP scaling, which fake CPU devices sharing a machine's cores do
+    not reach (a clean-clone run of README's main command: TP 2 PREDICTED at half of TP 1's time,
+    measured step 4.3x the PREDICTED one)."""
+    from hethub_jax.parallel.rules import check_tp
+    out = {1}
+    for g in groups:
+        n = int(getattr(g, "devices_per_node", None) or 1)
+        for t in range(2, n + 1):
+            if n % t:
+                continue
+            try:
+                check_tp(cfg, t)
+            except ValueError:
+                continue
+            out.add(t)
+    return sorted(out)
+
+
+def profiled_tp_degrees(profile: Optional[Mapping[str, Any]]) -> List[int]:
+    """The TP degrees a profile's stage calls were measured at (``dp`` 1 samples); [] for None or a
+    profile without samples (the catalog)."""
+    if not profile:
+        return []
+    return sorted({int(s.get("tp", 1)) for s in profile.get("samples", ())
+                   if s.get("kind") == "stage" and int(s.get("dp", 1)) == 1})
+
+
 def profiled_microbatch_sizes(profile: Optional[Mapping[str, Any]]) -> List[int]:
     """The microbatch sizes (samples per DP rank) a profile's stage calls were measured at, from its
     ``samples`` (``tokens / seq_len`` of the ``"stage"`` samples); [] for None or a profile without
@@ -105,16 +139,21 @@ def extrapolation_note(plan: Any, profiles: Mapping[str, Optional[Mapping[str, A
         sizes = profiled_microbatch_sizes(profiles.get(isl.name))
         if not sizes:
             continue
-        per_rank = sorted({plan.microbatch_size // st.dp for rep in plan.replicas for st in rep.stages
-                           if st.island == isl.name})
+        stages = [st for rep in plan.replicas for st in rep.stages if st.island == isl.name]
+        per_rank = sorted({plan.microbatch_size // st.dp for st in stages})
         beyond = [m for m in per_rank if m < sizes[0] or m > sizes[-1]]
         if beyond:
             out.append(f"{isl.name} (microbatch {', '.join(map(str, beyond))}; profiled "
                        f"{', '.join(map(str, sizes))})")
+        tps = profiled_tp_degrees(profiles.get(isl.name))
+        missing = sorted({st.tp for st in stages} - set(tps))
+        if missing:
+            out.append(f"{isl.name} (TP {', '.join(map(str, missing))}; profiled TP {', '.join(map(str, tps))}: "
+                       f"scaled as if perfectly parallel)")
     if not out:
         return None
-    return ("PREDICTED costs EXTRAPOLATED beyond the profiled microbatch sizes on " + "; ".join(out)
-            + ": profile those sizes (python -m hethub_jax.profile --microbatch-sizes ...) for a measured figure")
+    return ("PREDICTED costs EXTRAPOLATED beyond the profiled microbatch sizes or TP degrees on " + "; ".join(out)
+            + ": profile them (python -m hethub_jax.profile --microbatch-sizes ... --tp ...) for a measured figure")
 
 #: environment variables of MPI launchers; removed for the profiler child so that it starts as a
 #: single-process (singleton) MPI program instead of joining the job
@@ -228,16 +267,17 @@ def measured_bubble(records: list, start_s: Optional[float] = None) -> Optional[
 # plan-less training
 
 def profile_device(model: str, seq_len: int, out: str, timeout_s: float = 600.0,
-                   microbatch_sizes: Tuple[int, ...] = (1, 2)) -> Tuple[bool, str]:
+                   microbatch_sizes: Tuple[int, ...] = (1, 2), tp_degrees: Tuple[int, ...] = (1,)) -> Tuple[bool, str]:
     """Profile this machine's CPU as device type ``cpu`` into ``out`` (``python -m hethub_jax.profile``
-    with :data:`PROFILE_SETTINGS` at ``microbatch_sizes``, preset ``model``) in a child process with the
+    with :data:`PROFILE_SETTINGS` at ``microbatch_sizes`` and ``tp_degrees``, preset ``model``; a TP
+    degree above 1 runs on fake CPU devices of this machine) in a child process with the
     MPI launcher's variables removed. Returns ``(ok, message)``; never raises for a failed profile (the
     caller falls back to the catalog and says so)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_ENV)}
     env["JAX_PLATFORMS"] = "cpu"
     cmd = [sys.executable, "-m", "hethub_jax.profile", "--model", model, "--seq-len", str(seq_len),
            "--device-type", "cpu", "--out", out, "--microbatch-sizes", ",".join(map(str, microbatch_sizes)),
-           *PROFILE_SETTINGS]
+           "--tp", ",".join(map(str, tp_degrees)), *PROFILE_SETTINGS]
     t0 = time.perf_counter()
     try:
         rc, err = _run_showing_stderr(cmd, env, timeout_s)
@@ -282,18 +322,20 @@ def _run_showing_stderr(cmd: List[str], env: Mapping[str, str], timeout_s: float
 
 
 def _profiles(cluster: Any, model: str, seq_len: int, profiles_dir: str, log,
-              microbatch_sizes: Tuple[int, ...] = (1, 2)) -> Tuple[Dict[str, Any], List[str]]:
+              microbatch_sizes: Tuple[int, ...] = (1, 2), cfg: Any = None) -> Tuple[Dict[str, Any], List[str]]:
     """Per group name, a profile dict (or None: the catalog), and one line per profile file (or catalog
     entry) saying which groups use it: groups of one device type share one profile (emulated slowdowns
     are applied by the predictor), reported once, not once per group. A profile that is measured here
-    is measured at ``microbatch_sizes``."""
+    is measured at ``microbatch_sizes`` and, given the model's ``cfg``, at every TP degree the planner
+    may choose for its groups (:func:`tp_degrees_to_profile`; without ``cfg``: TP 1)."""
     users: Dict[str, List[Any]] = {}  # profile path -> the groups using it, in cluster order
     for g in cluster.resolved().groups:
         users.setdefault(g.profile or os.path.join(profiles_dir, f"{g.device or g.name}.json"), []).append(g)
     out: Dict[str, Any] = {}
     notes: List[str] = []
     for path, groups in users.items():
-        notes.append(f"{_groups_text(groups)}: {_get_profile(path, groups, model, seq_len, log, microbatch_sizes)}")
+        tps = tuple(tp_degrees_to_profile(cfg, groups)) if cfg is not None else (1,)
+        notes.append(f"{_groups_text(groups)}: {_get_profile(path, groups, model, seq_len, log, microbatch_sizes, tps)}")
         prof = None
         if os.path.exists(path):
             with open(path) as f:
@@ -312,17 +354,18 @@ def _groups_text(groups: List[Any]) -> str:
 
 
 def _get_profile(path: str, groups: List[Any], model: str, seq_len: int, log,
-                 microbatch_sizes: Tuple[int, ...] = (1, 2)) -> str:
-    """Reuses the profile at ``path``, or measures it (device type cpu, at ``microbatch_sizes``), or
-    falls back to the catalog. Returns the text saying which."""
+                 microbatch_sizes: Tuple[int, ...] = (1, 2), tp_degrees: Tuple[int, ...] = (1,)) -> str:
+    """Reuses the profile at ``path``, or measures it (device type cpu, at ``microbatch_sizes`` and
+    ``tp_degrees``), or falls back to the catalog. Returns the text saying which."""
     if os.path.exists(path):
         return f"reusing saved profile {path}"
     if not all(g.platform == "cpu" and g.device == "cpu" for g in groups):
         return f"no profile; the catalog entry {groups[0].device!r} (assumption, not measured)"
     log(f"profiling device type cpu for {_groups_text(groups)} into {path} (python -m hethub_jax.profile "
-        f"--microbatch-sizes {','.join(map(str, microbatch_sizes))} {' '.join(PROFILE_SETTINGS)}; emulated "
-        f"slowdowns are applied by the predictor)...")
-    ok, msg = profile_device(model, seq_len, path, microbatch_sizes=tuple(microbatch_sizes))
+        f"--microbatch-sizes {','.join(map(str, microbatch_sizes))} --tp {','.join(map(str, tp_degrees))} "
+        f"{' '.join(PROFILE_SETTINGS)}; emulated slowdowns are applied by the predictor)...")
+    ok, msg = profile_device(model, seq_len, path, microbatch_sizes=tuple(microbatch_sizes),
+                             tp_degrees=tuple(tp_degrees))
     return (f"measured profile {path} ({msg})" if ok
             else f"{msg}; using the catalog 'cpu' entry (assumption, not measured)")
 
@@ -390,7 +433,7 @@ def _plan_rank0(cfg: Any, model: str, cluster_path: str, gbs: int, seq_len: int,
     from hethub_jax.planner.cluster import load_cluster
     cluster = load_cluster(cluster_path)
     sizes = tuple(microbatch_sizes_to_profile(planner_microbatch_sizes(gbs, mbs)))
-    profiles, notes = _profiles(cluster, model, seq_len, profiles_dir, log, sizes)
+    profiles, notes = _profiles(cluster, model, seq_len, profiles_dir, log, sizes, cfg=cfg)
     t0 = time.perf_counter()
     res = _search(cfg, cluster, gbs, seq_len, mbs, profiles)
     _check_ranks(res.best, cluster_path, world_size, model, gbs)

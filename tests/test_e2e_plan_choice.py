@@ -138,13 +138,15 @@ def test_planless_training_profiles_up_to_the_global_batch(tmp_path, monkeypatch
     from hethub_jax import train_predict as tp
     from hethub_jax.models.config import get_preset
     from test_train_insight import ROOT, fixed_profile
-    asked = []
+    asked, asked_tp = [], []
 
-    def fake_profile(model, seq_len, out, timeout_s=600.0, microbatch_sizes=(1, 2)):
+    def fake_profile(model, seq_len, out, timeout_s=600.0, microbatch_sizes=(1, 2), tp_degrees=(1,)):
         asked.append(tuple(microbatch_sizes))
+        asked_tp.append(tuple(tp_degrees))
         prof = fixed_profile()
         prof["seq_len"] = seq_len
-        prof["samples"] = [{"kind": "stage", "tokens": m * seq_len} for m in microbatch_sizes]
+        prof["samples"] = [{"kind": "stage", "tokens": m * seq_len, "tp": t}
+                           for m in microbatch_sizes for t in tp_degrees]
         os.makedirs(os.path.dirname(out), exist_ok=True)  # as the profiler does
         with open(out, "w") as f:
             json.dump(prof, f)
@@ -153,6 +155,8 @@ def test_planless_training_profiles_up_to_the_global_batch(tmp_path, monkeypatch
     cluster = str(ROOT / "configs/clusters/tiny_2island_cpu.yaml")
     msg = tp._plan_rank0(get_preset("tiny"), "tiny", cluster, 16, 32, None, str(tmp_path / "p"), lambda m: None)
     assert asked and asked[0][0] == 1 and asked[0][-1] == 16
+    # the fast group's 2 devices per node allow TP 2 (tiny: 4 heads): profiled, not extrapolated
+    assert asked_tp == [(1, 2)]
     assert not any("EXTRAPOLATED" in x for x in msg["lines"])
     prof = json.loads((tmp_path / "p" / "cpu.json").read_text())
     prof["samples"] = [{"kind": "stage", "tokens": 32}]  # a saved profile of microbatch 1 only
@@ -174,3 +178,41 @@ def test_e2e_benchmark_defaults_follow_training():
     args = parser().parse_args(["--json", "x.json"])
     assert args.bucket_mb == TrainSettings().grad_bucket_mb
     assert args.profile_mbs == "auto" and args.batch == 64
+
+
+def test_tp_degrees_profiled_are_those_the_planner_may_choose():
+    """Every divisor of a group's devices per node that the model's heads allow (check_tp), and 1."""
+    from types import SimpleNamespace as NS
+    from hethub_jax.models.config import get_preset
+    from hethub_jax.parallel.rules import check_tp
+    from hethub_jax.train_predict import tp_degrees_to_profile
+    cfg = get_preset("tiny")
+    groups = [NS(devices_per_node=8), NS(devices_per_node=3), NS(devices_per_node=None)]
+    got = tp_degrees_to_profile(cfg, groups)
+    expect = [1] + [t for t in range(2, 9) if any(n % t == 0 for n in (8, 3))
+                    and not _raises(check_tp, cfg, t)]
+    assert got == sorted(set(expect)) and 1 in got
+    assert tp_degrees_to_profile(cfg, [NS(devices_per_node=1)]) == [1]
+
+
+def _raises(f, *a) -> bool:
+    try:
+        f(*a)
+    except ValueError:
+        return True
+    return False
+
+
+def test_extrapolation_is_said_for_a_tp_degree_not_profiled():
+    """A plan at TP 2 from a profile of TP 1 only: its TP-2 costs are a scaled guess, and said so."""
+    from hethub_jax.train_predict import extrapolation_note, profiled_tp_degrees
+    prof1 = _profile_at([1, 2, 4])
+    prof12 = dict(prof1, samples=[dict(x, tp=t) for x in prof1["samples"] for t in (1, 2)])
+    assert profiled_tp_degrees(prof1) == [1] and profiled_tp_degrees(prof12) == [1, 2]
+    plan = Plan.from_dict({"islands": [{"name": "fast", "platform": "cpu", "devices_per_process": 2}],
+                           "replicas": [{"stages": [{"island": "fast", "first_layer": 0, "last_layer": 7,
+                                                     "tp": 2}]}],
+                           "global_batch_size": 4, "microbatch_size": 2})
+    note = extrapolation_note(plan, {"fast": prof1})
+    assert note is not None and "fast (TP 2; profiled TP 1" in note
+    assert extrapolation_note(plan, {"fast": prof12}) is None

@@ -282,7 +282,7 @@ def test_profile_shared_by_two_groups_is_measured_and_reported_once(tmp_path, mo
     from hethub_jax.planner.cluster import load_cluster
     calls = []
 
-    def fake_profile(model, seq_len, out, timeout_s=600.0, microbatch_sizes=(1, 2)):
+    def fake_profile(model, seq_len, out, timeout_s=600.0, microbatch_sizes=(1, 2), tp_degrees=(1,)):
         calls.append(out)
         Path(out).write_text(json.dumps(fixed_profile()))
         return True, "profiled in 1 s"
