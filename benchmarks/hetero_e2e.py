@@ -15,8 +15,10 @@ steps excluded; medians):
   (a) ``alone``: each island trains alone (no communicator, both at once on their own cores) at its best
       homogeneous plan (the planner on that island alone) and, when it differs, at its best 1F1B plan
       (``alone1f1b``: every forward fused with its backward; the profile times each call on its own, so the
-      planner's ranking of fused against unfused schedules can be off); the sum over the islands of the
-      faster of the two measured tokens/s is the upper bound;
+      planner's ranking of fused against unfused schedules can be off) and at its best plan at the
+      planned plan's microbatch size (``alonemb``: the profile's lines cannot follow a per-token cost
+      that rises with the size on a CPU core, so the planner's alone choice can be the slower one); the
+      sum over the islands of each island's fastest measured variant is the upper bound;
   (b) ``planned``: the planner's best plan for the two islands (``hethub_jax.planner.search``);
   (c) ``uniform``: a pipeline with the layers split evenly (fast island first, the planner's microbatch,
       schedule and recompute for pipelines);
@@ -101,7 +103,19 @@ def plans(cfg, args, costs) -> dict:
         alt = search(cfg, one, args.batch, args.seq, costs={isl: costs[isl]},
                      options=SearchOptions(top_k=1, schedules=("1f1b",))).best
         out[f"alone1f1b_{isl}"] = (alt.plan, alt.step_time_s)
+        # and the island's best plan at the planned plan's microbatch size: the profile's fitted lines
+        # cannot follow a per-token cost that rises with the size on a CPU core, so the planner's alone
+        # choice (often the largest microbatch) can be slower than the size the planned plan runs at
+        # (session 9: hetero DP over both islands measured faster than the two alone plans summed)
+        mb = best.plan.microbatch_size
+        same_mb = search(cfg, one, args.batch, args.seq, costs={isl: costs[isl]},
+                         options=SearchOptions(top_k=1, microbatch_sizes=(mb,))).best
+        out[f"alonemb_{isl}"] = (same_mb.plan, same_mb.step_time_s)
     return out
+
+
+#: the alone variants measured per island (the bound takes each island's fastest measured one)
+ALONE_VARIANTS = ("alone", "alone1f1b", "alonemb")
 
 
 def parser():
@@ -169,10 +183,13 @@ def main() -> None:
                 for n, (p, _) in contenders.items() if not n.startswith("alone") and not (same and n == "hetero_dp")}
     for rt in runtimes.values():  # as training does (train.grad_bucket_mb): applies to the hetero-DP plans
         rt.set_grad_buckets(args.bucket_mb if args.bucket_mb > 0 else None)
-    runtimes["alone"] = PipelineRuntime(contenders[f"alone_{isl}"][0], cfg, optim, seed=0)
-    if any(contenders[f"alone1f1b_{i}"][0].to_dict() != contenders[f"alone_{i}"][0].to_dict()
-           for i in ("fast", "slow")):  # the same decision on both ranks (they step the same contenders)
-        runtimes["alone1f1b"] = PipelineRuntime(contenders[f"alone1f1b_{isl}"][0], cfg, optim, seed=0)
+    seen = {i: [] for i in ("fast", "slow")}
+    for v in ALONE_VARIANTS:  # a variant is measured when it differs on either island (the same decision
+        new = [contenders[f"{v}_{i}"][0].to_dict() not in seen[i] for i in ("fast", "slow")]  # on both ranks)
+        for i in ("fast", "slow"):
+            seen[i].append(contenders[f"{v}_{i}"][0].to_dict())
+        if v == "alone" or any(new):
+            runtimes[v] = PipelineRuntime(contenders[f"{v}_{isl}"][0], cfg, optim, seed=0)
     if rank == 0:
         print(f"hetero_e2e: 2 CPU islands pinned to one core each; model {cfg.num_params() / 1e6:.1f} M params "
               f"(d {cfg.hidden_size}, {cfg.num_hidden_layers} layers), seq {args.seq}, global batch {args.batch}; "
@@ -262,9 +279,9 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
     rows = {}
     for n in ("planned", "uniform", "hetero_dp"):
         rows[n] = tps(n if n in g[0]["times"] else "planned")  # the planner's plan may be the hetero-DP one
-    planner_alone = [tps("alone", (r,)) for r in (0, 1)]
-    alt = [tps("alone1f1b", (r,)) if "alone1f1b" in g[0]["times"] else planner_alone[r] for r in (0, 1)]
-    alone = [max(a, b) for a, b in zip(planner_alone, alt)]  # each island's faster measured plan
+    measured = {v: [tps(v, (r,)) for r in (0, 1)] for v in ALONE_VARIANTS if v in g[0]["times"]}
+    best_v = [max(measured, key=lambda v: measured[v][r][0]) for r in (0, 1)]
+    alone = [measured[v][r] for r, v in enumerate(best_v)]  # each island's fastest measured plan
     upper = alone[0][0] + alone[1][0]
     pred = contenders["planned"][1]
     figures = {"emulated": True, "slowdown": args.slowdown,
@@ -274,16 +291,14 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
                "predicted_step_s_planned": pred, "measured_step_s_planned": rows["planned"][1],
                "tokens_per_s": {n: r[0] for n, r in rows.items()},
                "tokens_per_s_alone": {"fast": alone[0][0], "slow": alone[1][0]}, "upper_bound_tokens_per_s": upper,
-               "alone_bound_plan": {i: ("planner" if a is p else "1f1b")
-                                    for i, a, p in zip(("fast", "slow"), alone, planner_alone)},
+               "alone_bound_plan": {i: {"alone": "planner", "alone1f1b": "1f1b",
+                                        "alonemb": "planned microbatch size"}[v] for i, v in zip(("fast", "slow"), best_v)},
                "planned_is_hetero_dp": "hetero_dp" not in g[0]["times"],
                # every contender's PREDICTED against measured median step (alone: each island's own)
                "prediction_error_per_contender": {
                    **{n: _err(contenders[n][1], rows[n][1]) for n in rows},
-                   **{f"alone_{i}": _err(contenders[f"alone_{i}"][1], a[1])
-                      for i, a in zip(("fast", "slow"), planner_alone)},
-                   **{f"alone1f1b_{i}": _err(contenders[f"alone1f1b_{i}"][1], a[1])
-                      for i, a in zip(("fast", "slow"), alt) if "alone1f1b" in g[0]["times"]}},
+                   **{f"{v}_{i}": _err(contenders[f"{v}_{i}"][1], a[1])
+                      for v, rs in measured.items() for i, a in zip(("fast", "slow"), rs)}},
                "extrapolated": {n: note for n, note in notes.items() if note},
                "bucket_mb": args.bucket_mb,
                "hetero_dp_buckets_per_rank": [bucket_figures(x["buckets"].get("hetero_dp", x["buckets"]["planned"]))
@@ -303,10 +318,8 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
               "rows": [{"config": n, "tokens_per_s": r[0], "median_step_s": r[1],
                         "times_s_per_rank": [x["times"].get(n, x["times"]["planned"]) for x in g]}
                        for n, r in rows.items()]
-              + [{"config": f"alone_{i}", "tokens_per_s": a[0], "median_step_s": a[1]}
-                 for i, a in zip(("fast", "slow"), planner_alone)]
-              + [{"config": f"alone1f1b_{i}", "tokens_per_s": a[0], "median_step_s": a[1]}
-                 for i, a in zip(("fast", "slow"), alt) if "alone1f1b" in g[0]["times"]]}
+              + [{"config": f"{v}_{i}", "tokens_per_s": a[0], "median_step_s": a[1]}
+                 for v, rs in measured.items() for i, a in zip(("fast", "slow"), rs)]}
     write_json(args.json, result)
     errs = figures["prediction_error_per_contender"]
     for r in result["rows"]:
