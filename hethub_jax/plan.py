@@ -53,16 +53,27 @@ def fmt_bytes(x: float) -> str:
     return f"{x / 2**30:.2f} GiB" if x >= 2**30 else f"{x / 2**20:.1f} MiB"
 
 
-def format_candidate(i: int, c: Any, groups: Dict[str, Any], ub: Optional[float]) -> str:
-    """The readable table of one candidate (every figure PREDICTED)."""
+def devices_used(plan: Any) -> int:
+    """Accelerators the plan's stages use (sum of every stage's ``dp x tp``)."""
+    return sum(st.num_devices for rep in plan.replicas for st in rep.stages)
+
+
+def format_candidate(i: int, c: Any, groups: Dict[str, Any], ub: Optional[float],
+                     ub_note: Optional[str] = None, cluster_devices: Optional[int] = None) -> str:
+    """The readable table of one candidate (every figure PREDICTED); ``ub_note``: why the upper bound
+    ``ub`` is None (``SearchResult.upper_bound_note``); ``cluster_devices``: the cluster's accelerators,
+    to say how many the plan leaves idle (MFU counts only the plan's devices)."""
     pred, plan = c.prediction, c.plan
     frac = f"{c.upper_bound_fraction:.3f} of the cluster's upper bound ({ub:,.0f} tokens/s)" if ub else \
-        "upper bound not computed"
+        (ub_note or "upper bound not computed")
     lines = [f"Candidate {i + 1} ({c.kind}) - PREDICTED: step {pred.step_time_s:.4g} s, "
              f"{pred.tokens_per_s:,.0f} tokens/s, MFU {_mfu_text(c)}, {frac}",
              f"  microbatch {plan.microbatch_size}, global batch {plan.global_batch_size}, schedule {plan.schedule}, "
              f"recompute {plan.recompute}; pipeline {pred.pipeline_s:.4g} s + gradient sums {pred.allreduce_s:.3g} s "
              f"+ update {pred.update_s:.3g} s",
+             f"  devices used: {devices_used(plan):,}"
+             + (f" of the cluster's {cluster_devices:,} ({cluster_devices - devices_used(plan):,} idle; MFU is over "
+                f"the devices used)" if cluster_devices and cluster_devices > devices_used(plan) else ""),
              f"  {'rep':>3} {'stg':>3}  {'group (device)':<26} {'devices':>7} {'DP x TP':>9} {'layers':>9} "
              f"{'F+B/mb s':>10} {'memory/device (capacity)':>24} {'bubble':>7}"]
     shares = plan.batch_shares()
@@ -94,6 +105,7 @@ def candidate_dict(c: Any) -> Dict[str, Any]:
     pred.pop("timeline", None)
     return {"kind": c.kind, "predicted": True, "step_time_s": c.step_time_s, "tokens_per_s": c.tokens_per_s,
             "mfu": _mfu(c), "mfu_note": _mfu_note(c), "upper_bound_fraction": c.upper_bound_fraction,
+            "devices_used": devices_used(c.plan),
             "layers": [list(x) for x in c.layers],
             "plan": c.plan.to_dict(), "prediction": pred, "runnable": _not_runnable(c.plan) is None,
             "not_runnable_because": _not_runnable(c.plan),
@@ -187,6 +199,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                           "seq_len": seq, "search": {"skeletons": res.skeletons, "expanded": res.expanded,
                                                      "evaluated": res.evaluated, "wall_s": res.wall_s},
                           "upper_bound_tokens_per_s": res.upper_bound_tokens_per_s,
+                          "upper_bound_note": res.upper_bound_note,
                           "candidates": [candidate_dict(c) for c in res.candidates]}, indent=2))
         return 0
     groups = {g.name: _GroupInfo(g, costs[g.name]) for g in cluster.groups}
@@ -195,7 +208,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{res.evaluated} predictions")
     for i, c in enumerate(res.candidates):
         print()
-        print(format_candidate(i, c, groups, res.upper_bound_tokens_per_s))
+        print(format_candidate(i, c, groups, res.upper_bound_tokens_per_s, res.upper_bound_note,
+                               cluster.num_devices))
     if args.out:
         print(f"\nbest plan written to {args.out}")
     return 0

@@ -424,7 +424,8 @@ def _plan_lines(res: Any, cluster: Any, costs: Mapping[str, Any]) -> List[str]:
         def __init__(self, g):
             self.device, self.memory_bytes = g.device, costs[g.name].memory_bytes
     groups = {g.name: _Info(g) for g in cluster.resolved().groups}
-    return format_candidate(0, res.best, groups, res.upper_bound_tokens_per_s).splitlines()
+    return format_candidate(0, res.best, groups, res.upper_bound_tokens_per_s,
+                            getattr(res, "upper_bound_note", None), cluster.resolved().num_devices).splitlines()
 
 
 def _plan_rank0(cfg: Any, model: str, cluster_path: str, gbs: int, seq_len: int, mbs: Optional[int],

@@ -225,11 +225,41 @@ def test_every_emitted_plan_validates_and_fits(model, cluster, gbs, seq):
 def test_infeasible_request_names_the_binding_constraint():
     with pytest.raises(PlanningError, match="one decoder layer's memory exceeds every device type"):
         search(load_model("llama3-405b"), TINY2, 8, 64)
-    with pytest.raises(PlanningError, match="layers do not fit the cluster's memory"):
+    with pytest.raises(PlanningError, match="layers do not fit the cluster's memory.*raise --max-stages-per-group"):
         search(load_model("llama-140b"), CLUSTERS / "hethub_768.yaml", 1536, 4096,
                options=SearchOptions(max_stages_per_group=1))
     with pytest.raises(ValueError, match="global_batch"):
         search(small_model(), TINY2, 0, 16)
+
+
+def test_upper_bound_is_not_a_partial_sum():
+    """The upper bound sums every group's best homogeneous tokens/s. A group that cannot train the model
+    alone has no such figure: the bound is then None with a note naming that group (a partial sum would
+    not bound the cluster); with every group able, it is the sum of the single-group searches."""
+    cfg = small_model()
+    res = search(cfg, TINY2, 8, 16, upper_bound=True)
+    alone = [search(cfg, cluster_from_dict({"groups": [g.model_dump()]}), 8, 16).best.tokens_per_s
+             for g in load_cluster(TINY2).resolved().groups]
+    assert res.upper_bound_note is None and res.upper_bound_tokens_per_s == pytest.approx(sum(alone))
+    big = load_model("llama-140b")
+    r768 = search(big, CLUSTERS / "hethub_768.yaml", 1536, 4096, upper_bound=True,
+                  options=SearchOptions(max_stages_per_group=8))
+    assert r768.upper_bound_tokens_per_s is None and r768.best.upper_bound_fraction is None
+    assert "cannot train the model alone" in r768.upper_bound_note
+    from hethub_jax.plan import devices_used, format_candidate
+    used = sum(s.dp * s.tp for rep in r768.best.plan.replicas for s in rep.stages)
+    assert devices_used(r768.best.plan) == used < 768
+    from types import SimpleNamespace
+    groups = {g.name: SimpleNamespace(device=g.device, memory_bytes=get_device(g.device).memory_bytes)
+              for g in load_cluster(CLUSTERS / "hethub_768.yaml").resolved().groups}
+    text = format_candidate(0, r768.best, groups, None, r768.upper_bound_note, 768)
+    assert f"devices used: {used:,} of the cluster's 768 ({768 - used:,} idle" in text
+    assert r768.upper_bound_note in text
+    for g in load_cluster(CLUSTERS / "hethub_768.yaml").groups:
+        with pytest.raises(PlanningError):  # the reference: each group alone is infeasible
+            search(big, cluster_from_dict({"groups": [g.model_dump()]}), 1536, 4096,
+                   options=SearchOptions(max_stages_per_group=8))
+        assert g.name in r768.upper_bound_note
 
 
 # ---- cluster spec -----------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from typing import Any, Mapping, Optional, Sequence, Tuple
 from hethub_jax.parallel.split import split_islands
 from hethub_jax.planner.cluster import ClusterSpec, load_cluster
 from hethub_jax.planner.search import (Candidate, PlanningError, SearchOptions, SearchResult, bridge_for,
-                                       group_costs, search)
+                                       group_costs, search, upper_bound_missing_note)
 
 __all__ = ["RunnableCandidate", "split_candidate", "runnable_result"]
 
@@ -95,24 +95,26 @@ def runnable_result(res: SearchResult, cfg: Any, cluster: Any, seq_len: int, *,
     cands = sorted((split_candidate(c, cfg, cluster, costs, seq_len) for c in res.candidates),
                    key=lambda c: (c.step_time_s, c.plan.to_json(indent=None)))
     gbs = res.best.plan.global_batch_size
-    ub = _split_upper_bound(cfg, cluster, gbs, seq_len, costs, opt) if upper_bound else None
+    ub, note = _split_upper_bound(cfg, cluster, gbs, seq_len, costs, opt) if upper_bound else (None, None)
     if ub:
         cands = [RunnableCandidate(c.plan, c.prediction, c.kind, c.layers, c.mfu, c.tokens_per_s / ub,
                                    island_groups=c.island_groups, searched=c.searched) for c in cands]
     return SearchResult(tuple(cands), res.skeletons, res.expanded, res.evaluated,
-                        res.wall_s + time.perf_counter() - t0, ub)
+                        res.wall_s + time.perf_counter() - t0, ub, note)
 
 
 def _split_upper_bound(cfg: Any, cluster: ClusterSpec, gbs: int, seq_len: int, costs: Mapping[str, Any],
-                       opt: SearchOptions) -> float:
-    """Sum over groups of the best split candidate's tokens/s of a search on that group alone."""
-    total = 0.0
+                       opt: SearchOptions) -> Tuple[Optional[float], Optional[str]]:
+    """Sum over groups of the best split candidate's tokens/s of a search on that group alone, or
+    ``(None, why)`` when a group cannot train the model alone."""
+    total, missing = 0.0, []
     sub_opt = SearchOptions(**{**opt.__dict__, "hetero_dp": False})
     for g in cluster.groups:
         sub = ClusterSpec.model_validate({"name": f"{cluster.name}/{g.name}", "groups": [g.model_dump()]})
         try:
             r = search(cfg, sub, gbs, seq_len, costs={g.name: costs[g.name]}, options=sub_opt)
         except PlanningError:
+            missing.append(g.name)
             continue
         total += max(split_candidate(c, cfg, sub, costs, seq_len).tokens_per_s for c in r.candidates)
-    return total
+    return (None, upper_bound_missing_note(missing)) if missing else (total, None)

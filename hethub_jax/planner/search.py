@@ -164,7 +164,9 @@ class SearchResult:
         best are never built and not counted); expanded: pipeline orders not pruned by their bound.
       evaluated: ``predict`` calls.
       wall_s: seconds the search took.
-      upper_bound_tokens_per_s: sum over groups of each group's best homogeneous tokens/s (or None).
+      upper_bound_tokens_per_s: sum over groups of each group's best homogeneous tokens/s (or None:
+        not asked for, or a group cannot train the model alone; ``upper_bound_note`` says which).
+      upper_bound_note: why the upper bound is None although it was asked for (else None).
     """
 
     candidates: Tuple[Candidate, ...]
@@ -173,6 +175,7 @@ class SearchResult:
     evaluated: int
     wall_s: float
     upper_bound_tokens_per_s: Optional[float] = None
+    upper_bound_note: Optional[str] = None
 
     @property
     def best(self) -> Candidate:
@@ -1213,7 +1216,8 @@ class _Planner:
                     f"degree: {detail}")
         if total < self.L:
             return (f"infeasible: the model's {self.L} layers do not fit the cluster's memory: at most {total} "
-                    f"fit with max_stages_per_group={self.opt.max_stages_per_group}: {detail}")
+                    f"fit with max_stages_per_group={self.opt.max_stages_per_group} (more stages per group hold "
+                    f"more layers: raise --max-stages-per-group, SearchOptions.max_stages_per_group): {detail}")
         return ("infeasible: no plan of the search space fits device memory (the embedding / LM head stage or "
                 f"the microbatch sizes {self.microbatch_sizes()} are the binding constraint): {detail}")
 
@@ -1277,9 +1281,9 @@ def search(cfg: Any, cluster: Any, global_batch: int, seq_len: int, *, costs: Op
         p.hetero()
     if not p.top:
         raise PlanningError(p.why_infeasible())
-    ub = _upper_bound(p) if upper_bound else None
+    ub, note = _upper_bound(p) if upper_bound else (None, None)
     cands = tuple(_with_fraction(c, ub) for _, _, c in p.top)
-    return SearchResult(cands, p.skeletons, p.expanded, p.evaluated, time.perf_counter() - t0, ub)
+    return SearchResult(cands, p.skeletons, p.expanded, p.evaluated, time.perf_counter() - t0, ub, note)
 
 
 def _with_fraction(c: Candidate, ub: Optional[float]) -> Candidate:
@@ -1288,18 +1292,26 @@ def _with_fraction(c: Candidate, ub: Optional[float]) -> Candidate:
     return Candidate(c.plan, c.prediction, c.kind, c.layers, c.mfu, c.tokens_per_s / ub)
 
 
-def _upper_bound(p: _Planner) -> float:
-    """Sum over groups of the group's best homogeneous tokens/s (a search on that group alone)."""
-    total = 0.0
+def upper_bound_missing_note(missing: Sequence[str]) -> str:
+    """Why the cluster's upper bound is not computed: the groups that cannot train the model alone."""
+    return (f"upper bound not computed: group(s) {', '.join(missing)} cannot train the model alone (the bound "
+            f"sums each group's best homogeneous tokens/s; without theirs it would not bound the cluster)")
+
+
+def _upper_bound(p: _Planner) -> Tuple[Optional[float], Optional[str]]:
+    """Sum over groups of the group's best homogeneous tokens/s (a search on that group alone), or
+    ``(None, why)`` when a group cannot train the model alone."""
+    total, missing = 0.0, []
     opt = SearchOptions(**{**p.opt.__dict__, "top_k": 1, "hetero_dp": False})
     for g in p.cluster.groups:
         sub = ClusterSpec.model_validate({"name": f"{p.cluster.name}/{g.name}", "groups": [g.model_dump()]})
         try:
             r = search(p.cfg, sub, p.gbs, p.seq, costs={g.name: p.costs[g.name]}, options=opt)
         except PlanningError:
+            missing.append(g.name)
             continue
         total += r.best.tokens_per_s
-    return total
+    return (None, upper_bound_missing_note(missing)) if missing else (total, None)
 
 
 def exhaustive_search(cfg: Any, cluster: Any, global_batch: int, seq_len: int, *,
