@@ -137,3 +137,21 @@ def training_parser(doc: str, *, batch: int, warmup: int, json_help: str = "outp
     ap.add_argument("--seq", type=int, default=128, help="sequence length (tokens per row)")
     ap.add_argument("--warmup", type=int, default=warmup, help="untimed steps per contender after compiling")
     return ap
+
+
+def time_reduce_shared(runtimes: Sequence[Any]) -> dict[str, float]:
+    """Wraps each ``PipelineRuntime._reduce_shared`` (the gradient sums after the backward: the
+    cross-replica all-reduce) so that its wall seconds add up in the returned ``{"t": seconds}``; the
+    caller sets ``["t"] = 0.0`` before a step and reads it after."""
+    import time
+    acc_s = {"t": 0.0}
+    for rt in runtimes:
+        orig = rt._reduce_shared
+
+        def timed(acc, _orig=orig):
+            t0 = time.perf_counter()
+            out = _orig(acc)
+            acc_s["t"] += time.perf_counter() - t0
+            return out
+        rt._reduce_shared = timed
+    return acc_s

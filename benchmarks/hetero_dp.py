@@ -109,7 +109,7 @@ def main() -> None:
     import jax  # noqa: F401  (JAX starts here, after the core pinning above)
 
     sys.path.insert(0, ROOT)
-    from benchmarks.common import command_line, loadavg, machine, median, write_json
+    from benchmarks.common import command_line, loadavg, machine, median, time_reduce_shared, write_json
     from hethub_jax.parallel.plan import Plan
     from hethub_jax.parallel.runtime import PipelineRuntime
 
@@ -153,17 +153,7 @@ def main() -> None:
         sys.stdout.flush()
 
     # the gradient all-reduce over the bridge: time spent in _reduce_shared per step (DP configs)
-    reduce_time = {"t": 0.0}
-    for n in ("proportional", "proportional_unbucketed", "equal"):
-        rt = runtimes[n]
-        orig = rt._reduce_shared
-
-        def wrapped(acc, _orig=orig):
-            t0 = time.perf_counter()
-            out = _orig(acc)
-            reduce_time["t"] += time.perf_counter() - t0
-            return out
-        rt._reduce_shared = wrapped
+    reduce_time = time_reduce_shared([runtimes[n] for n in ("proportional", "proportional_unbucketed", "equal")])
 
     # alone: each island takes the rows of its share in the proportional run (same data, same work)
     lo = sum(shares[:rank])

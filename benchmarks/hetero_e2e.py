@@ -227,7 +227,7 @@ def _measure(args, world, rank, core, runtimes, contenders):
     """Interleaved timed steps of every contender; gathered on rank 0."""
     import time
 
-    from benchmarks.common import loadavg, machine
+    from benchmarks.common import loadavg, machine, time_reduce_shared
     from hethub_jax.data import DataConfig, build_datasets
     train, _, _ = build_datasets(DataConfig(seq_len=args.seq))
     n_steps = args.warmup + args.steps + 1
@@ -236,16 +236,7 @@ def _measure(args, world, rank, core, runtimes, contenders):
     names, load0 = list(runtimes), loadavg()
     times = {n: [] for n in names}
     tokens, records = {n: [] for n in names}, None
-    reduce_s = {"t": 0.0}  # seconds in the runtime's gradient sums after the backward (_reduce_shared)
-    for rt in runtimes.values():
-        orig = rt._reduce_shared
-
-        def timed(acc, _orig=orig):
-            t0 = time.perf_counter()
-            out = _orig(acc)
-            reduce_s["t"] += time.perf_counter() - t0
-            return out
-        rt._reduce_shared = timed
+    reduce_s = time_reduce_shared(list(runtimes.values()))  # seconds in the gradient sums after the backward
     reduce, buckets = {n: [] for n in names}, {n: [] for n in names}
     for i in range(n_steps):
         order = names[i % len(names):] + names[:i % len(names)]

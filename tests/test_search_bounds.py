@@ -291,6 +291,20 @@ def _group_splits(sk, L):
             yield pg
 
 
+def _split_predictions(p, sk, times, L, cfg):
+    """Yields ``(stage layer counts, predict(...))`` for every split of skeleton ``sk`` into its groups
+    (each group's layers balanced over its stages) whose stages fit memory (``times`` finite)."""
+    import math
+
+    from hethub_jax.planner.predictor import predict
+    for pg in _group_splits(sk, L):
+        counts = tuple(c for n, k in zip(pg, sk.stages) for c in balanced(n, k))
+        if any(times[s][n] == math.inf for s, n in enumerate(counts)):
+            continue
+        yield counts, predict(cfg, p.pipeline_plan(sk, counts), p.costs, seq_len=16,
+                              bridge=bridge_for(p.cluster, list(zip(sk.groups, sk.groups[1:]))))
+
+
 @pytest.mark.parametrize("bandwidth", [2e6, 1e9])
 def test_joint_suffix_bounds_never_exceed_predict_and_beat_one_layer_per_stage(bandwidth):
     """``search_bounds.joint_suffix_bounds`` (session 9): for every configuration of random three-island
@@ -324,12 +338,7 @@ def test_joint_suffix_bounds_never_exceed_predict_and_beat_one_layer_per_stage(b
         sb = p.split_bounds(sk, times)
         V, C = joint_suffix_bounds(np.array(times), sk.stages, sb.copies, sb.rt, M, sk.schedule, L)
         least = cyc = proc = math.inf
-        for pg in _group_splits(sk, L):
-            counts = tuple(c for n, k in zip(pg, sk.stages) for c in balanced(n, k))
-            if any(times[s][n] == math.inf for s, n in enumerate(counts)):
-                continue
-            pred = predict(cfg, p.pipeline_plan(sk, counts), p.costs, seq_len=16,
-                           bridge=bridge_for(p.cluster, list(zip(sk.groups, sk.groups[1:]))))
+        for counts, pred in _split_predictions(p, sk, times, L, cfg):
             least = min(least, pred.pipeline_s)
             fw, bw, act, grad, _ = p.action_times(sk, counts)
             cyc = min(cyc, cycle_bound(M, fw, bw, act, grad))
@@ -338,9 +347,9 @@ def test_joint_suffix_bounds_never_exceed_predict_and_beat_one_layer_per_stage(b
             rt = [a + g for a, g in zip(act, grad)] + [0.0]
             head, s0 = 0.0, 0
             for j, k in enumerate(sk.stages):
-                x = L - sum(pg[:j])
-                assert head + V[j][x] <= pred.pipeline_s * (1 + 1e-9), (sk, pg, j)
-                assert C[j][x] <= sum(u[s0:]) + sum(rt[s0:]) + 1e-12, (sk, pg, j)
+                x = L - sum(counts[:s0])  # the layers of group j and after (s0: group j's first stage)
+                assert head + V[j][x] <= pred.pipeline_s * (1 + 1e-9), (sk, counts, j)
+                assert C[j][x] <= sum(u[s0:]) + sum(rt[s0:]) + 1e-12, (sk, counts, j)
                 head += sum(u[s0:s0 + k]) + sum(rt[s0:s0 + k])
                 s0 += k
             checked += 1
@@ -419,12 +428,7 @@ def test_kind_bound_holds_for_every_tp_dp_choice_and_split(bandwidth):
         own = joint_suffix_bounds(np.array(times), sk.stages, sb.copies, sb.rt, 8 // mbs, sched, L)[0][0][L]
         assert kb <= own * (1 + 1e-12)
         least = math.inf
-        for pg in _group_splits(sk, L):
-            counts = tuple(c for n, k in zip(pg, sk.stages) for c in balanced(n, k))
-            if any(times[s][n] == math.inf for s, n in enumerate(counts)):
-                continue
-            pred = predict(cfg, p.pipeline_plan(sk, counts), p.costs, seq_len=16,
-                           bridge=bridge_for(p.cluster, list(zip(sk.groups, sk.groups[1:]))))
+        for counts, pred in _split_predictions(p, sk, times, L, cfg):
             assert kb <= pred.step_time_s * (1 + 1e-9), (sk, counts)
             least = min(least, pred.step_time_s)
             checked += 1
