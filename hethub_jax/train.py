@@ -195,7 +195,7 @@ def default_plan(global_batch_size: int, microbatch_size: int, num_layers: int, 
         "schedule": "1f1b", "recompute": "none"})
 
 
-def check_plan_seq_len(plan, seq_len: int, where: str = "train.plan") -> str | None:
+def check_plan_seq_len(plan, seq_len: int, where: str = "the plan") -> str | None:
     """Compare the sequence length a plan was made for (``plan.seq_len``, tokens per sample; written by
     the planner) with the training run's ``data.seq_len``.
 
@@ -216,8 +216,7 @@ def check_plan_seq_len(plan, seq_len: int, where: str = "train.plan") -> str | N
         raise ValueError(
             f"{where} was made for sequence length {made} (its seq_len) but training uses data.seq_len "
             f"{seq_len}: activation memory per device grows with the tokens per sample, so the plan's "
-            f"memory check no longer holds (Megatron and MaxText also fix the sequence length per run). "
-            f"Re-plan for it (python -m hethub_jax.plan ... --seq-len {seq_len} --out PLAN.json) or train "
+            f"memory check no longer holds. Re-plan for it (python -m hethub_jax.plan ... --seq-len {seq_len} --out PLAN.json) or train "
             f"with --seq-len {made}; to run this plan anyway at your own risk, set the plan's \"seq_len\" "
             f"to {seq_len}")
     return (f"WARNING: {where} was made for sequence length {made} (its seq_len), training uses data.seq_len "
@@ -258,7 +257,7 @@ def _resolve_plan(cfg, platform: str):
             notes.append("config overrides the plan's " + ", ".join(
                 f"{k} {getattr(plan, k)} -> {v}" for k, v in changes.items()))
             plan = plan.replace(**changes)
-        note = check_plan_seq_len(plan, cfg.data.seq_len, t.plan)
+        note = check_plan_seq_len(plan, cfg.data.seq_len, f"train.plan {t.plan}")
         if note:
             notes.append(note)
     try:
