@@ -189,3 +189,16 @@ def test_misspelled_cluster_key_is_reported_alone_with_a_suggestion(spec, key, h
         load_cluster(path)
     lines = str(e.value).splitlines()
     assert lines[1:] == [f"  {key}: unknown key (did you mean {hint!r}?)"], str(e.value)
+
+
+def test_a_misspelled_config_or_plan_key_gets_the_closest_known_key():
+    from hethub_jax.data.config import DataConfig
+    from hethub_jax.typed import unknown_keys
+    with pytest.raises(ValueError, match=r"unknown data config key\(s\) \['seqlen'\]; known keys: .*; did you "
+                                         r"mean 'seq_len' for 'seqlen'\?$"):
+        unknown_keys(DataConfig, {"seqlen": 3}, "data config")
+    d = json.loads((ROOT / "configs" / "plans" / "tiny_2island.json").read_text())
+    with pytest.raises(ValueError, match=r"unknown key 'seq_lne' in plan; allowed keys: .*; did you mean 'seq_len'\?$"):
+        Plan.from_dict(d | {"seq_lne": 32})
+    with pytest.raises(ValueError, match=r"unknown key 'zzz' in plan; allowed keys: \[[^]]*\]$"):
+        Plan.from_dict(d | {"zzz": 32})
