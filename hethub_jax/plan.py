@@ -186,7 +186,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from hethub_jax.planner.search import DEFAULT_MEMORY_HEADROOM
     try:
         cfg = load_model(args.model)
-        if not os.path.isfile(args.cluster):
+        if not os.path.exists(args.cluster):
             raise ValueError(f"--cluster: file not found: {args.cluster} (a cluster spec YAML, "
                              f"docs/cluster_spec.md; examples in configs/clusters/)")
         if args.profiles is not None and not os.path.isdir(args.profiles):

@@ -260,7 +260,7 @@ def load_cluster(source: Union[str, os.PathLike, Mapping[str, Any], ClusterSpec]
         return cluster_from_dict(source)
     import yaml
     path = os.fspath(source)
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise FileNotFoundError(f"cluster spec file not found: {path} (a YAML file, docs/cluster_spec.md; "
                                 f"examples in configs/clusters/)")
     with open(path) as f:
