@@ -1210,7 +1210,7 @@ class _Planner:
                 "recompute, or devices with more memory")
 
     def memory_text(self, g: str) -> str:
-        """``"178.82 GiB per device, 169.88 GiB usable with memory headroom 5%"`` (binary units, as the
+        """``"178.81 GiB per device, 169.87 GiB usable with memory headroom 5%"`` (binary units, as the
         tables; the second part only with a headroom)."""
         cap = self.costs[g].memory_bytes
         h = float(self.opt.memory_headroom)
