@@ -3,13 +3,16 @@
 Usage::
 
     python -m hethub_jax.plan --model PRESET_OR_CONFIG --cluster CLUSTER.yaml --global-batch N
-        [--seq-len N] [--profiles DIR] [--out plan.json] [--top K] [--json]
+        [--seq-len N] [--memory-headroom F] [--profiles DIR] [--out plan.json] [--top K] [--json]
 
 Prints one table per candidate (best first): per stage its device type, devices, DP x TP, layers,
 predicted compute per microbatch, memory per device and bubble; the step time, tokens/s, MFU and the
 fraction of the cluster's upper bound (sum of each group's best homogeneous tokens/s). Every figure is
 PREDICTED by ``hethub_jax.planner.predictor``, none is measured. ``--out`` writes the best plan, which
-``python -m hethub_jax.train --plan`` runs unchanged. A plan with several stages on a multi-node group is
+``python -m hethub_jax.train --plan`` runs unchanged (the plan records its ``seq_len``; training
+refuses a longer ``data.seq_len`` and warns for a shorter one). Memory figures are binary (GiB = 2**30
+bytes); a stage fits when its memory per device is at most ``1 - --memory-headroom`` (default 0.05) of
+the device's capacity. A plan with several stages on a multi-node group is
 printed and written with that group split into one island per stage and predicted again
 (``planner.runnable``; ``--no-split``: as searched, which today's runtime does not run).
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -31,7 +35,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="model preset name (e.g. llama-140b) or a YAML/JSON config")
     p.add_argument("--cluster", required=True, help="cluster spec YAML (docs/cluster_spec.md)")
     p.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default min(4096, model max))")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per sample, recorded in the plan (default: a training config's data.seq_len "
+                        "when --model is one, else min(4096, the model's max_position_embeddings))")
+    p.add_argument("--memory-headroom", type=float, default=None, metavar="F",
+                   help="fraction of each device's memory kept free for allocator fragmentation and XLA "
+                        "workspace, in [0, 1) (default 0.05: a stage may use 95%% of the capacity)")
     p.add_argument("--profiles", default=None, help="folder of measured profiles <device>.json / <group>.json")
     p.add_argument("--out", default=None, help="write the best plan (JSON) here")
     p.add_argument("--top", type=int, default=3, help="candidates to keep and print (default 3)")
@@ -173,14 +182,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from hethub_jax.planner import PlanningError, SearchOptions, default_seq_len, load_cluster, load_model, search
     from hethub_jax.planner.runnable import runnable_result
     from hethub_jax.planner.search import group_costs
+    from hethub_jax.planner.api import config_seq_len
+    from hethub_jax.planner.search import DEFAULT_MEMORY_HEADROOM
     try:
         cfg = load_model(args.model)
+        if not os.path.exists(args.cluster):
+            raise ValueError(f"--cluster: file not found: {args.cluster} (a cluster spec YAML, "
+                             f"docs/cluster_spec.md; examples in configs/clusters/)")
+        if args.profiles is not None and not os.path.isdir(args.profiles):
+            raise ValueError(f"--profiles: folder not found: {args.profiles} (a folder of profiles "
+                             f"<device>.json / <group>.json from python -m hethub_jax.profile)")
         cluster = load_cluster(args.cluster).resolved()
+        headroom = DEFAULT_MEMORY_HEADROOM if args.memory_headroom is None else args.memory_headroom
         opt = SearchOptions(top_k=args.top, max_stages_per_group=args.max_stages_per_group,
                             microbatch_sizes=tuple(args.microbatch_sizes) if args.microbatch_sizes else None,
-                            hetero_dp=not args.no_hetero_dp)
+                            hetero_dp=not args.no_hetero_dp, memory_headroom=headroom)
         costs = group_costs(cluster, opt.efficiency, args.profiles)
-        seq = args.seq_len or default_seq_len(cfg)
+        from_config = None if args.seq_len else config_seq_len(args.model)
+        seq = args.seq_len or from_config or default_seq_len(cfg)
+        seq_note = ("--seq-len" if args.seq_len else f"data.seq_len of {args.model}" if from_config else
+                    f"default min(4096, max_position_embeddings {cfg.max_position_embeddings}); training "
+                    f"defaults to data.seq_len 128: pass the same --seq-len to both")
         res = search(cfg, cluster, args.global_batch, seq, costs=costs, options=opt,
                      upper_bound=not args.no_upper_bound and args.no_split)
         if not args.no_split:
@@ -196,7 +218,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         res.best.plan.to_json(args.out)
     if args.json:
         print(json.dumps({"predicted": True, "cluster": cluster.name, "global_batch": args.global_batch,
-                          "seq_len": seq, "search": {"skeletons": res.skeletons, "expanded": res.expanded,
+                          "seq_len": seq, "memory_headroom": opt.memory_headroom, "search": {"skeletons": res.skeletons, "expanded": res.expanded,
                                                      "evaluated": res.evaluated, "wall_s": res.wall_s},
                           "upper_bound_tokens_per_s": res.upper_bound_tokens_per_s,
                           "upper_bound_note": res.upper_bound_note,
@@ -206,6 +228,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"PREDICTED plans for {args.model} on {cluster.name} ({cluster.num_devices} devices), global batch "
           f"{args.global_batch} x {seq} tokens; search {res.wall_s:.2f} s, {res.skeletons} configurations, "
           f"{res.evaluated} predictions")
+    print(f"sequence length {seq} tokens per sample ({seq_note}); recorded in the plan")
+    print(f"memory headroom {100 * opt.memory_headroom:g}% (--memory-headroom {opt.memory_headroom:g}): a stage "
+          f"fits when its memory per device is at most {100 * (1 - opt.memory_headroom):g}% of the device's "
+          f"capacity; memory in GiB (2**30 bytes)")
     for i, c in enumerate(res.candidates):
         print()
         print(format_candidate(i, c, groups, res.upper_bound_tokens_per_s, res.upper_bound_note,

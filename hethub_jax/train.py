@@ -195,6 +195,36 @@ def default_plan(global_batch_size: int, microbatch_size: int, num_layers: int, 
         "schedule": "1f1b", "recompute": "none"})
 
 
+def check_plan_seq_len(plan, seq_len: int, where: str = "the plan") -> str | None:
+    """Compare the sequence length a plan was made for (``plan.seq_len``, tokens per sample; written by
+    the planner) with the training run's ``data.seq_len``.
+
+    Returns None when they agree or the plan records none (hand-written plans), else a warning line
+    for a SHORTER training sequence: every stage's memory is at most what the plan predicted
+    (activations grow with the tokens per sample), so the plan still fits, but the planner might
+    choose another plan for this length.
+
+    Raises:
+      ValueError: for a LONGER training sequence: the planner's memory check (and step time) was
+        made for fewer tokens per microbatch and no longer holds; the message names both lengths and
+        the two ways out (re-plan with ``--seq-len``, or train with the plan's length).
+    """
+    made = getattr(plan, "seq_len", None)
+    if made is None or made == seq_len:
+        return None
+    if seq_len > made:
+        raise ValueError(
+            f"{where} was made for sequence length {made} (its seq_len) but training uses data.seq_len "
+            f"{seq_len}: activation memory per device grows with the tokens per sample, so the plan's "
+            f"memory check no longer holds. Re-plan for it (python -m hethub_jax.plan ... --seq-len {seq_len} --out PLAN.json) or train "
+            f"with --seq-len {made}; to run this plan anyway at your own risk, set the plan's \"seq_len\" "
+            f"to {seq_len}")
+    return (f"WARNING: {where} was made for sequence length {made} (its seq_len), training uses data.seq_len "
+            f"{seq_len}: it fits memory (less activation memory per device), but the planner chose it for "
+            f"{made} tokens per sample and another plan may be faster at {seq_len}; re-plan with python -m "
+            f"hethub_jax.plan ... --seq-len {seq_len}")
+
+
 def _resolve_plan(cfg, platform: str):
     """The plan of the run with the config's batch sizes applied, validated against the model.
 
@@ -227,6 +257,9 @@ def _resolve_plan(cfg, platform: str):
             notes.append("config overrides the plan's " + ", ".join(
                 f"{k} {getattr(plan, k)} -> {v}" for k, v in changes.items()))
             plan = plan.replace(**changes)
+        note = check_plan_seq_len(plan, cfg.data.seq_len, f"train.plan {t.plan}")
+        if note:
+            notes.append(note)
     try:
         plan.validate(cfg.model)
     except ValueError as e:

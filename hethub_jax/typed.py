@@ -166,6 +166,10 @@ def error_message(err: ValidationError, model: type[BaseModel], root: str = "",
     if kind == "extra_forbidden":
         holder, _ = _field_at(model, loc[:-1])
         allowed = f"; allowed keys: {list(holder.model_fields)}" if holder is not None else ""
+        if holder is not None:
+            import difflib
+            close = difflib.get_close_matches(str(loc[-1]), list(holder.model_fields), n=1, cutoff=0.6)
+            allowed += f"; did you mean {close[0]!r}?" if close else ""
         return f"unknown key {loc[-1]!r} in {parent}{allowed}", False
     if kind == "missing":
         return f"missing key {loc[-1]!r} in {parent}", False
@@ -215,7 +219,12 @@ def validate_model(model: type[M], data: Any, root: str = "", container: Optiona
 
 def unknown_keys(model: type[BaseModel], data: Mapping[str, Any], what: str) -> None:
     """Raises ``ValueError("unknown {what} key(s) [...]; known keys: [...]")`` if ``data`` has keys
-    that are not fields of ``model`` (all of them at once, sorted)."""
+    that are not fields of ``model`` (all of them at once, sorted), followed by
+    ``"; did you mean 'seq_len' for 'seqlen'?"`` where a known key is close (``difflib``)."""
+    import difflib
     unknown = sorted(set(data) - set(model.model_fields))
     if unknown:
-        raise ValueError(f"unknown {what} key(s) {unknown}; known keys: {sorted(model.model_fields)}")
+        hints = [f"{close[0]!r} for {k!r}" for k in unknown
+                 for close in [difflib.get_close_matches(str(k), list(model.model_fields), n=1, cutoff=0.6)] if close]
+        hint = f"; did you mean {', '.join(hints)}?" if hints else ""
+        raise ValueError(f"unknown {what} key(s) {unknown}; known keys: {sorted(model.model_fields)}{hint}")

@@ -177,8 +177,8 @@ def test_bounds_use_the_dp_mesh_figures_predict_uses():
 def test_configuration_memory_caps_admit_every_plan_that_fits(sched):
     """The configuration bound's memory caps (1F1B: per position of the group's stages, the in-flight
     microbatches ``min(k - i, M)``; GPipe: M) must never leave out a plan that fits. Each group's device
-    memory is set to exactly the largest stage memory ``predict`` reports for a random plan (the tightest
-    memory it still fits); the bound of that plan's configuration must then be finite and not above
+    memory is set so that its usable part (capacity less the default memory headroom) is exactly the
+    largest stage memory ``predict`` reports for a random plan (the tightest memory it still fits); the bound of that plan's configuration must then be finite and not above
     ``predict``'s step time. Some plans must be ones whose memory would leave a configuration out with
     1-2 layers fewer of headroom (else memory never binds here and the test proves nothing)."""
     import dataclasses
@@ -194,14 +194,15 @@ def test_configuration_memory_caps_admit_every_plan_that_fits(sched):
         plan = base.pipeline_plan(sk, counts)
         pred = predict(cfg, plan, base.costs, seq_len=64, bridge=bridge_for(cluster, list(zip(sk.groups, sk.groups[1:]))))
         mem = {g: max(s.memory.total for s in pred.stages if s.island == g) for g in sk.groups}
-        costs = {g: dataclasses.replace(base.costs[g], memory_bytes=int(mem[g]) + 1) for g in sk.groups}
+        h = SearchOptions().memory_headroom
+        costs = {g: dataclasses.replace(base.costs[g], memory_bytes=int(mem[g] / (1 - h)) + 1) for g in sk.groups}
         p = _setup(cfg, cluster, 16, 64, costs, SearchOptions(), None)
         combo = {g: (k, 1, 1) for g, k in zip(sk.groups, sk.stages)}
         figs = [p.choice_figures(g, [combo[g]], mbs, sk.recompute, M if sched == "gpipe" else 0, True,
                                  M if sched == "1f1b" else 0) for g in p.groups]
         lb = float(configuration_bounds(figs, 6, M, sched, p.delivery_lb(mbs))[0])
         pred2 = predict(cfg, plan, costs, seq_len=64, bridge=bridge_for(cluster, list(zip(sk.groups, sk.groups[1:]))))
-        assert pred2.fits and lb <= pred2.step_time_s * (1 + 1e-9), (sk, counts, lb)
+        assert p.fits(pred2) and lb <= pred2.step_time_s * (1 + 1e-9), (sk, counts, lb)
         binding += sum(f["cap"][0] for f in figs) < 6 + 2
     assert binding > 0
 

@@ -232,6 +232,12 @@ class Plan(StrictModel):
       recompute: activation recompute policy, ``"none"`` (backward applies saved ``jax.vjp`` residuals)
         or ``"full"`` (backward recomputes the stage forward from the saved stage input).
       description: free text for humans.
+      seq_len: tokens per sample the plan was made for (the planner writes the ``--seq-len`` it
+        searched with; its memory and time predictions hold for this length), >= 1, at most the
+        model's ``max_position_embeddings``; ``None`` (hand-written plans, plans written before
+        session 10): not recorded. ``python -m hethub_jax.train --plan`` refuses a longer training
+        ``data.seq_len`` (activation memory grows with it, so the plan's memory check no longer holds)
+        and warns for a shorter one (the plan fits but may not be the fastest); see docs/plan_format.md.
     """
 
     description: str = Field("", exclude_if=lambda v: not v)
@@ -241,6 +247,7 @@ class Plan(StrictModel):
     microbatch_size: int
     schedule: str = Field("1f1b", json_schema_extra={"enum": list(SCHEDULE_NAMES)})
     recompute: str = Field("none", json_schema_extra={"enum": list(RECOMPUTE_POLICIES)})
+    seq_len: Optional[int] = Field(None, exclude_if=lambda v: v is None)
 
     @model_validator(mode="before")
     @classmethod
@@ -291,7 +298,7 @@ class Plan(StrictModel):
 
     def to_dict(self) -> Dict[str, Any]:
         """The canonical JSON object (always the ``"replicas"`` form; ``devices`` only where given,
-        ``description`` only when not empty)."""
+        ``description`` only when not empty, ``seq_len`` only when recorded)."""
         return self.model_dump(mode="json")
 
     def replace(self, **changes: Any) -> "Plan":
@@ -481,9 +488,17 @@ class Plan(StrictModel):
             batch (sizes >= 1, ``global_batch_size`` divisible by ``microbatch_size``, global batch
             not smaller than the number of replicas, each share >= 1 microbatch and a multiple of
             ``microbatch_size``, shares sum to ``global_batch_size``, ``microbatch_size`` divisible
-            by every stage's ``dp``).
+            by every stage's ``dp``); ``seq_len`` >= 1 and, with ``model_config``, at most its
+            ``max_position_embeddings``.
         """
         self._validate_islands()
+        if self.seq_len is not None:
+            if self.seq_len < 1:
+                raise ValueError(f"seq_len (tokens per sample the plan was made for) must be >= 1, got {self.seq_len}")
+            max_pos = getattr(model_config, "max_position_embeddings", None)
+            if max_pos is not None and self.seq_len > max_pos:
+                raise ValueError(f"seq_len {self.seq_len} (tokens per sample the plan was made for) exceeds the "
+                                 f"model's max_position_embeddings {max_pos}")
         if self.schedule not in SCHEDULE_NAMES:
             raise ValueError(f"schedule must be one of {list(SCHEDULE_NAMES)}, got {self.schedule!r}")
         if self.recompute not in RECOMPUTE_POLICIES:

@@ -19,7 +19,7 @@ from hethub_jax.planner.cluster import ClusterSpec, load_cluster
 from hethub_jax.planner.search import Candidate, PlanningError, SearchOptions, SearchResult, search
 
 __all__ = ["load_model", "plan", "what_if_add_nodes", "what_if_add_group", "lm_head_placement", "WhatIf",
-           "default_seq_len"]
+           "default_seq_len", "config_seq_len"]
 
 #: LlamaConfig fields (HF meanings), used to apply overrides to a preset through the public constructor
 _MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -37,6 +37,9 @@ def load_model(model: Any):
     """
     from hethub_jax.models.config import LlamaConfig, get_preset
     if isinstance(model, str) and not os.path.exists(model):
+        if model.lower().endswith((".yaml", ".yml", ".json")) or os.sep in model:
+            raise ValueError(f"model config file not found: {model} (--model takes a preset name or a "
+                             f"YAML/JSON file)")
         return get_preset(model)
     if isinstance(model, (str, os.PathLike)):
         import yaml
@@ -66,15 +69,39 @@ def load_model(model: Any):
 
 
 def default_seq_len(cfg: Any) -> int:
-    """4096 tokens, or the model's ``max_position_embeddings`` when smaller."""
+    """4096 tokens, or the model's ``max_position_embeddings`` when smaller: the planner's default for a
+    model given as a preset or a model mapping (a training config file gives its own, see
+    :func:`config_seq_len`). Not training's default (``data.seq_len`` 128): planning a real model at 128
+    tokens per sample would rank plans for a workload nobody trains; the plan records the length it was
+    made for (``Plan.seq_len``) and ``python -m hethub_jax.train --plan`` checks it."""
     return int(min(4096, cfg.max_position_embeddings))
+
+
+def config_seq_len(model: Any) -> Optional[int]:
+    """The training sequence length of ``model`` when it is a training config file (a YAML/JSON file
+    with a top-level ``model`` key): its ``data.seq_len``, or ``DataConfig``'s default (128) when the
+    file gives none, i.e. what ``python -m hethub_jax.train --config FILE`` trains with. None for a
+    preset name, a model mapping or a file holding only the model."""
+    if not isinstance(model, (str, os.PathLike)) or not os.path.isfile(model):
+        return None
+    import yaml
+    with open(model) as f:
+        data = yaml.safe_load(f)
+    if not (isinstance(data, Mapping) and "model" in data):
+        return None
+    from hethub_jax.data.config import DataConfig
+    data_section = data.get("data")
+    seq = data_section.get("seq_len") if isinstance(data_section, Mapping) else None
+    return int(seq) if seq is not None else int(DataConfig.model_fields["seq_len"].default)
 
 
 def plan(model: Any, cluster: Union[str, os.PathLike, Mapping[str, Any], ClusterSpec], global_batch: int,
          seq_len: Optional[int] = None, *, top_k: int = 3, profiles_dir: Optional[str] = None,
          upper_bound: bool = True, split: bool = True, **options: Any) -> SearchResult:
     """Search the plans of ``model`` on ``cluster`` for ``global_batch`` samples of ``seq_len`` tokens
-    (default :func:`default_seq_len`); ``options`` are :class:`SearchOptions` fields. ``split`` (default):
+    (default: a training config file's ``data.seq_len`` (:func:`config_seq_len`), else
+    :func:`default_seq_len`); ``options`` are :class:`SearchOptions` fields, e.g. ``memory_headroom``
+    (fraction of each device's memory kept free, default 0.05). Every plan records ``seq_len``. ``split`` (default):
     candidates with several stages on a multi-node group come with that group split into one island
     per stage and predicted again, so that today's runtime runs them (``planner.runnable``); False:
     the plans as searched (one island per group).
@@ -85,7 +112,7 @@ def plan(model: Any, cluster: Union[str, os.PathLike, Mapping[str, Any], Cluster
     from hethub_jax.planner.runnable import runnable_result
     cfg = load_model(model)
     opt = SearchOptions(top_k=top_k, **options)
-    seq = seq_len or default_seq_len(cfg)
+    seq = seq_len or config_seq_len(model) or default_seq_len(cfg)
     res = search(cfg, load_cluster(cluster), global_batch, seq, options=opt, profiles_dir=profiles_dir,
                  upper_bound=upper_bound and not split)
     if not split:

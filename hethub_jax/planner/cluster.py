@@ -191,14 +191,44 @@ def _resolve_group(g: NodeGroup) -> NodeGroup:
 
 
 def _format_errors(e: ValidationError, where: str) -> str:
+    """One line per error, ``key.path: what``. An unknown key is reported with the closest known key
+    (``groups.0.devise: unknown key (did you mean 'device'?)``), and the errors that follow from it
+    are left out: a required key missing from the same mapping (most likely the misspelled one) and
+    a list's "at least 1 item" when the list has items (pydantic counts the items that validated)."""
+    errs = e.errors()
+    unknown_in = {tuple(err["loc"][:-1]) for err in errs if err["type"] == "extra_forbidden"}
     lines = []
-    for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+    for err in errs:
+        loc_t = tuple(err["loc"])
+        loc = ".".join(str(x) for x in loc_t) or "(top level)"
         msg = err["msg"]
+        if err["type"] == "missing" and loc_t[:-1] in unknown_in:
+            continue
+        if err["type"] == "too_short" and isinstance(err.get("input"), (list, tuple)):
+            need = err.get("ctx", {}).get("min_length", 1)
+            if len(err["input"]) >= need:
+                continue
+            msg = f"needs at least {need} item(s), got {len(err['input'])}"
         if err["type"] == "extra_forbidden":
-            msg = "unknown key"
+            msg = "unknown key" + _did_you_mean(loc_t)
         lines.append(f"  {loc}: {msg}")
     return f"invalid cluster spec {where}:\n" + "\n".join(lines)
+
+
+def _did_you_mean(loc: Tuple[Any, ...]) -> str:
+    """`` (did you mean 'nodes'?)`` for an unknown key at ``loc`` close to a key of its mapping
+    (``difflib``), ``"; known keys: [...]"`` otherwise."""
+    import difflib
+    model: Any = ClusterSpec
+    for key in loc[:-1]:
+        if isinstance(key, int):
+            continue
+        model = {"groups": NodeGroup, "links": GroupLink}.get(key) if model is ClusterSpec else None
+        if model is None:
+            return ""
+    known = list(model.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else f"; known keys: {known}"
 
 
 def cluster_from_dict(d: Mapping[str, Any], where: str = "") -> ClusterSpec:
@@ -221,6 +251,7 @@ def load_cluster(source: Union[str, os.PathLike, Mapping[str, Any], ClusterSpec]
 
     Raises:
       ValueError: as :func:`cluster_from_dict`, or for invalid YAML.
+      FileNotFoundError: ``cluster spec file not found: PATH`` (an ``OSError``).
       OSError: if the file cannot be read.
     """
     if isinstance(source, ClusterSpec):
@@ -229,6 +260,9 @@ def load_cluster(source: Union[str, os.PathLike, Mapping[str, Any], ClusterSpec]
         return cluster_from_dict(source)
     import yaml
     path = os.fspath(source)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"cluster spec file not found: {path} (a YAML file, docs/cluster_spec.md; "
+                                f"examples in configs/clusters/)")
     with open(path) as f:
         try:
             data = yaml.safe_load(f)

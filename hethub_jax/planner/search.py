@@ -56,6 +56,17 @@ __all__ = ["SearchOptions", "Skeleton", "Candidate", "SearchResult", "PlanningEr
 #: last bit differently; a bound is trusted to prune only when it exceeds the incumbent by this much
 LB_SLACK = 1e-9
 
+#: Default :attr:`SearchOptions.memory_headroom`: 5% of each device's memory is kept free. The predictor
+#: counts parameters, gradients, optimizer state and activations (``predictor.stage_memory_bytes``), not
+#: what the runtime adds around them: allocator fragmentation (XLA's BFC allocator, more of it with
+#: ``XLA_PYTHON_CLIENT_PREALLOCATE=false``), XLA scratch/workspace buffers (cuBLAS/hipBLAS, collectives),
+#: the CUDA/ROCm context. PyTorch's caching allocator commonly reports 5-10% of "reserved but unallocated"
+#: memory for the same reason. 5% of an 80 GB H100 is 3.7 GiB, of a 192 GB MI300X 8.9 GiB: room for
+#: those without discarding plans that a 10-25% reserve would. JAX on GPU preallocates only 75% of the
+#: memory by default (``XLA_PYTHON_CLIENT_MEM_FRACTION``): raise that fraction (e.g. 0.95) or plan with
+#: ``memory_headroom`` 0.25 (docs/planner.md, "Memory headroom").
+DEFAULT_MEMORY_HEADROOM = 0.05
+
 
 class PlanningError(ValueError):
     """No plan of the search space fits; the message names the binding constraint."""
@@ -75,6 +86,9 @@ class SearchOptions:
       top_k: candidates kept.
       efficiency: fraction of datasheet peak assumed for catalog device types (``DeviceCosts.from_catalog``).
       last_group: only pipelines whose last stage (final norm, LM head, loss) is on this group.
+      memory_headroom: fraction of each device's memory kept free, in [0, 1): a stage fits when its
+        PREDICTED memory per device is at most ``(1 - memory_headroom) x`` the device's capacity
+        (:data:`DEFAULT_MEMORY_HEADROOM`, 0.05; 0: plan up to the full capacity, as before session 10).
       runnable_stages: level 2 keeps only stage sizes that today's runtime runs once a multi-node group
         is split per stage (``parallel.rules.uniform_stages_run``: a group holding several stages gives
         each ``dp x tp`` devices inside one node or a whole number of nodes), so every emitted plan runs
@@ -92,6 +106,7 @@ class SearchOptions:
     efficiency: float = 0.4
     last_group: Optional[str] = None
     runnable_stages: bool = True
+    memory_headroom: float = DEFAULT_MEMORY_HEADROOM
 
 
 @dataclass(frozen=True)
@@ -369,6 +384,9 @@ class _Planner:
         self.gbs, self.seq, self.L = int(global_batch), int(seq_len), int(cfg.num_hidden_layers)
         self.costs = dict(costs)
         self.groups = {g.name: g for g in self.cluster.groups}
+        #: per group, the bytes per device a stage may use: capacity x (1 - memory_headroom)
+        self.mem_limit = {n: self.costs[n].memory_bytes * (1.0 - float(options.memory_headroom))
+                          for n in self.groups}
         self.factor = {n: float(g.slowdown) / float(getattr(self.costs[n], "emulated_slowdown", 1.0))
                        for n, g in self.groups.items()}
         self._times: Dict[tuple, List[float]] = {}
@@ -559,7 +577,7 @@ class _Planner:
         key = (g, tp, dp, mbs, rec, first, last, in_flight)
         if key not in self._caps:
             from hethub_jax.planner.predictor import stage_memory_bytes
-            mem = self.costs[g].memory_bytes * (1 + LB_SLACK)
+            mem = self.mem_limit[g] * (1 + LB_SLACK)
             m = lambda n: stage_memory_bytes(self.cfg, 0, n - 1, first, last, microbatch_size=mbs,
                                              seq_len=self.seq, dp=dp, tp=tp, in_flight=in_flight,
                                              recompute=rec).total
@@ -1033,7 +1051,8 @@ class _Planner:
             "description": f"PREDICTED plan from python -m hethub_jax.plan (cluster {self.cluster.name}): "
                            f"pipeline {' -> '.join(sk.groups)}, layers {list(counts)}",
             "islands": islands_of(self.cluster, names), "stages": stages, "global_batch_size": self.gbs,
-            "microbatch_size": sk.microbatch_size, "schedule": sk.schedule, "recompute": sk.recompute})
+            "microbatch_size": sk.microbatch_size, "schedule": sk.schedule, "recompute": sk.recompute,
+            "seq_len": self.seq})
 
     def evaluate(self, sk: Skeleton, counts: Sequence[int], bound: bool = True) -> None:
         if bound and self.prunes(self.step_lb(sk, counts)):
@@ -1052,8 +1071,13 @@ class _Planner:
                                        bridge=bridge_for(self.cluster, pairs))
             self.evaluated += 1
         pred = self._preds[key]
-        if pred.fits:
+        if self.fits(pred):
             self.offer(Candidate(plan, pred, kind, tuple(layers), self.mfu(plan, pred)))
+
+    def fits(self, pred: Any) -> bool:
+        """Every stage's PREDICTED memory per device is within its group's :attr:`mem_limit` (the
+        device's capacity less ``memory_headroom``; ``Prediction.fits`` with headroom 0)."""
+        return all(sp.memory.total <= self.mem_limit[sp.island] for sp in pred.stages)
 
     def mfu(self, plan: Plan, pred: Any) -> float:
         """Predicted model FLOPs utilisation (see :class:`Candidate`)."""
@@ -1153,7 +1177,7 @@ class _Planner:
             "description": f"PREDICTED plan from python -m hethub_jax.plan (cluster {self.cluster.name}): "
                            f"heterogeneous DP, one replica per group, shares {[u * mbs for u in units]}",
             "islands": islands_of(self.cluster), "replicas": replicas, "global_batch_size": self.gbs,
-            "microbatch_size": mbs, "schedule": sched, "recompute": rec})
+            "microbatch_size": mbs, "schedule": sched, "recompute": rec, "seq_len": self.seq})
 
     # ---- infeasibility ---------------------------------------------------------------------------
     def runtime_rule_binds(self) -> Optional[str]:
@@ -1185,6 +1209,14 @@ class _Planner:
                 "stage counts per group (--max-stages-per-group), smaller microbatches (--microbatch-sizes), "
                 "recompute, or devices with more memory")
 
+    def memory_text(self, g: str) -> str:
+        """``"178.81 GiB per device, 169.87 GiB usable with memory headroom 5%"`` (binary units, as the
+        tables; the second part only with a headroom)."""
+        cap = self.costs[g].memory_bytes
+        h = float(self.opt.memory_headroom)
+        usable = f", {self.mem_limit[g] / 2**30:.2f} GiB usable with memory headroom {100 * h:g}%" if h else ""
+        return f"{cap / 2**30:.2f} GiB per device{usable}"
+
     def why_infeasible(self) -> str:
         """The binding constraint when no candidate fits (most memory-friendly settings tried first)."""
         mbs = self.microbatch_sizes()[0] if self.microbatch_sizes() else 1
@@ -1198,8 +1230,7 @@ class _Planner:
                 continue
             tp = tps[-1]
             cap = self.stage_cap(g, tp, 1, mbs, rec, False, False, 1)
-            gb = self.costs[g].memory_bytes / 1e9
-            lines.append(f"group {g!r} ({grp.device or 'profile'}, {gb:.3g} GB per device): at most {cap} decoder "
+            lines.append(f"group {g!r} ({grp.device or 'profile'}, {self.memory_text(g)}): at most {cap} decoder "
                          f"layer(s) per stage at TP={tp}, microbatch {mbs}, recompute {rec}")
             total += cap * min(self.opt.max_stages_per_group, grp.num_devices // tp)
         detail = "; ".join(lines)
@@ -1232,6 +1263,15 @@ def _setup(cfg: Any, cluster: Any, global_batch: int, seq_len: int, costs, optio
         raise ValueError(f"global_batch must be a positive integer (samples), got {global_batch!r}")
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive integer (tokens), got {seq_len!r}")
+    max_pos = getattr(cfg, "max_position_embeddings", None)
+    if max_pos is not None and seq_len > max_pos:
+        raise ValueError(f"seq_len {seq_len} (tokens per sample, --seq-len) exceeds the model's "
+                         f"max_position_embeddings {max_pos}: the model has no positions beyond it; give "
+                         f"--seq-len <= {max_pos} or a model with a larger max_position_embeddings")
+    h = options.memory_headroom
+    if isinstance(h, bool) or not isinstance(h, (int, float)) or not (math.isfinite(h) and 0 <= h < 1):
+        raise ValueError(f"memory_headroom (--memory-headroom) must be a fraction of device memory in [0, 1), "
+                         f"got {h!r}")
     if options.top_k < 1 or options.max_stages_per_group < 1:
         raise ValueError(f"top_k and max_stages_per_group must be >= 1, got {options.top_k}, "
                          f"{options.max_stages_per_group}")
