@@ -406,6 +406,10 @@ def _profiles(cluster: Any, model: str, seq_len: int, profiles_dir: str, log,
         if os.path.exists(path):
             with open(path) as f:
                 prof = json.load(f)
+            busy = (prof or {}).get("others_cpu_share")
+            if busy is not None and busy > 0.05:  # the profiler's own note goes to its stdout, not shown here
+                notes[-1] += (f" (note: other processes used {100 * busy:.0f}% of this machine's CPUs while it was "
+                              f"profiled: its figures include their load, and so does the PREDICTED step)")
         out.update({g.name: prof for g in groups})
     return out, notes
 
@@ -433,8 +437,9 @@ def _get_profile(path: str, groups: List[Any], model: str, seq_len: int, log,
         f"--microbatch-sizes {','.join(map(str, microbatch_sizes))} --tp {','.join(map(str, tp_degrees))} "
         + (f"--dp 1,{','.join(map(str, dp_degrees))} --dp-microbatch-sizes {','.join(map(str, dp_sizes))} "
            if dp_degrees else "")
-        + f"{' '.join(PROFILE_SETTINGS)}; emulated slowdowns are applied by the predictor; DP meshes of fake "
-          f"CPU devices share this machine's cores: measured, not assumed parallel)...")
+        + f"{' '.join(PROFILE_SETTINGS)}; emulated slowdowns are applied by the predictor"
+        + ("; DP meshes of fake CPU devices share this machine's cores: measured, not assumed parallel"
+           if dp_degrees else "") + ")...")
     kw = {"dp_degrees": tuple(dp_degrees), "dp_microbatch_sizes": tuple(dp_sizes)} if dp_degrees else {}
     ok, msg = profile_device(model, seq_len, path, microbatch_sizes=tuple(microbatch_sizes),
                              tp_degrees=tuple(tp_degrees), **kw)

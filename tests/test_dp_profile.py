@@ -165,3 +165,18 @@ def test_planner_chooses_dp_from_the_measured_figure(scale, want_dp):
     # the chosen plan is the faster of the two as predict has it (the reference, plan by plan)
     times = {d: predict(cfg, _plan(d), costs, seq_len=SEQ).step_time_s for d in (1, 2)}
     assert times[want_dp] == pytest.approx(min(times.values()), rel=1e-9)
+
+
+def test_a_profile_taken_under_load_is_said_in_the_notes(tmp_path):
+    """The profiler records the CPU share other processes used (``others_cpu_share``); plan-less training
+    says so in the profile's line when above 5% (the child's own note goes to its discarded stdout)."""
+    import json
+
+    from hethub_jax import train_predict as tp
+    from hethub_jax.planner.cluster import load_cluster
+    from test_train_insight import ROOT
+    cluster = load_cluster(str(ROOT / "configs/clusters/tiny_2island_cpu.yaml"))
+    for share, said in ((0.8, True), (0.01, False), (None, False)):
+        (tmp_path / "cpu.json").write_text(json.dumps(dict(_profile(), others_cpu_share=share)))
+        _, notes = tp._profiles(cluster, "tiny", SEQ, str(tmp_path), lambda m: None)
+        assert ("other processes used 80%" in notes[0]) == said, notes
