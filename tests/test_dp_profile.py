@@ -180,3 +180,20 @@ def test_a_profile_taken_under_load_is_said_in_the_notes(tmp_path):
         (tmp_path / "cpu.json").write_text(json.dumps(dict(_profile(), others_cpu_share=share)))
         _, notes = tp._profiles(cluster, "tiny", SEQ, str(tmp_path), lambda m: None)
         assert ("other processes used 80%" in notes[0]) == said, notes
+
+
+@pytest.mark.parametrize("scale", [0.6, 1.3])
+def test_search_with_measured_dp_meshes_equals_exhaustive_on_two_groups(scale):
+    """Two 2-device groups (one EMULATED 2x slower), pipelines of up to 2 stages per group and the
+    heterogeneous-DP family, every microbatch size: with DP meshes measured the search offers the smaller
+    DP degrees too, and its best plan must still equal exhaustive search's."""
+    cfg = _model()
+    cluster = cluster_from_dict({"groups": [{"name": n, "device": "cpu", "nodes": 1, "devices_per_node": 2,
+                                             "slowdown": sd} for n, sd in (("fast", 1.0), ("slow", 2.0))]})
+    costs = {g: DeviceCosts.from_profile(_profile(scale)) for g in ("fast", "slow")}
+    opt = SearchOptions(top_k=1, tp_degrees=(1,), max_stages_per_group=2)
+    got = search(cfg, cluster, 8, SEQ, costs=copy.deepcopy(costs), options=opt)
+    ref = exhaustive_search(cfg, cluster, 8, SEQ, costs=copy.deepcopy(costs), options=opt)
+    assert got.best.step_time_s == pytest.approx(ref.best.step_time_s, rel=1e-12)
+    dps = {st.dp for rep in got.best.plan.replicas for st in rep.stages}
+    assert dps == {1} if scale > 1 else 2 in dps  # measured slower: DP 1 everywhere; faster: DP 2 used
