@@ -256,6 +256,8 @@ def _measure(args, world, rank, core, runtimes, contenders):
                 records = res.records
     return world.gather({"rank": rank, "core": core, "times": times, "tokens": tokens, "records": records,
                          "reduce_s": reduce, "buckets": buckets,
+                         "bucket_off": {n: getattr(rt, "grad_bucket_off_reason", lambda: None)()
+                                        for n, rt in runtimes.items()},
                          "machine": machine(), "load": (load0, loadavg())}, root=0)
 
 
@@ -292,6 +294,9 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
                       for v, rs in measured.items() for i, a in zip(("fast", "slow"), rs)}},
                "extrapolated": {n: note for n, note in notes.items() if note},
                "bucket_mb": args.bucket_mb,
+               # why the hetero-DP contender's all-reduce is not bucketed (None: it is)
+               "hetero_dp_bucketing_off_reason": g[0].get("bucket_off", {}).get(
+                   "hetero_dp", g[0].get("bucket_off", {}).get("planned")),
                "hetero_dp_buckets_per_rank": [bucket_figures(x["buckets"].get("hetero_dp", x["buckets"]["planned"]))
                                               for x in g],
                "hetero_dp_reduce_after_backward_s_per_rank": [
@@ -320,9 +325,11 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
     b = figures["hetero_dp_buckets_per_rank"]
     exposed = ", ".join(f"{x['bucket_exposed_s'] * 1e3:.0f} ms" for x in b)
     after = ", ".join(f"{x * 1e3:.0f} ms" for x in figures["hetero_dp_reduce_after_backward_s_per_rank"])
-    print(f"hetero DP: {b[0]['num_buckets']} gradient buckets of {args.bucket_mb:g} MiB, exposed wait per rank "
-          f"{exposed}, all-reduce after the backward per rank {after}; PREDICTED (pipeline, all-reduce + norm, "
-          f"update) {figures['predicted_parts_s']['hetero_dp']}")
+    off = figures["hetero_dp_bucketing_off_reason"]
+    print(f"hetero DP: " + (f"gradient all-reduce NOT bucketed ({off})" if off else
+                            f"{b[0]['num_buckets']} gradient buckets of {args.bucket_mb:g} MiB, exposed wait per rank "
+                            f"{exposed}") + f", all-reduce after the backward per rank {after}; PREDICTED (pipeline, "
+          f"all-reduce + norm, update) {figures['predicted_parts_s']['hetero_dp']}")
     print(f"upper bound {upper:.1f} tokens/s; fraction_of_upper_bound {figures['fraction_of_upper_bound']:.3f}, "
           f"planned_over_uniform {figures['planned_over_uniform']:.3f}, prediction_error "
           f"{figures['prediction_error']:.3f} (predicted {pred:.3f} s from {source}) [EMULATED]")

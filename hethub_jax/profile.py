@@ -61,6 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", default="1", help="comma-separated TP degrees (fake CPU devices are added as needed)")
     p.add_argument("--dp", default="1", help="comma-separated DP degrees: a (dp, 1) stage mesh is profiled for each "
                                             "dp > 1 (on CPU its fake devices share the same cores)")
+    p.add_argument("--dp-microbatch-sizes", default=None,
+                   help="comma-separated samples PER DP RANK at which the (dp, 1) meshes are profiled (a dp-way "
+                        "mesh runs dp x each); default: --microbatch-sizes")
     p.add_argument("--corun", choices=("auto", "on", "off"), default="auto",
                    help="measure the slowdown of a computation while a second island of this process computes "
                         "on other devices (auto: on the cpu platform, whose devices share the host's cores)")
@@ -338,24 +341,27 @@ def _progress_bar(total: int, progress: bool) -> Any:
 
 
 def profile_compute(cfg: Any, seq_len: int, mbs_list: Sequence[int], tps: Sequence[int], repeats: int,
-                    devices: Sequence[Any], progress: bool, dps: Sequence[int] = (1,)) -> tuple:
+                    devices: Sequence[Any], progress: bool, dps: Sequence[int] = (1,),
+                    dp_mbs_list: Optional[Sequence[int]] = None) -> tuple:
     """(stage samples, update samples) over the stage meshes -- ``(1, tp)`` for every TP degree and
     ``(dp, 1)`` for every DP degree > 1 -- stage kinds and microbatch sizes (per DP rank: a ``(dp, 1)``
-    mesh runs ``dp x`` each microbatch size, so that its samples have the same tokens per rank)."""
+    mesh runs ``dp x`` each microbatch size, so that its samples have the same tokens per rank; the
+    sizes of the ``(dp, 1)`` meshes are ``dp_mbs_list`` when given, else ``mbs_list``)."""
     from hethub_jax.optim import OptimConfig, make_optimizer
     from hethub_jax.parallel.stage import PipelineStage
     ranges = _stage_ranges(cfg.num_hidden_layers)
     tx = make_optimizer(OptimConfig())
     meshes = [(1, tp) for tp in tps] + [(dp, 1) for dp in dps if dp > 1]
+    sizes_of = lambda dp: list(mbs_list if dp == 1 or dp_mbs_list is None else dp_mbs_list)
     samples, updates = [], []
-    bar = _progress_bar(len(meshes) * len(ranges) * len(mbs_list), progress)
+    bar = _progress_bar(len(ranges) * sum(len(sizes_of(dp)) for dp, _ in meshes), progress)
     for dp, tp in meshes:
         if dp * tp > len(devices):
             raise ValueError(f"a {dp}x{tp} (dp x tp) mesh needs {dp * tp} devices; the island has {len(devices)} "
                              f"(for CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N)")
         for kind, (fl, ll) in ranges.items():
             st = PipelineStage(cfg, fl, ll, list(devices[:dp * tp]), dp, tp, seed=0, recompute=False, optimizer=tx)
-            for mbs in mbs_list:
+            for mbs in sizes_of(dp):
                 bar.set_postfix_str(f"mesh={dp}x{tp} {kind} mb={mbs * dp}", refresh=False)
                 for phase, sec in measure_stage(st, cfg, mbs * dp, seq_len, repeats).items():
                     samples.append({"kind": "stage", "stage": kind, "first_layer": fl, "last_layer": ll,
@@ -604,7 +610,21 @@ def build_profile(cfg: Any, args: Any, samples: List[dict], updates: List[dict],
                  "allreduce": line(ar, "ring_bytes"),
                  "bridge": line(bridge or [], "bytes")},
         "bridge_note": "measured over MPIHostBridge" if bridge else "not measured (run under mpiexec -n 2)",
+        "dp_meshes": _dp_meshes_note(dps, platform_name),
     }
+
+
+def _dp_meshes_note(dps: Sequence[int], platform_name: str) -> Dict[str, Any]:
+    """What the ``(dp, 1)`` mesh fits (``fits.compute_dp``) measured: the DP degrees and whether the
+    mesh's devices share one host's cores (the cpu platform's fake devices, ``XLA_FLAGS
+    --xla_force_host_platform_device_count``), in which case a DP-d stage is NOT d times faster than
+    one device and the predictor uses the measured per-DP-rank time (``DeviceCosts.dp_fits``)."""
+    shared = platform_name == "cpu"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"degrees": [1, *dps], "devices_share_host": shared,
+            "note": (f"fake CPU devices of one process sharing this host's {cores} core(s): the (dp, 1) fits are "
+                     f"the measured seconds per DP rank (not 1/dp of one device's)" if shared else
+                     "devices of their own: the (dp, 1) fits are the measured seconds per DP rank")}
 
 
 def _device_memory_bytes(platform_name: str) -> int:
@@ -623,7 +643,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     mbs_list = [int(x) for x in args.microbatch_sizes.split(",")]
     tps = [int(x) for x in args.tp.split(",")]
     dps = [int(x) for x in args.dp.split(",")]
-    if args.slowdown < 1 or args.repeats < 1 or min(mbs_list + tps + dps) < 1 or args.seq_len < 1:
+    dp_mbs = [int(x) for x in args.dp_microbatch_sizes.split(",")] if args.dp_microbatch_sizes else None
+    if args.slowdown < 1 or args.repeats < 1 or min(mbs_list + tps + dps + (dp_mbs or [])) < 1 or args.seq_len < 1:
         raise SystemExit("--slowdown must be >= 1; --repeats, --seq-len, microbatch sizes, TP and DP degrees >= 1")
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -642,7 +663,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         raise SystemExit("--slowdown (emulation) applies only to cpu islands")
     t0, snap = time.perf_counter(), cpu_snapshot()
     samples, updates = profile_compute(cfg, args.seq_len, mbs_list, tps, args.repeats, devices,
-                                       not args.no_progress, dps)
+                                       not args.no_progress, dps, dp_mbs)
     corun = (measure_corun(cfg, devices, args.seq_len, args.repeats)
              if args.corun == "on" or (args.corun == "auto" and platform_name == "cpu") else [])
     corun += [] if args.no_runtime else measure_runtime_overhead(cfg, devices, args.repeats)

@@ -779,6 +779,8 @@ def _banner(run: _Run) -> list[str]:
                      f"({o.decay_steps}): the peak learning rate is never reached")
     lines += run.prediction.banner() if run.prediction is not None else [run.prediction_note]
     lines += run.emulation
+    bucket_line = getattr(run.rt, "grad_bucket_line", lambda: None)()
+    lines += [bucket_line] if bucket_line else []
     if run.emulation:
         lines.append("EMULATED: step times and tokens/s include the emulated slowdown waits; they are "
                      "not measurements of real slower hardware.")

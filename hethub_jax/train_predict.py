@@ -27,14 +27,15 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 __all__ = ["RunPrediction", "predict_run", "plan_from_cluster", "profile_device", "measured_bubble",
            "PROFILE_SETTINGS", "planner_microbatch_sizes", "microbatch_sizes_to_profile", "tp_degrees_to_profile",
-           "profiled_tp_degrees",
+           "profiled_tp_degrees", "dp_degrees_to_profile", "dp_microbatch_sizes_to_profile", "profiled_dp_degrees",
            "profiled_microbatch_sizes", "extrapolation_note"]
 
 #: the brief profile of plan-less training (``python -m hethub_jax.profile`` flags): the fastest of 2
 #: timed calls (the machine may be shared); no co-run slowdown, runtime per-action seconds or in-process
-#: bridge (the training islands are processes, planned without them). The microbatch sizes and TP
-#: degrees are added per run (:func:`microbatch_sizes_to_profile`, :func:`tp_degrees_to_profile`: every
-#: size and degree the planner may choose is measured, none extrapolated).
+#: bridge (the training islands are processes, planned without them). The microbatch sizes, TP and DP
+#: degrees are added per run (:func:`microbatch_sizes_to_profile`, :func:`tp_degrees_to_profile`,
+#: :func:`dp_degrees_to_profile`: every size and degree the planner may choose is measured, none
+#: extrapolated).
 PROFILE_SETTINGS = ("--repeats", "2", "--statistic", "min", "--corun", "off", "--no-runtime")
 
 
@@ -107,6 +108,39 @@ def tp_degrees_to_profile(cfg: Any, groups: List[Any]) -> List[int]:
     return sorted(out)
 
 
+def dp_degrees_to_profile(groups: List[Any], microbatch_sizes: List[int]) -> List[int]:
+    """The DP degrees > 1 of a stage inside one node that the planner may choose for ``groups``
+    (``planner.cluster`` groups, defaults filled) at the planner's ``microbatch_sizes``: every ``d`` in
+    2..``devices_per_node`` that divides one of the sizes (``planner.search``'s ``choices``: DP divides
+    the microbatch), ascending. Profiled as ``(d, 1)`` meshes (``python -m hethub_jax.profile --dp``).
+    A DP degree not profiled is predicted from one device with ``1/d`` of the tokens, i.e. perfectly
+    parallel, which fake CPU devices sharing a host's cores do not reach (session 9: README's main
+    command chose DP 2 over the two fake devices of island ``fast`` and measured 2.8x its PREDICTED
+    step). DP across nodes is not profiled here (the profile runs on one machine)."""
+    out = set()
+    for g in groups:
+        n = int(getattr(g, "devices_per_node", None) or 1)
+        out |= {d for d in range(2, n + 1) if any(m % d == 0 for m in microbatch_sizes)}
+    return sorted(out)
+
+
+def dp_microbatch_sizes_to_profile(microbatch_sizes: List[int], dp_degrees: List[int]) -> List[int]:
+    """Microbatch sizes PER DP RANK at which the ``(d, 1)`` meshes are profiled: those of
+    :func:`microbatch_sizes_to_profile` over ``m / d`` for each planner size ``m`` divisible by a degree
+    ``d`` of ``dp_degrees`` (so that no planner choice is extrapolated, and no mesh runs a microbatch
+    larger than the planner's largest); [] without DP degrees."""
+    per_rank = sorted({m // d for m in microbatch_sizes for d in dp_degrees if m % d == 0})
+    return microbatch_sizes_to_profile(per_rank) if per_rank else []
+
+
+def profiled_dp_degrees(profile: Optional[Mapping[str, Any]]) -> List[int]:
+    """The DP degrees a profile's stage calls were measured at (1 and the ``(dp, 1)`` meshes); [] for
+    None or a profile without samples (the catalog)."""
+    if not profile:
+        return []
+    return sorted({int(s.get("dp", 1)) for s in profile.get("samples", ()) if s.get("kind") == "stage"})
+
+
 def profiled_tp_degrees(profile: Optional[Mapping[str, Any]]) -> List[int]:
     """The TP degrees a profile's stage calls were measured at (``dp`` 1 samples); [] for None or a
     profile without samples (the catalog)."""
@@ -150,10 +184,17 @@ def extrapolation_note(plan: Any, profiles: Mapping[str, Optional[Mapping[str, A
         if missing:
             out.append(f"{isl.name} (TP {', '.join(map(str, missing))}; profiled TP {', '.join(map(str, tps))}: "
                        f"scaled as if perfectly parallel)")
+        dps = profiled_dp_degrees(profiles.get(isl.name))
+        # the profiler measures (dp, 1) meshes only: a dp > 1 stage with TP > 1 is scaled too
+        missing_dp = sorted({(st.dp, st.tp) for st in stages if st.dp > 1 and (st.dp not in dps or st.tp > 1)})
+        if missing_dp:
+            out.append(f"{isl.name} (DP x TP {', '.join(f'{d}x{t}' for d, t in missing_dp)}; profiled DP "
+                       f"{', '.join(map(str, dps))} at TP 1: scaled as if perfectly parallel)")
     if not out:
         return None
-    return ("PREDICTED costs EXTRAPOLATED beyond the profiled microbatch sizes or TP degrees on " + "; ".join(out)
-            + ": profile them (python -m hethub_jax.profile --microbatch-sizes ... --tp ...) for a measured figure")
+    return ("PREDICTED costs EXTRAPOLATED beyond the profiled microbatch sizes, TP or DP degrees on " + "; ".join(out)
+            + ": profile them (python -m hethub_jax.profile --microbatch-sizes ... --tp ... --dp ...) for a "
+              "measured figure")
 
 #: environment variables of MPI launchers; removed for the profiler child so that it starts as a
 #: single-process (singleton) MPI program instead of joining the job
@@ -170,6 +211,7 @@ class RunPrediction:
       bridge: the ``costs.LinkModel`` between islands (None: the predictor's default).
       seq_len: tokens per sample.
       source: one line saying where the costs came from (profile files or the catalog).
+      plan: the plan predicted (None: not kept); the banner then names each stage mesh's figures.
     """
 
     prediction: Any
@@ -177,6 +219,7 @@ class RunPrediction:
     bridge: Any
     seq_len: int
     source: str
+    plan: Any = None
 
     def records(self, cfg: Any, plan: Any, offset_s: float) -> list:
         """PREDICTED ``ActionRecord``s of one step starting at ``offset_s`` (seconds, the measured clock),
@@ -208,8 +251,19 @@ class RunPrediction:
                  f"{100 * self.bubble_fraction:.1f}%) from {self.source}"]
         for s in p.stages:
             lines.append(f"  PREDICTED replica {s.replica} stage {s.stage} on {s.island}: "
-                         f"{s.memory.total / 2**20:,.0f} MiB per device, bubble {100 * s.bubble_fraction:.1f}%")
+                         f"{s.memory.total / 2**20:,.0f} MiB per device, bubble {100 * s.bubble_fraction:.1f}%"
+                         + self._mesh_note(s))
         return lines
+
+    def _mesh_note(self, s: Any) -> str:
+        """``"; compute from <where>"`` for stage ``s`` (``DeviceCosts.mesh_source`` of its (dp, tp) mesh:
+        the catalog, a measured profile mesh, or a scaled one), "" without the plan."""
+        costs = self.costs.get(s.island)
+        try:
+            spec = self.plan.replicas[s.replica].stages[s.stage]
+        except (AttributeError, IndexError, TypeError):
+            return ""
+        return f"; compute from {costs.mesh_source(spec.dp, spec.tp)}" if hasattr(costs, "mesh_source") else ""
 
 
 def _profile_for_island(profiles_dir: Optional[str], isl: Any) -> Optional[str]:
@@ -243,7 +297,7 @@ def predict_run(cfg: Any, plan: Any, seq_len: int, *, profiles_dir: Optional[str
                      for v in found.values()]
             source = "; ".join(f"{k}: {p}" for k, p in zip(found, parts))
     pred = predict(cfg, plan, dict(costs), seq_len=seq_len, bridge=bridge)
-    return RunPrediction(pred, dict(costs), bridge, seq_len, source or "given costs")
+    return RunPrediction(pred, dict(costs), bridge, seq_len, source or "given costs", plan)
 
 
 def measured_bubble(records: list, start_s: Optional[float] = None) -> Optional[float]:
@@ -267,17 +321,23 @@ def measured_bubble(records: list, start_s: Optional[float] = None) -> Optional[
 # plan-less training
 
 def profile_device(model: str, seq_len: int, out: str, timeout_s: float = 600.0,
-                   microbatch_sizes: Tuple[int, ...] = (1, 2), tp_degrees: Tuple[int, ...] = (1,)) -> Tuple[bool, str]:
+                   microbatch_sizes: Tuple[int, ...] = (1, 2), tp_degrees: Tuple[int, ...] = (1,),
+                   dp_degrees: Tuple[int, ...] = (), dp_microbatch_sizes: Tuple[int, ...] = ()) -> Tuple[bool, str]:
     """Profile this machine's CPU as device type ``cpu`` into ``out`` (``python -m hethub_jax.profile``
-    with :data:`PROFILE_SETTINGS` at ``microbatch_sizes`` and ``tp_degrees``, preset ``model``; a TP
-    degree above 1 runs on fake CPU devices of this machine) in a child process with the
-    MPI launcher's variables removed. Returns ``(ok, message)``; never raises for a failed profile (the
-    caller falls back to the catalog and says so)."""
+    with :data:`PROFILE_SETTINGS` at ``microbatch_sizes`` and ``tp_degrees``, and ``(d, 1)`` meshes for
+    each of ``dp_degrees`` (> 1) at ``dp_microbatch_sizes`` per DP rank, preset ``model``; a TP or DP
+    degree above 1 runs on fake CPU devices of this machine, which share its cores: measured, not
+    assumed parallel) in a child process with the MPI launcher's variables removed. Returns
+    ``(ok, message)``; never raises for a failed profile (the caller falls back to the catalog and
+    says so)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_ENV)}
     env["JAX_PLATFORMS"] = "cpu"
     cmd = [sys.executable, "-m", "hethub_jax.profile", "--model", model, "--seq-len", str(seq_len),
            "--device-type", "cpu", "--out", out, "--microbatch-sizes", ",".join(map(str, microbatch_sizes)),
            "--tp", ",".join(map(str, tp_degrees)), *PROFILE_SETTINGS]
+    if dp_degrees:
+        cmd += ["--dp", ",".join(map(str, (1, *dp_degrees))),
+                "--dp-microbatch-sizes", ",".join(map(str, dp_microbatch_sizes or microbatch_sizes))]
     t0 = time.perf_counter()
     try:
         rc, err = _run_showing_stderr(cmd, env, timeout_s)
@@ -322,12 +382,15 @@ def _run_showing_stderr(cmd: List[str], env: Mapping[str, str], timeout_s: float
 
 
 def _profiles(cluster: Any, model: str, seq_len: int, profiles_dir: str, log,
-              microbatch_sizes: Tuple[int, ...] = (1, 2), cfg: Any = None) -> Tuple[Dict[str, Any], List[str]]:
+              microbatch_sizes: Tuple[int, ...] = (1, 2), cfg: Any = None,
+              planner_sizes: Optional[Tuple[int, ...]] = None) -> Tuple[Dict[str, Any], List[str]]:
     """Per group name, a profile dict (or None: the catalog), and one line per profile file (or catalog
     entry) saying which groups use it: groups of one device type share one profile (emulated slowdowns
     are applied by the predictor), reported once, not once per group. A profile that is measured here
     is measured at ``microbatch_sizes`` and, given the model's ``cfg``, at every TP degree the planner
-    may choose for its groups (:func:`tp_degrees_to_profile`; without ``cfg``: TP 1)."""
+    may choose for its groups (:func:`tp_degrees_to_profile`; without ``cfg``: TP 1) and every DP degree
+    inside a node it may choose at the microbatch sizes ``planner_sizes`` (:func:`dp_degrees_to_profile`;
+    without ``planner_sizes``: none)."""
     users: Dict[str, List[Any]] = {}  # profile path -> the groups using it, in cluster order
     for g in cluster.resolved().groups:
         users.setdefault(g.profile or os.path.join(profiles_dir, f"{g.device or g.name}.json"), []).append(g)
@@ -335,11 +398,18 @@ def _profiles(cluster: Any, model: str, seq_len: int, profiles_dir: str, log,
     notes: List[str] = []
     for path, groups in users.items():
         tps = tuple(tp_degrees_to_profile(cfg, groups)) if cfg is not None else (1,)
-        notes.append(f"{_groups_text(groups)}: {_get_profile(path, groups, model, seq_len, log, microbatch_sizes, tps)}")
+        dps = tuple(dp_degrees_to_profile(groups, list(planner_sizes))) if planner_sizes else ()
+        dp_sizes = tuple(dp_microbatch_sizes_to_profile(list(planner_sizes), list(dps))) if dps else ()
+        notes.append(f"{_groups_text(groups)}: "
+                     f"{_get_profile(path, groups, model, seq_len, log, microbatch_sizes, tps, dps, dp_sizes)}")
         prof = None
         if os.path.exists(path):
             with open(path) as f:
                 prof = json.load(f)
+            busy = (prof or {}).get("others_cpu_share")
+            if busy is not None and busy > 0.05:  # the profiler's own note goes to its stdout, not shown here
+                notes[-1] += (f" (note: other processes used {100 * busy:.0f}% of this machine's CPUs while it was "
+                              f"profiled: its figures include their load, and so does the PREDICTED step)")
         out.update({g.name: prof for g in groups})
     return out, notes
 
@@ -354,18 +424,25 @@ def _groups_text(groups: List[Any]) -> str:
 
 
 def _get_profile(path: str, groups: List[Any], model: str, seq_len: int, log,
-                 microbatch_sizes: Tuple[int, ...] = (1, 2), tp_degrees: Tuple[int, ...] = (1,)) -> str:
+                 microbatch_sizes: Tuple[int, ...] = (1, 2), tp_degrees: Tuple[int, ...] = (1,),
+                 dp_degrees: Tuple[int, ...] = (), dp_sizes: Tuple[int, ...] = ()) -> str:
     """Reuses the profile at ``path``, or measures it (device type cpu, at ``microbatch_sizes`` and
-    ``tp_degrees``), or falls back to the catalog. Returns the text saying which."""
+    ``tp_degrees``; ``(d, 1)`` meshes for ``dp_degrees`` at ``dp_sizes`` per DP rank), or falls back to
+    the catalog. Returns the text saying which."""
     if os.path.exists(path):
         return f"reusing saved profile {path}"
     if not all(g.platform == "cpu" and g.device == "cpu" for g in groups):
         return f"no profile; the catalog entry {groups[0].device!r} (assumption, not measured)"
     log(f"profiling device type cpu for {_groups_text(groups)} into {path} (python -m hethub_jax.profile "
         f"--microbatch-sizes {','.join(map(str, microbatch_sizes))} --tp {','.join(map(str, tp_degrees))} "
-        f"{' '.join(PROFILE_SETTINGS)}; emulated slowdowns are applied by the predictor)...")
+        + (f"--dp 1,{','.join(map(str, dp_degrees))} --dp-microbatch-sizes {','.join(map(str, dp_sizes))} "
+           if dp_degrees else "")
+        + f"{' '.join(PROFILE_SETTINGS)}; emulated slowdowns are applied by the predictor"
+        + ("; DP meshes of fake CPU devices share this machine's cores: measured, not assumed parallel"
+           if dp_degrees else "") + ")...")
+    kw = {"dp_degrees": tuple(dp_degrees), "dp_microbatch_sizes": tuple(dp_sizes)} if dp_degrees else {}
     ok, msg = profile_device(model, seq_len, path, microbatch_sizes=tuple(microbatch_sizes),
-                             tp_degrees=tuple(tp_degrees))
+                             tp_degrees=tuple(tp_degrees), **kw)
     return (f"measured profile {path} ({msg})" if ok
             else f"{msg}; using the catalog 'cpu' entry (assumption, not measured)")
 
@@ -433,8 +510,9 @@ def _plan_rank0(cfg: Any, model: str, cluster_path: str, gbs: int, seq_len: int,
     """Rank 0's work: profiles, search, lines. Returns the message sent to every rank."""
     from hethub_jax.planner.cluster import load_cluster
     cluster = load_cluster(cluster_path)
-    sizes = tuple(microbatch_sizes_to_profile(planner_microbatch_sizes(gbs, mbs)))
-    profiles, notes = _profiles(cluster, model, seq_len, profiles_dir, log, sizes, cfg=cfg)
+    planner_sizes = tuple(planner_microbatch_sizes(gbs, mbs))
+    sizes = tuple(microbatch_sizes_to_profile(list(planner_sizes)))
+    profiles, notes = _profiles(cluster, model, seq_len, profiles_dir, log, sizes, cfg=cfg, planner_sizes=planner_sizes)
     t0 = time.perf_counter()
     res = _search(cfg, cluster, gbs, seq_len, mbs, profiles)
     _check_ranks(res.best, cluster_path, world_size, model, gbs)

@@ -140,13 +140,16 @@ def test_planless_training_profiles_up_to_the_global_batch(tmp_path, monkeypatch
     from test_train_insight import ROOT, fixed_profile
     asked, asked_tp = [], []
 
-    def fake_profile(model, seq_len, out, timeout_s=600.0, microbatch_sizes=(1, 2), tp_degrees=(1,)):
+    def fake_profile(model, seq_len, out, timeout_s=600.0, microbatch_sizes=(1, 2), tp_degrees=(1,),
+                     dp_degrees=(), dp_microbatch_sizes=()):
         asked.append(tuple(microbatch_sizes))
         asked_tp.append(tuple(tp_degrees))
         prof = fixed_profile()
         prof["seq_len"] = seq_len
-        prof["samples"] = [{"kind": "stage", "tokens": m * seq_len, "tp": t}
-                           for m in microbatch_sizes for t in tp_degrees]
+        prof["samples"] = ([{"kind": "stage", "tokens": m * seq_len, "tp": t}
+                            for m in microbatch_sizes for t in tp_degrees]
+                           + [{"kind": "stage", "tokens": m * seq_len, "tp": 1, "dp": d}
+                              for m in dp_microbatch_sizes for d in dp_degrees])
         os.makedirs(os.path.dirname(out), exist_ok=True)  # as the profiler does
         with open(out, "w") as f:
             json.dump(prof, f)

@@ -111,3 +111,27 @@ def test_emulated_wait_leaves_out_the_bucket_threads_cpu_time(monkeypatch):
     assert 2 * (t1 - t0 - 0.04) <= waits[0] <= 2 * (wall - 0.04), (waits, wall)
     rt._emulate((0, 0), np.zeros(1), time.perf_counter())  # the fast island: no wait
     assert len(waits) == 1
+
+
+def test_bucketing_off_reason_matches_what_a_step_does():
+    """GPipe on one-stage replicas with several microbatches each runs all forwards, then all backwards:
+    the last backward does not follow its own forward, so the bucketed path (which runs the last
+    microbatch's forward and backward together in layer buckets) does not apply, by design. The runtime
+    says so in words (training's banner, the benchmarks: no bare "0 gradient buckets"), and a step agrees
+    with it: buckets exactly when no reason is given (1F1B; GPipe with one microbatch per replica)."""
+    from hethub_jax.parallel.plan import Plan
+    cfg = model_config(False)
+    cases = [("1f1b", [8, 2], 10, True), ("gpipe", [8, 2], 10, False), ("gpipe", [1, 1], 2, True)]
+    for schedule, shares, gbs, bucketed in cases:
+        d = dp_plan(shares=shares, gbs=gbs).to_dict()
+        d["schedule"] = schedule
+        rt = PipelineRuntime(Plan.from_dict(d), cfg, OPTIM, seed=7)
+        rt.set_grad_buckets(0.02)
+        why, line = rt.grad_bucket_off_reason(), rt.grad_bucket_line()
+        assert (why is None) == bucketed, (schedule, shares, why)
+        assert ("NOT bucketed" in line) != bucketed and (bucketed or "gpipe" in why), line
+        rt.last_bucket_stats = None
+        rt.train_step(batches(gbs, n=1)[0])
+        assert (rt.last_bucket_stats is not None and rt.last_bucket_stats["num_buckets"] > 0) == bucketed
+    rt.set_grad_buckets(None)
+    assert "train.grad_bucket_mb null" in rt.grad_bucket_off_reason()

@@ -484,19 +484,44 @@ class PipelineRuntime:
         """True when the step's last backward runs in buckets (`hethub_jax.parallel.buckets`):
         `grad_bucket_bytes` set, several replicas, each one stage on one process (every parameter is
         then held by every replica: one group), and every replica's last two compute actions are F
-        and B of one microbatch. The same on every rank (it depends on the plan and shares only)."""
+        and B of one microbatch. The same on every rank (it depends on the plan and shares only).
+        `grad_bucket_off_reason` says which condition fails."""
+        return self.grad_bucket_off_reason() is None
+
+    def grad_bucket_off_reason(self) -> str | None:
+        """None when the bucketed all-reduce applies (`_bucketing`), else why not, in words (printed
+        by training and the benchmarks instead of a bare "0 buckets"). By design the bucketed path
+        runs the LAST microbatch's forward and backward together in layer buckets
+        (`_StepExecutor._bucketed`), so it needs them adjacent: 1F1B on one-stage replicas has them
+        (F(m) B(m) at the end); GPipe has them only with one microbatch per replica (its order is all
+        F, then all B: the last backward's forward ran long before, its residuals saved whole)."""
         plan = self.plan
-        if self.grad_bucket_bytes is None or plan.num_replicas < 2 or not self.shared:
-            return False
+        if self.grad_bucket_bytes is None:
+            return "off (train.grad_bucket_mb null)"
+        if plan.num_replicas < 2 or not self.shared:
+            return "no heterogeneous-DP gradients to all-reduce (one replica)"
         if any(plan.num_stages(r) != 1 for r in range(plan.num_replicas)) or any(
                 len(o) > 1 for o in self.owners.values()):
-            return False
+            return "replicas of several stages or processes (bucketing needs one stage on one process each)"
         for r in range(plan.num_replicas):
             comp = [a for a in self.train_actions[r][0] if a.kind in (ActionKind.F, ActionKind.B)]
             if not (len(comp) >= 2 and comp[-1].kind == ActionKind.B and comp[-2].kind == ActionKind.F
                     and comp[-1].microbatch == comp[-2].microbatch):
-                return False
-        return True
+                return (f"replica {r}'s last backward (microbatch {comp[-1].microbatch if comp else '?'}) does not "
+                        f"follow its own forward under schedule {plan.schedule} ({len(comp) // 2} microbatches: "
+                        f"GPipe runs all forwards, then all backwards); the all-reduce runs after the backward")
+        return None
+
+    def grad_bucket_line(self) -> str | None:
+        """One line on the heterogeneous-DP gradient all-reduce for the start-up banner: bucketed (size)
+        or not, and why not; None for a plan of one replica."""
+        if self.plan.num_replicas < 2:
+            return None
+        why = self.grad_bucket_off_reason()
+        if why is None:
+            return (f"gradient all-reduce across replicas: in buckets of {self.grad_bucket_bytes / 2**20:g} MiB "
+                    f"(first {self.first_grad_bucket_bytes / 2**20:g} MiB) overlapped with the last backward")
+        return f"gradient all-reduce across replicas: NOT bucketed: {why}"
 
     def _step_buckets(self, batch: dict[str, np.ndarray]) -> bk.BucketedReduction | None:
         """This step's bucket reductions (None when `_bucketing` is False); compiles each local

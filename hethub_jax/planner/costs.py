@@ -204,6 +204,34 @@ class DeviceCosts:
                    action_overhead_s=max(0.0, float((fits_in.get("runtime") or {}).get("per_action_s", 0.0))),
                    local_bridge_link=_local_bridge(fits_in.get("bridge_local")))
 
+    # ---- DP meshes ---------------------------------------------------------------------------------
+    def measured_dp_degrees(self, tp: int) -> Tuple[int, ...]:
+        """DP degrees whose ``(dp, tp)`` stage mesh has MEASURED figures in the profile, ascending: 1
+        when the TP degree ``tp`` itself was profiled, and every ``dp`` of a profiled ``(dp, tp)`` mesh
+        (``dp_fits``); () for the catalog. The planner weighs these against each other (on fake CPU
+        devices sharing a host, DP 2 is not twice as fast as DP 1, and may be slower)."""
+        if self.source != "profile":
+            return ()
+        out = {1} if int(tp) in self.fits else set()
+        out |= {d for d, t in self.dp_fits if t == int(tp)}
+        return tuple(sorted(out))
+
+    def mesh_source(self, dp: int, tp: int) -> str:
+        """Where the compute figures of a ``(dp, tp)`` stage mesh come from, in words: the catalog, the
+        profile's measured mesh, or the profile's nearest TP degree scaled (tokens per DP rank, slope
+        x profiled tp / tp: as if perfectly parallel, which devices sharing a host do not reach)."""
+        if self.source != "profile":
+            return f"catalog {self.name!r} x efficiency {self.efficiency:g}"
+        dp, tp = int(dp), int(tp)
+        if dp > 1 and (dp, tp) in self.dp_fits:
+            return f"profile, mesh {dp}x{tp} measured"
+        if dp == 1 and tp in self.fits:
+            return f"profile, mesh 1x{tp} measured"
+        lower = [t for t in sorted(self.fits) if t <= tp]
+        t = lower[-1] if lower else min(self.fits)
+        return (f"profile, mesh {dp}x{tp} NOT profiled: mesh 1x{t} scaled as if perfectly parallel "
+                f"(tokens per DP rank{', slope x %d/%d' % (t, tp) if t != tp else ''})")
+
     # ---- compute -----------------------------------------------------------------------------------
     def _fit(self, tp: int, phase: str, part: str, dp: int = 1) -> Tuple[_Linear, float]:
         """The fitted line of the profiled ``(dp, tp)`` mesh when there is one (``dp > 1``), else of

@@ -777,7 +777,10 @@ class _Planner:
         ``mbs`` such that ``stages * dp * tp`` devices fit the group and (``opt.runnable_stages``) the
         runtime runs ``stages`` stages of ``dp * tp`` devices on its nodes once split per stage
         (``rules.uniform_stages_run``; ``dp = 1`` always does, as ``tp`` divides the node). Where the rule
-        lowers ``dp``, :attr:`restricted` records both (for :meth:`why_infeasible`)."""
+        lowers ``dp``, :attr:`restricted` records both (for :meth:`why_infeasible`). Also every smaller
+        DP degree (dividing ``mbs``) whose ``(dp, tp)`` mesh the group's profile MEASURED
+        (``DeviceCosts.measured_dp_degrees``): with measured DP figures a larger DP degree is not
+        faster by assumption (fake CPU devices share one host's cores), so the search weighs them."""
         if (g, mbs) in self._choices:
             return self._choices[(g, mbs)]
         from hethub_jax.parallel.rules import uniform_stages_run
@@ -794,6 +797,10 @@ class _Planner:
                     self.restricted[(g, mbs, k, tp)] = (dp, ok)
                     dp = ok
                 out.append((k, tp, dp))
+                measured = getattr(self.costs.get(g), "measured_dp_degrees", lambda t: ())(tp)
+                out += [(k, tp, d) for d in sorted(measured, reverse=True)
+                        if len(measured) > 1 and d < dp and mbs % d == 0
+                        and (not self.opt.runnable_stages or uniform_stages_run(k, d * tp, grp.devices_per_node))]
         return out
 
     def combo_streams(self) -> Iterator[Tuple[float, int, str, str, Tuple[Tuple[int, int, int], ...]]]:
