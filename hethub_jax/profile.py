@@ -503,17 +503,18 @@ def measure_cold(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int) -
 
 
 def fit_cold(samples: List[dict]) -> Optional[Dict[str, Any]]:
-    """``{position: {phase: ratio}}`` (positions ``first``, ``middle``, ``last``): the cold over the warm
-    process CPU seconds of each measured call (:func:`measure_cold`), at least 1 (below 1 is noise);
-    None without samples."""
+    """``{position: {phase: seconds}}`` (positions ``first``, ``middle``, ``last``): the extra process
+    CPU seconds of each measured call (:func:`measure_cold`) right after another stage's call over
+    right after itself, at least 0 (below 0 is noise); None without samples. A cost per CALL: a
+    first stage's F of 3 layers and of 1 layer pay about the same extra (docs/benchmarks.md, issue
+    13, session 10)."""
     out: Dict[str, Any] = {}
     for s in samples:
-        if s["warm_cpu_s"] > 0:
-            out.setdefault(s["position"], {})[s["phase"]] = max(1.0, s["cold_cpu_s"] / s["warm_cpu_s"])
+        out.setdefault(s["position"], {})[s["phase"]] = max(0.0, s["cold_cpu_s"] - s["warm_cpu_s"])
     if not out:
         return None
-    out["method"] = ("process CPU seconds of each call right after another stage's call over right after "
-                     "itself (one device, one one-sample microbatch)")
+    out["method"] = ("extra process CPU seconds of each call right after another stage's call over right after "
+                     "itself (one device, one one-sample microbatch; profile.measure_cold)")
     return out
 
 

@@ -113,12 +113,12 @@ class DeviceCosts:
         (``fits.bridge_local``) as ``LinkModel(c0 / 2, 1 / c1)``, so that the predictor's ring
         all-reduce of 2 islands, ``2 alpha + bytes / bandwidth``, is the measured one; None when not
         measured.
-      cold_ratios: per stage position (``"first"``, ``"middle"``, ``"last"``) and phase, the MEASURED
-        ratio (>= 1, dimensionless) of a call's seconds right after another stage's call to its
-        seconds right after itself (``fits.cold`` of a profile, ``profile.measure_cold``: the call
-        finds its data evicted from the CPU caches); the compute fits time calls back to back, so the
-        predictor multiplies a call that follows a different call by it (:meth:`cold_ratio`). Empty
-        (every ratio 1) for the catalog and for profiles without the measurement.
+      cold_extra: per stage position (``"first"``, ``"middle"``, ``"last"``) and phase, the MEASURED
+        extra seconds (>= 0) of a call right after another stage's call over right after itself
+        (``fits.cold`` of a profile, ``profile.measure_cold``: the call finds its code and data
+        evicted from the CPU caches); the compute fits time calls back to back, so the predictor
+        adds it to a call that follows a different call (:meth:`cold_extra_s`). Empty (0 s) for the
+        catalog and for profiles without the measurement.
     """
 
     name: str
@@ -140,19 +140,19 @@ class DeviceCosts:
     update_dp_fits: Dict[int, _Linear] = field(default_factory=dict)
     action_overhead_s: float = 0.0
     local_bridge_link: Optional[LinkModel] = None
-    cold_ratios: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    cold_extra: Dict[str, Dict[str, float]] = field(default_factory=dict)
 
-    def cold_ratio(self, is_first: bool, is_last: bool, phase: str) -> float:
-        """The measured :attr:`cold_ratios` entry of a stage call (phase in :data:`PHASES`; a last
+    def cold_extra_s(self, is_first: bool, is_last: bool, phase: str) -> float:
+        """The measured :attr:`cold_extra` seconds of a stage call (phase in :data:`PHASES`; a last
         stage's fused forward + backward is ``"B_recompute"``): position ``"last"`` for a last stage
         (also a one-stage plan's stage, whose calls are the fused ones), ``"first"`` for a first
-        stage, else ``"middle"``; 1.0 when not measured.
+        stage, else ``"middle"``; 0.0 when not measured.
 
         Raises:
           ValueError: for an unknown phase."""
         _check_phase(phase)
         pos = "last" if is_last else "first" if is_first else "middle"
-        return max(1.0, float(self.cold_ratios.get(pos, {}).get(phase, 1.0)))
+        return max(0.0, float(self.cold_extra.get(pos, {}).get(phase, 0.0)))
 
     def on_shared_host(self, host: str = "local") -> "DeviceCosts":
         """A copy whose islands share the cores of host ``host`` with the other islands given costs
@@ -222,7 +222,7 @@ class DeviceCosts:
                    update_dp_fits={int(k): lin(v) for k, v in (fits_in.get("update_dp") or {}).items()},
                    action_overhead_s=max(0.0, float((fits_in.get("runtime") or {}).get("per_action_s", 0.0))),
                    local_bridge_link=_local_bridge(fits_in.get("bridge_local")),
-                   cold_ratios=_cold(fits_in.get("cold")))
+                   cold_extra=_cold(fits_in.get("cold")))
 
     # ---- compute -----------------------------------------------------------------------------------
     def _fit(self, tp: int, phase: str, part: str, dp: int = 1) -> Tuple[_Linear, float]:
@@ -380,7 +380,7 @@ def _corun(d: Optional[Mapping[str, Any]]) -> float:
 
 
 def _cold(d: Optional[Mapping[str, Any]]) -> Dict[str, Dict[str, float]]:
-    """The profile's measured cold-call ratios ``{position: {phase: ratio}}`` (empty when absent)."""
+    """The profile's measured cold-call extra seconds ``{position: {phase: seconds}}`` (empty when absent)."""
     if not d:
         return {}
     return {pos: {ph: float(r) for ph, r in phases.items() if ph in PHASES}

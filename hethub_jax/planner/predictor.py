@@ -254,12 +254,13 @@ class _StageCtx:
     t_fused: float         # fused F+B of the last stage
     n_params: float        # per device
     is_last: bool = False  # spec.is_last, read once (a pydantic property; _fused asks per action)
-    # measured cold-call ratios (DeviceCosts.cold_ratio) of the F, B and fused F+B calls, and whether a
+    # measured cold-call extra seconds (DeviceCosts.cold_extra_s, slowdown included) of the F, B and
+    # fused F+B calls, and whether a
     # call directly after the same call of the stage runs warm (the stage alone on its island, the
     # island alone on its host: nothing else ran between them)
-    cold_f: float = 1.0
-    cold_b: float = 1.0
-    cold_fused: float = 1.0
+    cold_f: float = 0.0
+    cold_b: float = 0.0
+    cold_fused: float = 0.0
     warm_repeats: bool = False
 
 
@@ -276,7 +277,7 @@ def _stage_ctx(cfg: Any, plan: Any, r: int, s: int, costs: Mapping[str, DeviceCo
     f_phase, b_phase = ("F", "B") if plan.recompute == "none" else ("F_nosave", "B_recompute")
     n = analytic.stage_params_per_device(cfg, spec.first_layer, spec.last_layer, spec.is_first, spec.is_last, spec.tp)
     dp = spec.dp
-    cold = lambda ph: c.cold_ratio(spec.is_first, spec.is_last, ph)  # noqa: E731
+    cold = lambda ph: factor * c.cold_extra_s(spec.is_first, spec.is_last, ph)  # noqa: E731
     return _StageCtx((r, s), spec, isl, c, factor, tokens, factor * stage_compute_s(*args, f_phase, dp),
                      factor * stage_compute_s(*args, b_phase, dp), factor * stage_compute_s(*args, "B_recompute", dp),
                      n, bool(spec.is_last), cold(f_phase), cold(b_phase), cold("B_recompute"), bool(warm_repeats))
@@ -335,8 +336,8 @@ def _stage_times(ctx: _StageCtx, arr: ScheduleArrays, s: int, host_s: float, bri
         t[i], t[i + 1] = ctx.t_fused + 0.0, 0.0
     if last >= 0:
         t[last] = ctx.t_fused + fused_update_s
-    if ctx.cold_f > 1 or ctx.cold_b > 1 or ctx.cold_fused > 1:  # the measured cost of a call after another
-        extra = ((ctx.cold_f - 1) * ctx.t_f, (ctx.cold_b - 1) * ctx.t_b, (ctx.cold_fused - 1) * ctx.t_fused)
+    if ctx.cold_f > 0 or ctx.cold_b > 0 or ctx.cold_fused > 0:  # the measured cost of a call after another
+        extra = (ctx.cold_f, ctx.cold_b, ctx.cold_fused)
         for i, kind in _cold_calls(arr, s, ctx.is_last, ctx.warm_repeats):
             t[i] += extra[kind]
     return t, list(map(dtab.__getitem__, codes))
