@@ -7,8 +7,9 @@ How a prediction is made (DESIGN.md section 7; details and formulas in ``docs/pr
      recompute ``none`` runs F = ``forward_saving``, B = ``backward_saved``; ``full`` runs F =
      ``forward``, B = ``backward_recompute``; on the last stage a forward directly followed by the
      backward of the same microbatch runs fused as one forward + backward, the B action then costs
-     only the call), times the island's emulated slowdown (the runtime waits (f - 1) x each measured
-     compute action and update, DESIGN.md section 9);
+     only the call), plus the profile's measured cold-call extra on every call that follows a
+     different call (:func:`_cold_calls`), times the island's emulated slowdown (the runtime waits
+     (f - 1) x each measured compute action and update, DESIGN.md section 9);
   2. the step's timeline from :func:`hethub_jax.planner.simulator.simulate` over ``plan.actions(r)``
      of every replica (the very lists the runtime executes); messages between islands take the
      sender's device-to-host copy, the bridge (``LinkModel``) and the receiver's host-to-device copy;
@@ -255,9 +256,8 @@ class _StageCtx:
     n_params: float        # per device
     is_last: bool = False  # spec.is_last, read once (a pydantic property; _fused asks per action)
     # measured cold-call extra seconds (DeviceCosts.cold_extra_s, slowdown included) of the F, B and
-    # fused F+B calls, and whether a
-    # call directly after the same call of the stage runs warm (the stage alone on its island, the
-    # island alone on its host: nothing else ran between them)
+    # fused F+B calls, and whether a call directly after the same kind of call of the stage runs warm
+    # (the stage alone on its island, the island alone on its host: nothing else ran between them)
     cold_f: float = 0.0
     cold_b: float = 0.0
     cold_fused: float = 0.0
