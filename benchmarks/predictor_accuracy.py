@@ -34,6 +34,9 @@
    ``getrusage``: a count, not a time, so the same on a loaded machine).
 4. ``figures`` also holds ``max_ape`` and the same for a BASELINE in the same run: the catalog's ``cpu``
    entry at its stated efficiency instead of the profile.
+   ``without_cold_mape`` (and per row ``without_cold_ape``): the same profile's prediction without its
+   measured cold-call extras (``fits.cold``, the model before session 10), for a before/after in the
+   same run.
 
 The host allocator (``--host-allocator``, default ``steady``, ``hethub_jax.host_allocator``): glibc
 settings under which XLA:CPU's large buffers are not mmapped and unmapped on every call; the runtime
@@ -216,13 +219,18 @@ def run_profile(args) -> str:
 
 
 def predict_row(name: str, cfg, costs, base, bridge, args) -> tuple:
-    """(plan, prediction with the profile, prediction with the catalog baseline) of configuration ``name``."""
+    """(plan, prediction with the profile, prediction with the catalog baseline, prediction with the
+    profile without its cold-call extras: the model before session 10) of configuration ``name``."""
+    from dataclasses import replace
+
     from hethub_jax.parallel.plan import Plan
     from hethub_jax.planner.predictor import predict
     plan = Plan.from_dict(configs()[name]).validate(cfg)
     pred = predict(cfg, plan, {i.name: costs for i in plan.islands}, seq_len=args.seq, bridge=bridge)
     pred_base = predict(cfg, plan, {i.name: base for i in plan.islands}, seq_len=args.seq, bridge=bridge)
-    return plan, pred, pred_base
+    warm = replace(costs, cold_extra={})
+    pred_warm = predict(cfg, plan, {i.name: warm for i in plan.islands}, seq_len=args.seq, bridge=bridge)
+    return plan, pred, pred_base, pred_warm
 
 
 def measure_round(plan, cfg, args) -> dict:
@@ -238,7 +246,7 @@ def measure_round(plan, cfg, args) -> dict:
     return best
 
 
-def finish_row(name: str, pred, pred_base, rounds: list, args) -> dict:
+def finish_row(name: str, pred, pred_base, rounds: list, args, pred_warm=None) -> dict:
     """The configuration's row over its rounds (``rounds``: :func:`measure_round` dicts in round
     order): predicted, the rounds' figures and their spread (:func:`spread_summary`), the catalog
     baseline, and with ``--breakdown`` the breakdown of the median round's step. Prints its line."""
@@ -249,6 +257,9 @@ def finish_row(name: str, pred, pred_base, rounds: list, args) -> dict:
     row = {"config": name, "predicted_step_s": pred.step_time_s, "measured_step_s": meas, **sp,
            "baseline_catalog_step_s": pred_base.step_time_s,
            "baseline_ape": abs(pred_base.step_time_s - meas) / meas, "critical_path": pred.critical_path,
+           # the same profile without its measured cold-call extras (the model before session 10)
+           "without_cold_step_s": None if pred_warm is None else pred_warm.step_time_s,
+           "without_cold_ape": None if pred_warm is None else abs(pred_warm.step_time_s - meas) / meas,
            "rounds_steps_s": [r["steps_s"] for r in rounds],
            "rounds_trials_statistic_s": [r["trials_statistic_s"] for r in rounds],
            "faults_per_step": median([r["faults_per_step"] for r in rounds]),
@@ -257,7 +268,9 @@ def finish_row(name: str, pred, pred_base, rounds: list, args) -> dict:
     outside = "" if sp["within_spread"] else f" (outside the spread by {100 * sp['ape_beyond_spread']:.1f}%)"
     print(f"{name:24s} predicted {pred.step_time_s:7.4f} s  measured min/median/max {sp['min_s']:7.4f} / "
           f"{meas:7.4f} / {sp['max_s']:7.4f} s (spread {sp['spread']:.2f}x)  APE {100 * sp['ape']:5.1f}%{outside}"
-          f"  catalog {100 * row['baseline_ape']:5.1f}%  faults/step {row['faults_per_step']:.0f}"
+          f"  catalog {100 * row['baseline_ape']:5.1f}%"
+          + ("" if pred_warm is None else f"  without cold calls {100 * row['without_cold_ape']:5.1f}%")
+          + f"  faults/step {row['faults_per_step']:.0f}"
           + ("" if row["others_cpu_share"] is None else f"  others {100 * row['others_cpu_share']:.0f}% CPU"),
           flush=True)
     if args.breakdown:
@@ -281,6 +294,8 @@ def summary(rows: list, names_by_round: list) -> dict:
     return {"mape": sum(r["ape"] for r in rows) / n, "max_ape": max(r["ape"] for r in rows),
             "mape_min": sum(r["ape_min"] for r in rows) / n,
             "baseline_catalog_mape": sum(r["baseline_ape"] for r in rows) / n,
+            "without_cold_mape": (sum(r["without_cold_ape"] for r in rows) / n
+                                  if all(r.get("without_cold_ape") is not None for r in rows) else None),
             "configurations": n, "goal_mape": 0.05, "rounds": len(names_by_round),
             "max_spread": spreads[-1], "median_spread": spreads[(n - 1) // 2],
             "within_spread": sum(bool(r["within_spread"]) for r in rows),
@@ -351,7 +366,7 @@ def main() -> None:
             measured[n].append(measure_round(preds[n][0], cfg, args))
         print(f"round {i + 1}/{len(orders)} done ({time.time() - t_start:.0f} s): "
               + ", ".join(f"{n} {measured[n][-1]['statistic_s']:.4f}" for n in order), flush=True)
-    rows = [finish_row(n, preds[n][1], preds[n][2], measured[n], args) for n in names]
+    rows = [finish_row(n, preds[n][1], preds[n][2], measured[n], args, preds[n][3]) for n in names]
     figures = summary(rows, orders)
     figures.update(statistic=args.statistic, trials=args.trials, host_allocator=alloc["allocator"],
                    # CPU used by other processes during the whole run (profile included): ~0 on a quiet machine
@@ -368,6 +383,8 @@ def main() -> None:
           + ", ".join(f"{100 * x:.1f}%" for x in figures["round_mape"]) + ", measured/predicted "
           + ", ".join(f"{x:.3f}" for x in figures["round_scale"])
           + f"; catalog baseline {100 * figures['baseline_catalog_mape']:.1f}%"
+          + ("" if figures["without_cold_mape"] is None else
+             f"; without the cold-call extras {100 * figures['without_cold_mape']:.1f}%")
           + ("" if figures["others_cpu_share"] is None else
              f"; other processes used {100 * figures['others_cpu_share']:.0f}% of the CPUs during the run")
           + ("" if share_profile is None else f" ({100 * share_profile:.0f}% while profiling)")

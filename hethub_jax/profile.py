@@ -434,6 +434,96 @@ def measure_corun(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int) 
              "busy_s": float(np.median(times[(n, 1)]))} for n in calls]
 
 
+def _phase_calls(st: Any, cfg: Any, seq_len: int) -> Dict[str, Callable[[], Any]]:
+    """Blocking calls of stage ``st`` on one one-sample microbatch per phase the runtime runs
+    (``F`` forward_saving, ``F_nosave`` forward, ``B`` backward_saved, ``B_recompute``
+    backward_recompute; on the last stage ``B_recompute`` is the fused forward_backward), each placing
+    its host inputs as the runtime's F action does; the gradient accumulator is donated and replaced
+    after every backward, as the runtime does (no zeroing inside the timed call)."""
+    import jax
+    import jax.numpy as jnp
+
+    from hethub_jax.parallel.stage import StageInputs
+    tokens, pos, mask, x_dev = _inputs(st, cfg, 1, seq_len)
+    no = np.bool_(False)
+    args = lambda: StageInputs(st.place_tokens(tokens) if st.is_first else x_dev, st.place_tokens(pos),
+                               *((st.place_tokens(tokens), st.place_tokens(mask)) if st.is_last else ()))
+    g = jnp.ones((), jnp.float32) if st.is_last else jax.device_put(
+        jnp.ones((1, seq_len, cfg.hidden_size), cfg.dtype), st.act_sharding)
+    saved = st.forward_saving(st.params, args())[1]
+    box = {"acc": st.new_grad_buffer()}
+
+    def acc_call(fn):
+        def call():
+            out = fn(box["acc"])
+            box["acc"] = out.acc if hasattr(out, "acc") else out[1].acc  # Backward, or (loss, Backward)
+            jax.block_until_ready(box["acc"])
+        return call
+    calls = {"F": lambda: jax.block_until_ready(st.forward_saving(st.params, args())[0]),
+             "F_nosave": lambda: jax.block_until_ready(st.forward(st.params, args())),
+             "B": acc_call(lambda acc: st.backward_saved(saved, g, acc, no))}
+    calls["B_recompute"] = (acc_call(lambda acc: st.forward_backward(st.params, args(), acc, no)) if st.is_last
+                            else acc_call(lambda acc: st.backward_recompute(st.params, args(), g, acc, no)))
+    return calls
+
+
+def measure_cold(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int) -> List[dict]:
+    """Each stage call's cost right after ANOTHER stage's call against right after itself: in a
+    pipeline a stage's call follows a different call (its own other phase, another stage of the
+    island, another island of the host), which has replaced what the call left in the CPU caches;
+    the profile's compute fits time each call back to back (warm).
+
+    A first stage (layer 0), a middle stage (layer 1) and a last stage (last layer), one device
+    (``devices[0]``), one one-sample microbatch; per stage and phase (:func:`_phase_calls`) the call is
+    timed alternately right after itself ("warm") and right after the EVICTOR, the other end's
+    heaviest call (for the first and middle stages the last stage's fused forward + backward; for
+    the last stage the first stage's backward then forward), ``repeats`` times each after compiling.
+    Process CPU seconds (``time.process_time``: the cache misses' stalls are CPU time, and a ratio of
+    CPU seconds is not moved by other processes' load the way wall seconds are) and wall seconds of
+    each. Returns one ``{"kind": "cold", "position", "phase", "warm_cpu_s", "cold_cpu_s",
+    "warm_wall_s", "cold_wall_s"}`` per stage and phase (medians)."""
+    from hethub_jax.optim import OptimConfig, make_optimizer
+    from hethub_jax.parallel.stage import PipelineStage
+    tx, L = make_optimizer(OptimConfig()), cfg.num_hidden_layers
+    mk = lambda fl, ll: PipelineStage(cfg, fl, ll, [devices[0]], 1, 1, seed=0, recompute=False, optimizer=tx)
+    stages = {"first": mk(0, 0), "middle": mk(1, 1), "last": mk(L - 1, L - 1)}
+    calls = {pos: _phase_calls(st, cfg, seq_len) for pos, st in stages.items()}
+    last_fb, first = calls["last"]["B_recompute"], calls["first"]
+    evictor = {"first": last_fb, "middle": last_fb, "last": lambda: (first["B"](), first["F"]())}
+    out = []
+    for pos, phases in calls.items():
+        for phase, fn in phases.items():
+            fn(), evictor[pos]()
+            t: Dict[str, List[tuple]] = {"warm": [], "cold": []}
+            for i in range(2 * repeats):
+                cond = "cold" if i % 2 else "warm"
+                (evictor[pos] if cond == "cold" else fn)()
+                c0, w0 = time.process_time(), time.perf_counter()
+                fn()
+                t[cond].append((time.process_time() - c0, time.perf_counter() - w0))
+            med = lambda xs, j: float(np.median([x[j] for x in xs]))
+            out.append({"kind": "cold", "position": pos, "phase": phase,
+                        "warm_cpu_s": med(t["warm"], 0), "cold_cpu_s": med(t["cold"], 0),
+                        "warm_wall_s": med(t["warm"], 1), "cold_wall_s": med(t["cold"], 1)})
+    return out
+
+
+def fit_cold(samples: List[dict]) -> Optional[Dict[str, Any]]:
+    """``{position: {phase: seconds}}`` (positions ``first``, ``middle``, ``last``): the extra process
+    CPU seconds of each measured call (:func:`measure_cold`) right after another stage's call over
+    right after itself, at least 0 (below 0 is noise); None without samples. A cost per CALL: a
+    first stage's F of 3 layers and of 1 layer pay about the same extra (docs/benchmarks.md, issue
+    13, session 10)."""
+    out: Dict[str, Any] = {}
+    for s in samples:
+        out.setdefault(s["position"], {})[s["phase"]] = max(0.0, s["cold_cpu_s"] - s["warm_cpu_s"])
+    if not out:
+        return None
+    out["method"] = ("extra process CPU seconds of each call right after another stage's call over right after "
+                     "itself (one device, one one-sample microbatch; profile.measure_cold)")
+    return out
+
+
 def measure_local_bridge(sizes: Sequence[int], repeats: int) -> List[dict]:
     """Seconds of an all-reduce (``allreduce_tree``, sum) of ``n`` float32 bytes between two threads
     over ``LocalCommunicator``: the bridge of islands that are threads of one process (as in
@@ -604,6 +694,7 @@ def build_profile(cfg: Any, args: Any, samples: List[dict], updates: List[dict],
                  "update_dp": {str(dp): line([u for u in updates if u.get("dp", 1) == dp], "params") for dp in dps},
                  "corun": fit_corun([c for c in corun if c["kind"] == "corun"]),
                  "runtime": fit_runtime_overhead([c for c in corun if c["kind"] == "runtime_overhead"]),
+                 "cold": fit_cold([c for c in corun if c["kind"] == "cold"]),
                  "bridge_local": line([c for c in corun if c["kind"] == "bridge_local"], "bytes"),
                  "host_copy": line([c for c in copies if c["kind"] == "host_copy"], "bytes"),
                  "shared_sum": fit_shared_sum([c for c in copies if c["kind"] == "shared_sum"]),
@@ -667,6 +758,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     corun = (measure_corun(cfg, devices, args.seq_len, args.repeats)
              if args.corun == "on" or (args.corun == "auto" and platform_name == "cpu") else [])
     corun += [] if args.no_runtime else measure_runtime_overhead(cfg, devices, args.repeats)
+    corun += [] if args.no_runtime else measure_cold(cfg, devices, args.seq_len, args.repeats)
     act = args.seq_len * cfg.hidden_size * analytic.dtype_bytes(cfg.dtype)
     sizes = sorted({act * m for m in mbs_list} | {1 << 20, 8 << 20})
     if bridge is None and not args.no_runtime:  # not under mpiexec: the in-process bridge of islands as threads

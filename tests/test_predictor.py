@@ -482,6 +482,15 @@ def test_profiler_writes_dp_mesh_corun_runtime_and_local_bridge_fits(tmp_path):
     c = DeviceCosts.from_profile(prof)
     assert c.corun_factor >= 1.0 and c.action_overhead_s > 0 and c.local_bridge_link is not None
     assert (2, 1) in c.dp_fits and c.update_dp_fits[2] is not None
+    # the cold-call extras are measured: one sample per stage position and phase, read as their difference
+    from hethub_jax.planner.costs import PHASES
+    cold = [s for s in prof["samples"] if s["kind"] == "cold"]
+    assert sorted((s["position"], s["phase"]) for s in cold) == sorted(itertools.product(("first", "middle", "last"),
+                                                                                         PHASES))
+    assert all(s["warm_cpu_s"] > 0 and s["cold_cpu_s"] > 0 and s["warm_wall_s"] > 0 for s in cold)
+    assert c.cold_extra == {
+        pos: {s["phase"]: max(0.0, s["cold_cpu_s"] - s["warm_cpu_s"]) for s in cold if s["position"] == pos}
+        for pos in ("first", "middle", "last")}
 
 
 def test_others_cpu_share_from_two_snapshots():
@@ -511,3 +520,72 @@ def test_an_emulated_wait_does_not_slow_the_other_island():
     alone = predict(Cfg, plan, {"a": DeviceCosts.from_profile(prof), "b": shared}, seq_len=8)
     busy = lambda p, isl: sum(s.busy_s for s in p.stages if s.island == isl)
     assert busy(alone, "a") < busy(uneven, "a") < busy(even, "a")
+
+
+# ---- cold calls (profile.measure_cold, DeviceCosts.cold_extra_s) ------------------------------------
+
+def test_fit_cold_is_the_extra_cpu_seconds_per_position_and_phase():
+    from hethub_jax.profile import fit_cold
+    s = lambda pos, ph, warm, cold: {"kind": "cold", "position": pos, "phase": ph, "warm_cpu_s": warm,  # noqa: E731
+                                     "cold_cpu_s": cold, "warm_wall_s": 9.0, "cold_wall_s": 9.0}
+    fit = fit_cold([s("first", "F", 2.0, 3.5), s("last", "B", 4.0, 3.0)])
+    assert fit["first"] == {"F": 1.5} and fit["last"] == {"B": 0.0}  # below 0 is noise: 0
+    assert fit_cold([]) is None
+
+
+def test_cold_extra_by_stage_position():
+    prof = fixed_profile(0.01, 0.02)
+    assert DeviceCosts.from_profile(prof).cold_extra_s(True, False, "F") == 0.0  # not measured
+    prof["fits"]["cold"] = {"first": {"F": 0.5, "B": -0.1}, "middle": {"F": 0.25}, "last": {"B_recompute": 0.1},
+                            "method": "text"}
+    c = DeviceCosts.from_profile(prof)
+    assert c.cold_extra_s(True, False, "F") == 0.5 and c.cold_extra_s(True, False, "B") == 0.0
+    assert c.cold_extra_s(False, False, "F") == 0.25 and c.cold_extra_s(False, False, "B") == 0.0
+    assert c.cold_extra_s(False, True, "B_recompute") == 0.1 and c.cold_extra_s(True, True, "B_recompute") == 0.1
+    with pytest.raises(ValueError):
+        c.cold_extra_s(True, False, "X")
+    assert DeviceCosts.from_catalog("H100-SXM").cold_extra_s(True, False, "F") == 0.0
+
+
+def _labels(arr, s, calls):
+    return [(str(arr.lists[s][i]), kind) for i, kind in calls]
+
+
+def test_cold_calls_by_hand():
+    """1F1B, 2 stages, 4 microbatches: stage 0 runs F0 F1 B0 F2 B1 F3 B2 B3; alone on its cores a call
+    directly after the same kind of call runs warm (F1, B3), every other one cold; beside other work
+    every call is cold. The last stage's calls are fused F+B pairs (kind 2), warm after the first."""
+    from hethub_jax.planner.predictor import _cold_calls
+    from hethub_jax.planner.simulator import schedule_arrays
+    arr = schedule_arrays("1f1b", 2, 4)
+    assert [str(arr.lists[0][i]) for i in arr.compute[0]] == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
+    assert _labels(arr, 0, _cold_calls(arr, 0, False, True)) == [("F0", 0), ("B0", 1), ("F2", 0), ("B1", 1),
+                                                                  ("F3", 0), ("B2", 1)]
+    assert len(_cold_calls(arr, 0, False, False)) == 8
+    assert _labels(arr, 1, _cold_calls(arr, 1, True, True)) == [("F0", 2)]
+    assert _labels(arr, 1, _cold_calls(arr, 1, True, False)) == [("F0", 2), ("F1", 2), ("F2", 2), ("F3", 2)]
+    g = schedule_arrays("gpipe", 2, 3)
+    assert [k for _, k in _cold_calls(g, 0, False, True)] == [0, 1]  # F F F B B B: the first of each
+
+
+@pytest.mark.parametrize("slow", [1.0, 3.0])
+def test_cold_calls_cost_their_measured_extra_in_the_timeline(slow):
+    """Stage 0 (first) with a measured cold F extra x: alone on its island its F1 (after F0) costs
+    t_f and F0, F2, F3 cost t_f + x; with its island sharing a host with the other's, every F costs
+    t_f + x; an EMULATED slowdown f stretches both (f t_f, f (t_f + x)). The last stage (no extra
+    measured) is unchanged."""
+    t_f, t_b, x = 0.01, 0.02, 0.004
+    prof = fixed_profile(t_f, t_b)
+    prof["fits"]["cold"] = {"first": {"F": x}}
+    plan = chain_plan(2, 4, "1f1b", slow={"i0": slow})
+    own = DeviceCosts.from_profile(prof)
+    durations = lambda p: [r.end_s - r.start_s for r in p.timeline if r.stage == 0 and r.action.startswith("F")]  # noqa: E731
+    alone = predict(Cfg, plan, {"i0": own, "i1": own}, seq_len=8)
+    hot, cold = slow * t_f, slow * (t_f + x)
+    assert durations(alone) == pytest.approx([cold, hot, cold, cold])
+    shared = own.on_shared_host("h")  # no co-run factor measured: only the cold calls change
+    both = predict(Cfg, plan, {"i0": shared, "i1": shared}, seq_len=8)
+    assert durations(both) == pytest.approx([cold] * 4)
+    plain = predict(Cfg, plan, {"i0": own, "i1": DeviceCosts.from_profile(fixed_profile(t_f, t_b))}, seq_len=8)
+    last = lambda p: [r.end_s - r.start_s for r in p.timeline if r.stage == 1 and r.action.startswith("F")]  # noqa: E731
+    assert last(plain) == pytest.approx(last(alone))

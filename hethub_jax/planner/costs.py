@@ -113,6 +113,12 @@ class DeviceCosts:
         (``fits.bridge_local``) as ``LinkModel(c0 / 2, 1 / c1)``, so that the predictor's ring
         all-reduce of 2 islands, ``2 alpha + bytes / bandwidth``, is the measured one; None when not
         measured.
+      cold_extra: per stage position (``"first"``, ``"middle"``, ``"last"``) and phase, the MEASURED
+        extra seconds (>= 0) of a call right after another stage's call over right after itself
+        (``fits.cold`` of a profile, ``profile.measure_cold``: the call finds its code and data
+        evicted from the CPU caches); the compute fits time calls back to back, so the predictor
+        adds it to a call that follows a different call (:meth:`cold_extra_s`). Empty (0 s) for the
+        catalog and for profiles without the measurement.
     """
 
     name: str
@@ -134,6 +140,19 @@ class DeviceCosts:
     update_dp_fits: Dict[int, _Linear] = field(default_factory=dict)
     action_overhead_s: float = 0.0
     local_bridge_link: Optional[LinkModel] = None
+    cold_extra: Dict[str, Dict[str, float]] = field(default_factory=dict)
+
+    def cold_extra_s(self, is_first: bool, is_last: bool, phase: str) -> float:
+        """The measured :attr:`cold_extra` seconds of a stage call (phase in :data:`PHASES`; a last
+        stage's fused forward + backward is ``"B_recompute"``): position ``"last"`` for a last stage
+        (also a one-stage plan's stage, whose calls are the fused ones), ``"first"`` for a first
+        stage, else ``"middle"``; 0.0 when not measured.
+
+        Raises:
+          ValueError: for an unknown phase."""
+        _check_phase(phase)
+        pos = "last" if is_last else "first" if is_first else "middle"
+        return max(0.0, float(self.cold_extra.get(pos, {}).get(phase, 0.0)))
 
     def on_shared_host(self, host: str = "local") -> "DeviceCosts":
         """A copy whose islands share the cores of host ``host`` with the other islands given costs
@@ -202,7 +221,8 @@ class DeviceCosts:
                    profile=dict(profile), corun_factor=_corun(fits_in.get("corun")), dp_fits=dp_fits,
                    update_dp_fits={int(k): lin(v) for k, v in (fits_in.get("update_dp") or {}).items()},
                    action_overhead_s=max(0.0, float((fits_in.get("runtime") or {}).get("per_action_s", 0.0))),
-                   local_bridge_link=_local_bridge(fits_in.get("bridge_local")))
+                   local_bridge_link=_local_bridge(fits_in.get("bridge_local")),
+                   cold_extra=_cold(fits_in.get("cold")))
 
     # ---- DP meshes ---------------------------------------------------------------------------------
     def measured_dp_degrees(self, tp: int) -> Tuple[int, ...]:
@@ -385,6 +405,14 @@ def _local_bridge(d: Optional[Mapping[str, Any]]) -> Optional[LinkModel]:
 def _corun(d: Optional[Mapping[str, Any]]) -> float:
     """The profile's measured co-run factor (>= 1; 1.0 when absent)."""
     return 1.0 if not d else max(1.0, float(d["factor"]))
+
+
+def _cold(d: Optional[Mapping[str, Any]]) -> Dict[str, Dict[str, float]]:
+    """The profile's measured cold-call extra seconds ``{position: {phase: seconds}}`` (empty when absent)."""
+    if not d:
+        return {}
+    return {pos: {ph: float(r) for ph, r in phases.items() if ph in PHASES}
+            for pos, phases in d.items() if pos in ("first", "middle", "last") and isinstance(phases, Mapping)}
 
 
 def _shared_fit(d: Optional[Mapping[str, Any]]) -> Optional[Tuple[float, float]]:

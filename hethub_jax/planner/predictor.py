@@ -7,8 +7,9 @@ How a prediction is made (DESIGN.md section 7; details and formulas in ``docs/pr
      recompute ``none`` runs F = ``forward_saving``, B = ``backward_saved``; ``full`` runs F =
      ``forward``, B = ``backward_recompute``; on the last stage a forward directly followed by the
      backward of the same microbatch runs fused as one forward + backward, the B action then costs
-     only the call), times the island's emulated slowdown (the runtime waits (f - 1) x each measured
-     compute action and update, DESIGN.md section 9);
+     only the call), plus the profile's measured cold-call extra on every call that follows a
+     different call (:func:`_cold_calls`), times the island's emulated slowdown (the runtime waits
+     (f - 1) x each measured compute action and update, DESIGN.md section 9);
   2. the step's timeline from :func:`hethub_jax.planner.simulator.simulate` over ``plan.actions(r)``
      of every replica (the very lists the runtime executes); messages between islands take the
      sender's device-to-host copy, the bridge (``LinkModel``) and the receiver's host-to-device copy;
@@ -25,6 +26,7 @@ How a prediction is made (DESIGN.md section 7; details and formulas in ``docs/pr
 from __future__ import annotations
 
 from collections.abc import Sequence as _Seq
+import functools
 from functools import reduce
 import operator
 from dataclasses import asdict, dataclass
@@ -253,9 +255,18 @@ class _StageCtx:
     t_fused: float         # fused F+B of the last stage
     n_params: float        # per device
     is_last: bool = False  # spec.is_last, read once (a pydantic property; _fused asks per action)
+    # measured cold-call extra seconds (DeviceCosts.cold_extra_s, slowdown included) of the F, B and
+    # fused F+B calls, and whether a call directly after the same kind of call of the stage runs warm
+    # (the stage alone on its island, the island alone on its host: nothing else ran between them)
+    cold_f: float = 0.0
+    cold_b: float = 0.0
+    cold_fused: float = 0.0
+    warm_repeats: bool = False
 
 
-def _stage_ctx(cfg: Any, plan: Any, r: int, s: int, costs: Mapping[str, DeviceCosts], seq_len: int) -> _StageCtx:
+def _stage_ctx(cfg: Any, plan: Any, r: int, s: int, costs: Mapping[str, DeviceCosts], seq_len: int,
+               warm_repeats: bool = False) -> _StageCtx:
+    """The stage's per-action seconds; ``warm_repeats``: see :func:`_cold_calls`."""
     spec = plan.replicas[r].stages[s]
     if spec.island not in costs:
         raise ValueError(f"no costs for island {spec.island!r}; costs given for {sorted(costs)}")
@@ -266,9 +277,30 @@ def _stage_ctx(cfg: Any, plan: Any, r: int, s: int, costs: Mapping[str, DeviceCo
     f_phase, b_phase = ("F", "B") if plan.recompute == "none" else ("F_nosave", "B_recompute")
     n = analytic.stage_params_per_device(cfg, spec.first_layer, spec.last_layer, spec.is_first, spec.is_last, spec.tp)
     dp = spec.dp
+    cold = lambda ph: factor * c.cold_extra_s(spec.is_first, spec.is_last, ph)  # noqa: E731
     return _StageCtx((r, s), spec, isl, c, factor, tokens, factor * stage_compute_s(*args, f_phase, dp),
                      factor * stage_compute_s(*args, b_phase, dp), factor * stage_compute_s(*args, "B_recompute", dp),
-                     n, bool(spec.is_last))
+                     n, bool(spec.is_last), cold(f_phase), cold(b_phase), cold("B_recompute"), bool(warm_repeats))
+
+
+@functools.lru_cache(maxsize=4096)
+def _cold_calls(arr: ScheduleArrays, s: int, is_last: bool, warm_repeats: bool) -> Tuple[Tuple[int, int], ...]:
+    """``(local index, kind)`` of stage ``s``'s calls that run COLD: after a different call (kind 0 F,
+    1 B, 2 a last stage's fused F+B; the B of a fused pair is no call). With ``warm_repeats`` (nothing
+    but the stage runs on its cores) a call directly after a call of the same kind of the stage runs
+    warm and every other one cold; without it (other stages of the island, or other islands of the
+    host, run between a stage's calls) every call runs cold. A step's first call is cold (the
+    update, or another stage, ran before it)."""
+    codes, fused = arr.stage_codes[s], set(arr.fused_f[s]) if is_last else set()
+    out, prev = [], -1
+    for i in arr.compute[s]:
+        if i - 1 in fused and codes[i] == 1:
+            continue  # computed by the fused call before it
+        kind = 2 if i in fused else codes[i]
+        if not warm_repeats or kind != prev:
+            out.append((i, kind))
+        prev = kind
+    return tuple(out)
 
 
 def _fused(ctx: _StageCtx, acts: Sequence[Action], i: int) -> bool:
@@ -304,6 +336,10 @@ def _stage_times(ctx: _StageCtx, arr: ScheduleArrays, s: int, host_s: float, bri
         t[i], t[i + 1] = ctx.t_fused + 0.0, 0.0
     if last >= 0:
         t[last] = ctx.t_fused + fused_update_s
+    if ctx.cold_f > 0 or ctx.cold_b > 0 or ctx.cold_fused > 0:  # the measured cost of a call after another
+        extra = (ctx.cold_f, ctx.cold_b, ctx.cold_fused)
+        for i, kind in _cold_calls(arr, s, ctx.is_last, ctx.warm_repeats):
+            t[i] += extra[kind]
     return t, list(map(dtab.__getitem__, codes))
 
 
@@ -625,7 +661,8 @@ def predict(cfg: Any, plan: Any, costs: Mapping[str, DeviceCosts], *, seq_len: i
     plan.validate(cfg)
     bridge = bridge or DEFAULT_BRIDGE
     keys = [(r, s) for r in range(plan.num_replicas) for s in range(plan.replicas[r].num_stages)]
-    ctxs = {k: _stage_ctx(cfg, plan, k[0], k[1], costs, seq_len) for k in keys}
+    alone = _alone_on_cores(plan, keys, costs)
+    ctxs = {k: _stage_ctx(cfg, plan, k[0], k[1], costs, seq_len, k in alone) for k in keys}
     pb = analytic.dtype_bytes(cfg.param_dtype)
     arrays = {r: schedule_arrays(plan.schedule, plan.num_stages(r), plan.num_microbatches(r))
               for r in range(plan.num_replicas)}
@@ -655,6 +692,23 @@ def predict(cfg: Any, plan: Any, costs: Mapping[str, DeviceCosts], *, seq_len: i
     return Prediction(step, plan.global_batch_size * seq_len / step if step > 0 else float("inf"), stages,
                       pipeline_s, reduce_s, update_s, crit, LazyRecords(lambda: pl.records(ctxs)),
                       all(s.fits for s in stages))
+
+
+def _alone_on_cores(plan: Any, keys, costs: Mapping[str, DeviceCosts]) -> set:
+    """The stage keys that run alone on their cores: the only stage of their island (over every
+    replica) on an island that shares no host with another island (``DeviceCosts.host``)."""
+    per_island: Dict[str, int] = {}
+    for r, s in keys:
+        i = plan.replicas[r].stages[s].island
+        per_island[i] = per_island.get(i, 0) + 1
+    hosts: Dict[str, int] = {}
+    for i in per_island:
+        h = getattr(costs.get(i), "host", None)
+        if h is not None:
+            hosts[h] = hosts.get(h, 0) + 1
+    ok = {i for i, n in per_island.items()
+          if n == 1 and hosts.get(getattr(costs.get(i), "host", None), 0) <= 1}
+    return {k for k in keys if plan.replicas[k[0]].stages[k[1]].island in ok}
 
 
 def _in_flight(ctx: _StageCtx, arr: ScheduleArrays, s: int) -> int:
