@@ -122,7 +122,7 @@ CASES = [
          r"layer ranges must cover", files={"p.json": _plan(stages=(("a", 0, 0, 1, 1),))}),
     Case("plan_unknown_island", "plan", "stage on an island not in the plan", ["--plan", "{tmp}/p.json"],
          r"stage island must exist: .* names island 'zz'", files={"p.json": _plan(stages=(("zz", 0, 1, 1, 1),))}),
-    Case("plan_tp_not_dividing", "plan", "TP degree not dividing the KV heads", ["--plan", "{tmp}/p.json"],
+    Case("plan_tp_not_dividing", "plan", "TP degree not dividing the attention heads (TP 4, 2 heads)", ["--plan", "{tmp}/p.json"],
          r"TP degree must divide the number of attention heads", files={"p.json": _plan(islands=(("a", "cpu", 4),), stages=(("a", 0, 1, 1, 4),))}),
     Case("plan_too_many_devices", "devices", "plan needing more devices than the process has",
          ["--plan", "{tmp}/p.json"], r"needs devices_per_process=64 cpu devices, this process has \d+",
