@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from hethub_jax.parallel.rules import check_runtime_support
 
-__all__ = ["main", "format_candidate", "candidate_dict"]
+__all__ = ["main", "format_candidate", "candidate_dict", "cost_source_lines"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -177,6 +177,13 @@ class _GroupInfo:
         self.memory_bytes = costs.memory_bytes
 
 
+def cost_source_lines(cluster: Any, costs: Dict[str, Any]) -> List[str]:
+    """One line per group of ``cluster`` saying where its costs come from
+    (``DeviceCosts.source_text``, the wording ``train --cluster`` prints too): a measured profile and
+    its date, or the catalog's datasheet peak x efficiency (an assumption)."""
+    return [f"group {g.name} ({g.device or 'profile'}): costs: {costs[g.name].source_text()}" for g in cluster.groups]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     from hethub_jax.planner import PlanningError, SearchOptions, default_seq_len, load_cluster, load_model, search
@@ -232,6 +239,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"memory headroom {100 * opt.memory_headroom:g}% (--memory-headroom {opt.memory_headroom:g}): a stage "
           f"fits when its memory per device is at most {100 * (1 - opt.memory_headroom):g}% of the device's "
           f"capacity; memory in GiB (2**30 bytes)")
+    for line in cost_source_lines(cluster, costs):
+        print(line)
     for i, c in enumerate(res.candidates):
         print()
         print(format_candidate(i, c, groups, res.upper_bound_tokens_per_s, res.upper_bound_note,

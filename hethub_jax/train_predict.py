@@ -25,6 +25,8 @@ import sys
 import time
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from hethub_jax.planner.costs import cost_source_text
+
 __all__ = ["RunPrediction", "predict_run", "plan_from_cluster", "profile_device", "measured_bubble",
            "PROFILE_SETTINGS", "planner_microbatch_sizes", "microbatch_sizes_to_profile", "tp_degrees_to_profile",
            "profiled_tp_degrees", "dp_degrees_to_profile", "dp_microbatch_sizes_to_profile", "profiled_dp_degrees",
@@ -266,6 +268,15 @@ class RunPrediction:
         return f"; compute from {costs.mesh_source(spec.dp, spec.tp)}" if hasattr(costs, "mesh_source") else ""
 
 
+def _profile_date(path: Optional[str]) -> Optional[str]:
+    """The ``date`` a profile file records (when it was measured), or None when unreadable."""
+    try:
+        with open(path) as f:
+            return json.load(f).get("date")
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
 def _profile_for_island(profiles_dir: Optional[str], isl: Any) -> Optional[str]:
     if not profiles_dir:
         return None
@@ -293,7 +304,7 @@ def predict_run(cfg: Any, plan: Any, seq_len: int, *, profiles_dir: Optional[str
         found = {i.name: _profile_for_island(profiles_dir, i) for i in plan.islands}
         costs = costs_for_plan(plan, {k: v for k, v in found.items() if v})
         if source is None:
-            parts = [f"profile {v}" if v else "catalog 'cpu' entry (assumption, not measured)"
+            parts = [cost_source_text("cpu", profile_path=v, measured=_profile_date(v)) if v else cost_source_text("cpu")
                      for v in found.values()]
             source = "; ".join(f"{k}: {p}" for k, p in zip(found, parts))
     pred = predict(cfg, plan, dict(costs), seq_len=seq_len, bridge=bridge)
@@ -430,9 +441,9 @@ def _get_profile(path: str, groups: List[Any], model: str, seq_len: int, log,
     ``tp_degrees``; ``(d, 1)`` meshes for ``dp_degrees`` at ``dp_sizes`` per DP rank), or falls back to
     the catalog. Returns the text saying which."""
     if os.path.exists(path):
-        return f"reusing saved profile {path}"
+        return f"reusing saved profile; costs: {cost_source_text(groups[0].device, profile_path=path, measured=_profile_date(path))}"
     if not all(g.platform == "cpu" and g.device == "cpu" for g in groups):
-        return f"no profile; the catalog entry {groups[0].device!r} (assumption, not measured)"
+        return f"no profile; costs: {cost_source_text(groups[0].device)}"
     log(f"profiling device type cpu for {_groups_text(groups)} into {path} (python -m hethub_jax.profile "
         f"--microbatch-sizes {','.join(map(str, microbatch_sizes))} --tp {','.join(map(str, tp_degrees))} "
         + (f"--dp 1,{','.join(map(str, dp_degrees))} --dp-microbatch-sizes {','.join(map(str, dp_sizes))} "
@@ -443,8 +454,8 @@ def _get_profile(path: str, groups: List[Any], model: str, seq_len: int, log,
     kw = {"dp_degrees": tuple(dp_degrees), "dp_microbatch_sizes": tuple(dp_sizes)} if dp_degrees else {}
     ok, msg = profile_device(model, seq_len, path, microbatch_sizes=tuple(microbatch_sizes),
                              tp_degrees=tuple(tp_degrees), **kw)
-    return (f"measured profile {path} ({msg})" if ok
-            else f"{msg}; using the catalog 'cpu' entry (assumption, not measured)")
+    return (f"measured profile now ({msg}); costs: {cost_source_text('cpu', profile_path=path, measured=_profile_date(path))}" if ok
+            else f"{msg}; costs: {cost_source_text('cpu')}")
 
 
 def cluster_costs(cluster: Any, profiles: Mapping[str, Any]) -> Dict[str, Any]:
