@@ -885,7 +885,8 @@ def _insight_hooks(run: _Run, metrics: MetricsWriter, console: Console, predicte
     if png is None and t.trace_file and importlib.util.find_spec("matplotlib") is not None:
         png = os.path.splitext(t.trace_file)[0] + ".png"
     if png and run.log:
-        hooks.append(TimelineHook(png, {i.name: i.slowdown for i in run.plan.islands}, predicted, console))
+        hooks.append(TimelineHook(png, {i.name: i.slowdown for i in run.plan.islands}, predicted, console,
+                                  run.prediction.prediction.step_time_s if run.prediction is not None else None))
     if args.tensorboard and run.log:
         hooks.append(TensorBoardHook(args.tensorboard, *mfu_inputs(run.cfg.model, run.plan, run.prediction,
                                                                       run.cfg.data.seq_len)))

@@ -44,3 +44,71 @@ def test_plan_cli_prints_profile_path_and_date(tmp_path, capsys):
     for g in yaml.safe_load(TINY2.read_text())["groups"]:
         line = next(x for x in out.splitlines() if x.startswith(f"group {g['name']} "))
         assert f"costs: profile {tmp_path / 'cpu.json'} (measured {prof['date']})" in line, line
+
+
+# ---- 2. recompute full is never PREDICTED faster than none -----------------------------------------
+
+def _random_profile(rng, name="dev"):
+    """A profile whose four phases have independent random fitted lines (as noisy fits can: F_nosave
+    above F, B_recompute below B, ...)."""
+    from hethub_jax.planner.costs import PROFILE_FORMAT
+    line = lambda: {"c0": rng.uniform(0, 2e-3), "c1": rng.uniform(0, 5e-10)}
+    tok = lambda: {"c0": rng.uniform(0, 2e-3), "c1": rng.uniform(0, 1e-6)}
+    parts = lambda: {"layer": line(), "embed": tok(), "head": line(), "base": {"c0": rng.uniform(0, 2e-3), "c1": 0.0}}
+    zero = {"c0": 0.0, "c1": 0.0}
+    return {"format": PROFILE_FORMAT, "device_type": name, "memory_bytes": 10**12,
+            "fits": {"compute": {"1": {ph: parts() for ph in ("F", "F_nosave", "B", "B_recompute")}},
+                     "update": {"c0": 1e-4, "c1": 0.0}, "allreduce": zero}}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_recompute_full_is_never_predicted_faster_than_none(seed):
+    import random
+
+    from hethub_jax.parallel.plan import Plan
+    from hethub_jax.planner.costs import DeviceCosts, LinkModel
+    from hethub_jax.planner.predictor import predict
+    from test_predictor import Cfg
+    rng = random.Random(seed)
+    p = rng.randint(1, 4)
+    m = rng.choice([1, 2, 3, 4, 8])
+    names = [f"i{s}" for s in range(p)]
+    cuts = sorted(rng.sample(range(1, Cfg.num_hidden_layers), p - 1))
+    bounds = [0, *cuts, Cfg.num_hidden_layers]
+    stages = [{"island": names[s], "first_layer": bounds[s], "last_layer": bounds[s + 1] - 1} for s in range(p)]
+    base = {"islands": [{"name": n, "platform": "cpu", "slowdown": rng.choice([1.0, 1.0, 2.5])} for n in names],
+            "stages": stages, "global_batch_size": m * 2, "microbatch_size": 2,
+            "schedule": rng.choice(["1f1b", "gpipe"])}
+    costs = {n: DeviceCosts.from_profile(_random_profile(rng)) for n in names}
+    bridge = LinkModel(rng.uniform(0, 1e-3), 1e9)
+    t = {rec: predict(Cfg, Plan.from_dict({**base, "recompute": rec}), costs, seq_len=16, bridge=bridge).step_time_s
+         for rec in ("none", "full")}
+    assert t["full"] >= t["none"] * (1 - 1e-12), t
+
+
+# ---- 3. honest Gantt titles; the fused forward+backward drawn as such ------------------------------
+
+def test_gantt_titles_say_pipeline_span_of_step_and_fused_bars_have_their_own_category(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+
+    from hethub_jax.parallel.trace import ActionRecord
+    from hethub_jax.timeline import COLOURS, FUSED, write_timeline_png
+    # stage 1 is the last stage: F0 then B0 of the same microbatch (fused), no send between them
+    recs = [ActionRecord(0, "F0", 0.0, 0.3, "a"), ActionRecord(0, "SEND_ACT0->1", 0.3, 0.31, "a"),
+            ActionRecord(1, "RECV_ACT0<-0", 0.0, 0.31, "b"), ActionRecord(1, "F0", 0.31, 0.61, "b"),
+            ActionRecord(1, "B0", 0.61, 0.611, "b"), ActionRecord(1, "SEND_GRAD0->0", 0.611, 0.62, "b"),
+            ActionRecord(0, "RECV_GRAD0<-1", 0.31, 0.62, "a"), ActionRecord(0, "B0", 0.62, 0.9, "a")]
+    pred = [ActionRecord(r.stage, r.action, r.start_s, r.end_s, f"predicted: {r.island}") for r in recs]
+    titles = []
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title", lambda self, t, **kw: titles.append(t))
+    out = write_timeline_png(str(tmp_path / "t.png"), recs, pred, title="step 20",
+                             step_s={"measured": 1.41, "predicted": None})
+    fused = [b for b in out["measured"] if b.category == FUSED]
+    assert [(b.row, b.action) for b in fused] == [("r0 b s1", "F0")]          # the last stage's F0 only
+    assert {b.action for b in out["measured"] if b.category == "forward"} == {"F0"} and \
+        [b.row for b in out["measured"] if b.category == "forward"] == ["r0 a s0"]
+    assert FUSED in COLOURS and len(set(COLOURS.values())) == len(COLOURS)
+    span_ms = 0.9 * 1e3  # the last action ends at 0.9 s
+    assert titles[0] == f"MEASURED: step 20, pipeline {span_ms:.4g} ms of step 1.41 s", titles
+    assert titles[1].startswith(f"PREDICTED: step 20, pipeline {span_ms:.4g} ms (pipeline actions only;"), titles
