@@ -125,20 +125,29 @@ def _fail(msg: str, args: argparse.Namespace | None = None) -> int:
     return EXIT_CONFIG_ERROR
 
 
-def _fail_before_mpi(msg: str | None, args: argparse.Namespace | None) -> int:
+def _fail_before_mpi(msg: str | None, args: argparse.Namespace | None, held: str | None = None) -> int:
     """A rank of an MPI job failed before starting MPI (configuration, command line): print the error
-    as one line naming this rank and island where known (``msg`` None: already printed, by argparse),
-    then start MPI and report the failure at the start-up gate (``cluster.join_job``), which ends every
-    rank of the job with status 2 within seconds instead of leaving them waiting in ``MPI_Init``.
-    Returns 2."""
+    as one line naming this rank and island where known (``msg`` None: argparse's error, printed by
+    argparse or ``held``), start MPI and report the failure at the start-up gate (``cluster.join_job``),
+    which ends every rank of the job with status 2 within seconds instead of leaving them waiting in
+    ``MPI_Init``. Returns 2.
+
+    The launcher's rank 0 (or a rank the launcher does not name) prints at once; every other rank holds
+    its error until the gate has told it the other ranks' errors, and prints it only when no lower rank
+    failed with the same message (an identical configuration error appears once, not once per rank).
+    ``held``: argparse's output of this rank, captured (``msg`` None), printed under the same rule."""
     from hethub_jax import cluster
 
-    if msg is not None:
-        _say(f"{_PROG}: error: {_rank_label(args)}{msg}")
+    first = cluster.launcher_rank() in (None, 0)
+    text = held if msg is None else f"{_PROG}: error: {_rank_label(args)}{msg}\n"
+    if first and text:
+        _say(text.rstrip("\n"))
     try:
         cluster.join_job(error=msg or "command-line error (see argparse's message)")
-    except cluster.StartFailed:
-        pass  # always raised here: this rank's own failure
+    except cluster.StartFailed as e:  # always raised here: this rank's own failure
+        mine = e.failed.get(e.rank)
+        if not first and text and min(r for r, m in e.failed.items() if m == mine) == e.rank:
+            _say(text.rstrip("\n"))
     return EXIT_CONFIG_ERROR
 
 
@@ -935,11 +944,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     1 training failure (non-finite loss). Other exceptions propagate with their traceback."""
     from hethub_jax.cluster import StartFailed
 
+    import contextlib
+    import io
+
+    from hethub_jax.cluster import launcher_rank
+    # under mpiexec, ranks other than the launcher's rank 0 hold argparse's output (usage, --help, an
+    # error) and print an error only when it differs from rank 0's (_fail_before_mpi): once, not per rank
+    hold = mpi_world_size() > 1 and launcher_rank() not in (None, 0)
+    out, err = io.StringIO(), io.StringIO()
     try:
-        args = build_parser().parse_args(argv)
+        with contextlib.redirect_stdout(out) if hold else contextlib.nullcontext(), \
+                contextlib.redirect_stderr(err) if hold else contextlib.nullcontext():
+            args = build_parser().parse_args(argv)
     except SystemExit as e:  # argparse printed its error; under MPI the other ranks must end too
         if e.code not in (0, None) and mpi_world_size() > 1 and "mpi4py.MPI" not in sys.modules:
-            _fail_before_mpi(None, None)
+            _fail_before_mpi(None, None, held=err.getvalue() if hold else None)
         raise
     try:
         run = _set_up(args)

@@ -112,3 +112,34 @@ def test_gantt_titles_say_pipeline_span_of_step_and_fused_bars_have_their_own_ca
     span_ms = 0.9 * 1e3  # the last action ends at 0.9 s
     assert titles[0] == f"MEASURED: step 20, pipeline {span_ms:.4g} ms of step 1.41 s", titles
     assert titles[1].startswith(f"PREDICTED: step 20, pipeline {span_ms:.4g} ms (pipeline actions only;"), titles
+
+
+# ---- 4. an identical error under mpiexec is printed once, not once per rank ------------------------
+
+def _mpiexec(n_args, timeout=120):
+    import os
+    import shutil
+    import subprocess
+    import sys
+    if shutil.which("mpiexec") is None:
+        pytest.skip("mpiexec not installed")
+    cmd = ["mpiexec"]
+    for i, (n, argv) in enumerate(n_args):
+        cmd += ([":"] if i else []) + ["-n", str(n), sys.executable, "-m", "hethub_jax.train", *argv]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_identical_config_error_is_printed_once_under_mpiexec():
+    p = _mpiexec([(3, ["--plan", "configs/plans/tiny_2island.json"])])
+    lines = [x for x in p.stderr.splitlines() if "error:" in x]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert "rank 0: the plan needs 2 MPI ranks" in lines[0] and "the job has 3" in lines[0]
+
+
+def test_argparse_error_is_printed_once_under_mpiexec_and_a_different_one_still_shows():
+    p = _mpiexec([(2, ["--stepz", "1"])])
+    assert p.returncode == 2 and p.stderr.count("unrecognized arguments: --stepz 1") == 1, p.stderr
+    assert p.stderr.count("usage:") == 1, p.stderr
+    p = _mpiexec([(1, []), (1, ["--plan", "configs/plans/tiny_2island.json", "--stepz", "1"])])
+    assert p.returncode == 2 and p.stderr.count("unrecognized arguments: --stepz 1") == 1, p.stderr
