@@ -43,11 +43,45 @@ EXIT_CONFIG_ERROR = 2
 _PROG = "python -m hethub_jax.train"
 
 
+#: argparse dest -> the config field its flag sets (``_flags``), whose default ``--help`` shows
+_FIELD_OF_DEST = {"steps": "train.steps", "global_batch_size": "train.global_batch_size",
+                  "microbatch_size": "train.microbatch_size", "seq_len": "data.seq_len",
+                  "lr": "optim.learning_rate", "seed": "train.seed", "eval_every": "train.eval_every",
+                  "checkpoint_every": "train.checkpoint_every", "metrics_file": "train.metrics_file",
+                  "checkpoint_dir": "train.checkpoint_dir", "trace_file": "train.trace_file"}
+
+
+def config_field_default(field: str) -> Any:
+    """The built-in default of a config field ``"section.name"`` (imports ``hethub_jax.config``, which
+    imports JAX: call it only when help is printed)."""
+    from hethub_jax.config import DataConfig, OptimConfig, TrainSettings
+    section, name = field.split(".", 1)
+    model = {"train": TrainSettings, "data": DataConfig, "optim": OptimConfig}[section]
+    return model.model_fields[name].get_default(call_default_factory=True)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Each flag's real default, once: a flag that sets a config field shows that field's built-in
+    default (the flag's own default None means "not given"); a help text that already says its default
+    gets nothing more; switches (store_true) show none; other flags show a non-None default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS or action.nargs == 0:
+            return text
+        if action.dest in _FIELD_OF_DEST and action.default is None:
+            value = config_field_default(_FIELD_OF_DEST[action.dest])
+            return f"{text} (default: {'none' if value is None else value})"
+        if action.default not in (None, []):
+            return f"{text} (default: %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line. Dedicated flags override ``--set``, which overrides the config file."""
     p = argparse.ArgumentParser(
         prog=_PROG, description="Train a Llama-family model with hethub-jax (docs/training.md).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
     p.add_argument("--config", metavar="PATH", default=None,
                    help="YAML config (sections model, data, optim, train; see configs/tiny.yaml); "
                         "default: built-in defaults (tiny preset on the Shakespeare corpus)")
@@ -55,12 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override one config field, VALUE parsed as YAML (repeatable), "
                         "e.g. --set optim.learning_rate=1e-3 --set model=tiny")
     p.add_argument("--steps", type=int, default=None, help="train.steps: optimizer steps")
-    p.add_argument("--global-batch-size", type=int, default=None, help="train.global_batch_size (samples)")
-    p.add_argument("--microbatch-size", type=int, default=None, help="train.microbatch_size (samples)")
+    p.add_argument("--global-batch-size", type=int, default=None,
+                   help="train.global_batch_size (samples) (default: the plan's, 16 without a plan)")
+    p.add_argument("--microbatch-size", type=int, default=None,
+                   help="train.microbatch_size (samples) (default: the plan's, the global batch without a plan)")
     p.add_argument("--seq-len", type=int, default=None, help="data.seq_len (tokens per sample)")
     p.add_argument("--lr", type=float, default=None, help="optim.learning_rate (peak)")
     p.add_argument("--seed", type=int, default=None, help="train.seed: parameter initialisation seed")
     p.add_argument("--eval-every", type=int, default=None, help="train.eval_every (steps)")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                   help="train.checkpoint_every: also checkpoint every N steps (0: only at the end)")
     p.add_argument("--metrics-file", metavar="PATH", default=None, help="train.metrics_file (JSON lines)")
     p.add_argument("--checkpoint-dir", metavar="DIR", default=None, help="train.checkpoint_dir")
     p.add_argument("--no-checkpoint", action="store_true", help="set train.checkpoint_dir to null")
@@ -70,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume-or-start", action="store_true", default=None,
                    help="train.resume and train.resume_or_start: as --resume, but start from step 0 "
                         "when there is no complete checkpoint")
-    p.add_argument("--plan", metavar="PLAN.json", default=None, help="train.plan: parallel plan JSON")
+    p.add_argument("--plan", metavar="PLAN.json", default=None,
+                   help="train.plan: parallel plan JSON (default: one island, one stage, one device)")
     p.add_argument("--trace-file", metavar="PATH", default=None,
                    help="train.trace_file: Chrome trace of the last step's actions")
     p.add_argument("--island", metavar="NAME", default=None,
@@ -104,6 +143,7 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
         "train.steps": args.steps, "train.global_batch_size": args.global_batch_size,
         "train.microbatch_size": args.microbatch_size, "data.seq_len": args.seq_len,
         "optim.learning_rate": args.lr, "train.seed": args.seed, "train.eval_every": args.eval_every,
+        "train.checkpoint_every": args.checkpoint_every,
         "train.metrics_file": args.metrics_file, "train.checkpoint_dir": args.checkpoint_dir,
         "train.resume": True if args.resume_or_start else args.resume,
         "train.resume_or_start": args.resume_or_start, "train.plan": args.plan,
@@ -761,6 +801,18 @@ def _model_name(cfg) -> str:
     return cfg.model_spec if isinstance(cfg.model_spec, str) else "custom"
 
 
+def single_process_note(plan: Any) -> str | None:
+    """For a plan of several islands run in ONE process (no ``mpiexec``, or ``mpiexec -n 1``): the note
+    that every island runs in this process (an emulation of the plan's processes), and the command that
+    gives one process per island; None for a one-island plan."""
+    if len(plan.islands) < 2:
+        return None
+    names = ", ".join(i.name for i in plan.islands)
+    return (f"all {len(plan.islands)} islands ({names}) run in this one process (an emulation "
+            f"of the plan's {plan.world_size} processes); `mpiexec -n {plan.world_size} python -m "
+            f"hethub_jax.train ...` runs one process per island")
+
+
 def _banner(run: _Run) -> list[str]:
     """The start-up banner (docs/training.md): model, data, plan, devices, optimizer, steps, EMULATED."""
     import jax
@@ -777,6 +829,7 @@ def _banner(run: _Run) -> list[str]:
         *plan_summary(plan, m, run.rt.shares), *(f"  note: {n}" for n in run.plan_notes),
         f"jax {jax.__version__}, backend {jax.default_backend()}, {len(jax.devices())} local device(s)"
         + (f"; rank {run.rank} of {run.world_size}" if run.comm is not None else "; single process"),
+        *([] if run.comm is not None else [f"  note: {n}" for n in [single_process_note(plan)] if n]),
         f"optimizer: AdamW peak lr {o.learning_rate:g}, warm-up {o.warmup_steps}, cosine "
         f"decay over {o.decay_steps} steps, clip {o.grad_clip_norm}",
         f"steps {run.start_step}->{t.steps}, eval every {t.eval_every} steps on "

@@ -143,3 +143,40 @@ def test_argparse_error_is_printed_once_under_mpiexec_and_a_different_one_still_
     assert p.stderr.count("usage:") == 1, p.stderr
     p = _mpiexec([(1, []), (1, ["--plan", "configs/plans/tiny_2island.json", "--stepz", "1"])])
     assert p.returncode == 2 and p.stderr.count("unrecognized arguments: --stepz 1") == 1, p.stderr
+
+
+# ---- 5. a plan of several islands in one process says so -------------------------------------------
+
+def test_single_process_note_names_the_islands_and_the_mpiexec_command():
+    from hethub_jax.parallel.plan import Plan
+    from hethub_jax.train import single_process_note
+    raw = json.loads((ROOT / "configs/plans/tiny_2island.json").read_text())
+    plan = Plan.from_dict(raw)
+    note = single_process_note(plan)
+    names = [i["name"] for i in raw["islands"]]
+    n = sum(i.get("num_processes", 1) for i in raw["islands"])
+    assert note and all(x in note for x in names) and "this one process" in note, note
+    assert f"mpiexec -n {n} python -m hethub_jax.train" in note and "one process per island" in note
+    one = Plan.from_dict({**raw, "islands": raw["islands"][:1],
+                          "stages": [{**raw["stages"][0], "island": names[0], "first_layer": 0,
+                                      "last_layer": raw["stages"][-1]["last_layer"]}]})
+    assert single_process_note(one) is None
+
+
+# ---- 6. train --help shows each real default once --------------------------------------------------
+
+def test_train_help_shows_real_defaults_once_and_checkpoint_every_sets_the_field():
+    import re
+
+    from hethub_jax.config import TrainSettings
+    from hethub_jax.train import _flags, build_parser
+    text = re.sub(r"\s+", " ", build_parser().format_help())
+    assert "(default: None)" not in text
+    steps = TrainSettings.model_fields["steps"].default
+    assert f"--steps STEPS train.steps: optimizer steps (default: {steps})" in text, text
+    assert text.count("(default: beside --trace-file)") == 1 and "--trace-file) (default" not in text
+    for m in re.finditer(r"--[a-z-]+ [^-]*?\(default: [^)]*\)[^-]*?\(default:", text):
+        pytest.fail(f"two defaults: {m.group(0)}")
+    args = build_parser().parse_args(["--checkpoint-every", "5"])
+    assert _flags(args)["train.checkpoint_every"] == 5
+    assert _flags(build_parser().parse_args([]))["train.checkpoint_every"] is None
