@@ -243,7 +243,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(line)
     for i, c in enumerate(res.candidates):
         print()
-        print(format_candidate(i, c, groups, res.upper_bound_tokens_per_s, res.upper_bound_note,
+        print(format_candidate(i, c, groups, res.upper_bound_tokens_per_s,
+                               res.upper_bound_note or ("upper bound skipped (--no-upper-bound)"
+                                                        if args.no_upper_bound else None),
                                cluster.num_devices))
     if args.out:
         print(f"\nbest plan written to {args.out}")

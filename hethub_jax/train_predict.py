@@ -505,7 +505,17 @@ def _check_ranks(c: Any, cluster_path: str, world_size: int, model: str = "MODEL
         f"hethub_jax.train --plan plan.json ...` (or start this job with {n} ranks)")
 
 
-def _plan_lines(res: Any, cluster: Any, costs: Mapping[str, Any]) -> List[str]:
+def upper_bound_skipped_note(model: str, cluster_path: str, gbs: Any, profiles_dir: Optional[str]) -> str:
+    """Why plan-less training prints no fraction of the cluster's upper bound, and the command that
+    computes it (the per-group homogeneous searches are skipped to keep start-up short)."""
+    return (f"upper bound skipped in plan-less training (it needs one more search per group); `python -m "
+            f"hethub_jax.plan --model {model} --cluster {cluster_path} --global-batch {gbs}"
+            + (f" --profiles {profiles_dir}" if profiles_dir else "") + "` computes it")
+
+
+def _plan_lines(res: Any, cluster: Any, costs: Mapping[str, Any], ub_note: Optional[str] = None) -> List[str]:
+    """The planner's table of the chosen plan; ``ub_note``: why the upper bound is missing when the
+    search result gives no reason."""
     from hethub_jax.plan import format_candidate
 
     class _Info:
@@ -513,7 +523,8 @@ def _plan_lines(res: Any, cluster: Any, costs: Mapping[str, Any]) -> List[str]:
             self.device, self.memory_bytes = g.device, costs[g.name].memory_bytes
     groups = {g.name: _Info(g) for g in cluster.resolved().groups}
     return format_candidate(0, res.best, groups, res.upper_bound_tokens_per_s,
-                            getattr(res, "upper_bound_note", None), cluster.resolved().num_devices).splitlines()
+                            getattr(res, "upper_bound_note", None) or ub_note,
+                            cluster.resolved().num_devices).splitlines()
 
 
 def _plan_rank0(cfg: Any, model: str, cluster_path: str, gbs: int, seq_len: int, mbs: Optional[int],
@@ -528,7 +539,9 @@ def _plan_rank0(cfg: Any, model: str, cluster_path: str, gbs: int, seq_len: int,
     res = _search(cfg, cluster, gbs, seq_len, mbs, profiles)
     _check_ranks(res.best, cluster_path, world_size, model, gbs)
     lines = [f"planner ({time.perf_counter() - t0:.1f} s, {res.evaluated} plans predicted): chosen plan for "
-             f"cluster {cluster.name}, every figure PREDICTED", *_plan_lines(res, cluster, cluster_costs(cluster, profiles))]
+             f"cluster {cluster.name}, every figure PREDICTED", *_plan_lines(
+                 res, cluster, cluster_costs(cluster, profiles),
+                 upper_bound_skipped_note(model, cluster_path, gbs, profiles_dir))]
     note = extrapolation_note(res.best.plan, profiles)  # e.g. a saved profile of other sizes, reused
     lines += [note] if note else []
     return {"plan": res.best.plan.to_dict(), "profiles": profiles, "notes": notes, "lines": lines,

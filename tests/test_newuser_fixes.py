@@ -180,3 +180,27 @@ def test_train_help_shows_real_defaults_once_and_checkpoint_every_sets_the_field
     args = build_parser().parse_args(["--checkpoint-every", "5"])
     assert _flags(args)["train.checkpoint_every"] == 5
     assert _flags(build_parser().parse_args([]))["train.checkpoint_every"] is None
+
+
+# ---- 7. plan-less training says why there is no upper bound ----------------------------------------
+
+def test_planless_plan_lines_say_why_the_upper_bound_is_missing():
+    import hethub_jax.train_predict as tp
+    from hethub_jax.planner import load_cluster, load_model
+    from test_train_insight import fixed_profile
+    cluster = load_cluster(str(TINY2))
+    profiles = {g.name: fixed_profile() for g in cluster.resolved().groups}
+    res = tp._search(load_model("tiny"), cluster, 8, 16, None, profiles)
+    assert res.upper_bound_tokens_per_s is None
+    note = tp.upper_bound_skipped_note("tiny", str(TINY2), 8, "runs/x/profiles")
+    head = tp._plan_lines(res, cluster, tp.cluster_costs(cluster, profiles), note)[0]
+    assert "upper bound not computed" not in head and "skipped in plan-less training" in head, head
+    assert f"python -m hethub_jax.plan --model tiny --cluster {TINY2} --global-batch 8 --profiles runs/x/profiles" \
+        in head, head
+
+
+def test_plan_cli_says_the_upper_bound_was_skipped_by_the_flag(capsys):
+    assert plan_main(["--model", "tiny", "--cluster", str(TINY2), "--global-batch", "8", "--seq-len", "16",
+                      "--no-upper-bound"]) == 0
+    out = capsys.readouterr().out
+    assert "upper bound skipped (--no-upper-bound)" in out and "upper bound not computed" not in out
