@@ -204,3 +204,15 @@ def test_plan_cli_says_the_upper_bound_was_skipped_by_the_flag(capsys):
                       "--no-upper-bound"]) == 0
     out = capsys.readouterr().out
     assert "upper bound skipped (--no-upper-bound)" in out and "upper bound not computed" not in out
+
+
+# ---- 8. planner table wording --------------------------------------------------------------------
+
+def test_plan_table_says_gradient_all_reduce_and_readable_headings(capsys):
+    assert plan_main(["--model", "tiny", "--cluster", str(TINY2), "--global-batch", "8", "--seq-len", "16",
+                      "--top", "1", "--no-upper-bound"]) == 0
+    out = capsys.readouterr().out
+    assert "gradient all-reduce" in out and "gradient sums" not in out
+    head = next(x for x in out.splitlines() if "group (device)" in x)
+    assert head.split()[:2] == ["replica", "stage"] and "F+B per microbatch (s)" in head
+    assert "rep " not in head and "F+B/mb" not in head
