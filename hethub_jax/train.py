@@ -768,8 +768,27 @@ def _resume(run: _Run) -> None:
     run.start_step, meta = got
     run.resumed_from = {"step": run.start_step, "plan": meta.get("plan"), "plan_file": meta.get("plan_file")}
     if run.log:
-        print(f"resume: step {run.start_step} of {t.checkpoint_dir}, written under plan "
-              f"{meta.get('plan_file') or 'built-in'}: {_plan_brief(meta.get('plan') or {})}", flush=True)
+        print(resume_line(run.start_step, t.checkpoint_dir, meta, run.plan.to_dict(), t.plan), flush=True)
+
+
+def resume_line(step: int, checkpoint_dir: str, meta: dict, plan: dict, plan_file: str | None) -> str:
+    """What ``--resume`` prints: the checkpoint's step and the plan that wrote it, as recorded in its
+    ``meta.json`` (``plan``, ``plan_file``). When that plan differs from this run's ``plan`` (plan-less
+    ``--cluster`` training re-plans and rewrites ``plan.json``; or another ``--plan``), the line says so,
+    where the old plan is recorded, and that this run trains its own plan (a checkpoint restores under
+    any plan), instead of naming a file that now holds another plan."""
+    from hethub_jax import checkpoint as ckpt
+
+    old, old_file = meta.get("plan") or {}, meta.get("plan_file")
+    head = f"resume: step {step} of {checkpoint_dir}"
+    if old == plan:
+        return f"{head}, written under plan {old_file or 'built-in'} (the plan this run trains): {_plan_brief(old)}"
+    where = os.path.join(str(ckpt.step_dir(checkpoint_dir, step)), "meta.json")
+    rewritten = (f"; {old_file} now holds this run's new plan" if old_file and plan_file and
+                 os.path.abspath(old_file) == os.path.abspath(plan_file) else "")
+    return (f"{head}, written under ANOTHER plan than this run's: {_plan_brief(old)} (recorded in {where}"
+            f"{rewritten}); this run trains plan {plan_file or 'built-in'}: {_plan_brief(plan)} (a checkpoint "
+            f"restores under any plan)")
 
 
 def _save_checkpoint(run: _Run, step: int):

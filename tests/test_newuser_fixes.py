@@ -216,3 +216,22 @@ def test_plan_table_says_gradient_all_reduce_and_readable_headings(capsys):
     head = next(x for x in out.splitlines() if "group (device)" in x)
     assert head.split()[:2] == ["replica", "stage"] and "F+B per microbatch (s)" in head
     assert "rep " not in head and "F+B/mb" not in head
+
+
+# ---- 9. a resumed checkpoint's plan is named truthfully --------------------------------------------
+
+def test_resume_line_says_when_the_checkpoint_was_written_under_another_plan(tmp_path):
+    from hethub_jax.train import resume_line
+    plan_file = str(tmp_path / "plan.json")
+    old = json.loads((ROOT / "configs/plans/tiny_2island.json").read_text())
+    from hethub_jax.parallel.plan import Plan
+    old = Plan.from_dict(old).to_dict()
+    new = json.loads(json.dumps(old))
+    new["replicas"][0]["stages"][0]["last_layer"] -= 1
+    new["replicas"][0]["stages"][1]["first_layer"] -= 1
+    meta = {"plan": old, "plan_file": plan_file}
+    same = resume_line(4, str(tmp_path / "ck"), meta, old, plan_file)
+    assert f"written under plan {plan_file} (the plan this run trains)" in same and "ANOTHER" not in same
+    diff = resume_line(4, str(tmp_path / "ck"), meta, new, plan_file)
+    assert f"written under plan {plan_file}" not in diff and "ANOTHER plan" in diff, diff
+    assert str(tmp_path / "ck" / "step_4" / "meta.json") in diff and f"{plan_file} now holds this run's new plan" in diff
