@@ -949,8 +949,22 @@ def _build_hooks(run: _Run, metrics: MetricsWriter, console: Console) -> list[Ho
     if console.bar is not None:
         hooks.append(ProgressHook(console, emulated=bool(run.emulation)))
     if run.log:
-        hooks.append(ConsoleHook(console, t.log_every, emulated=bool(run.emulation)))
+        outputs = [("metrics", t.metrics_file), ("plan", t.plan), ("trace", t.trace_file),
+                   ("timeline PNG", _timeline_png(run)), ("TensorBoard", run.args.tensorboard),
+                   ("checkpoints", t.checkpoint_dir)]
+        hooks.append(ConsoleHook(console, t.log_every, emulated=bool(run.emulation), outputs=outputs))
     return hooks
+
+
+def _timeline_png(run: _Run) -> str | None:
+    """The timeline PNG's path: ``--timeline-png``, else beside ``train.trace_file`` (``.png``) when
+    matplotlib is installed, else None."""
+    import importlib.util
+
+    t, png = run.cfg.train, run.args.timeline_png
+    if png is None and t.trace_file and importlib.util.find_spec("matplotlib") is not None:
+        png = os.path.splitext(t.trace_file)[0] + ".png"
+    return png
 
 
 def _insight_hooks(run: _Run, metrics: MetricsWriter, console: Console, predicted) -> list[Hook]:
@@ -962,9 +976,7 @@ def _insight_hooks(run: _Run, metrics: MetricsWriter, console: Console, predicte
     t, args, hooks = run.cfg.train, run.args, []
     if run.prediction is not None:
         hooks.append(PredictionHook(run.prediction, metrics, console, t.log_every))
-    png = args.timeline_png
-    if png is None and t.trace_file and importlib.util.find_spec("matplotlib") is not None:
-        png = os.path.splitext(t.trace_file)[0] + ".png"
+    png = _timeline_png(run)
     if png and run.log:
         hooks.append(TimelineHook(png, {i.name: i.slowdown for i in run.plan.islands}, predicted, console,
                                   run.prediction.prediction.step_time_s if run.prediction is not None else None))

@@ -306,7 +306,10 @@ def predict_run(cfg: Any, plan: Any, seq_len: int, *, profiles_dir: Optional[str
         if source is None:
             parts = [cost_source_text("cpu", profile_path=v, measured=_profile_date(v)) if v else cost_source_text("cpu")
                      for v in found.values()]
-            source = "; ".join(f"{k}: {p}" for k, p in zip(found, parts))
+            by_text: Dict[str, List[str]] = {}  # islands of one source named once: "fast, slow: catalog ..."
+            for k, p in zip(found, parts):
+                by_text.setdefault(p, []).append(k)
+            source = "; ".join(f"{', '.join(ks)}: {p}" for p, ks in by_text.items())
     pred = predict(cfg, plan, dict(costs), seq_len=seq_len, bridge=bridge)
     return RunPrediction(pred, dict(costs), bridge, seq_len, source or "given costs", plan)
 

@@ -235,3 +235,17 @@ def test_resume_line_says_when_the_checkpoint_was_written_under_another_plan(tmp
     diff = resume_line(4, str(tmp_path / "ck"), meta, new, plan_file)
     assert f"written under plan {plan_file}" not in diff and "ANOTHER plan" in diff, diff
     assert str(tmp_path / "ck" / "step_4" / "meta.json") in diff and f"{plan_file} now holds this run's new plan" in diff
+
+
+# ---- 10. the end-of-run summary names every output written -----------------------------------------
+
+def test_outputs_line_names_every_existing_output_in_order(tmp_path):
+    from hethub_jax.train_hooks import outputs_line
+    (tmp_path / "m.jsonl").write_text("{}")
+    (tmp_path / "tb").mkdir()
+    (tmp_path / "t.json").write_text("{}")
+    outs = [("metrics", str(tmp_path / "m.jsonl")), ("plan", None), ("trace", str(tmp_path / "t.json")),
+            ("timeline PNG", str(tmp_path / "t.png")), ("TensorBoard", str(tmp_path / "tb"))]
+    assert outputs_line(outs) == (f"outputs: metrics {tmp_path / 'm.jsonl'}; trace {tmp_path / 't.json'}; "
+                                  f"TensorBoard {tmp_path / 'tb'}")
+    assert outputs_line([("plan", None), ("trace", str(tmp_path / "nope"))]) is None
