@@ -446,7 +446,8 @@ def _get_profile(path: str, groups: List[Any], model: str, seq_len: int, log,
     if os.path.exists(path):
         return f"reusing saved profile; costs: {cost_source_text(groups[0].device, profile_path=path, measured=_profile_date(path))}"
     if not all(g.platform == "cpu" and g.device == "cpu" for g in groups):
-        return f"no profile; costs: {cost_source_text(groups[0].device)}"
+        eff = groups[0].efficiency
+        return f"no profile; costs: {cost_source_text(groups[0].device, efficiency=0.4 if eff is None else eff)}"
     log(f"profiling device type cpu for {_groups_text(groups)} into {path} (python -m hethub_jax.profile "
         f"--microbatch-sizes {','.join(map(str, microbatch_sizes))} --tp {','.join(map(str, tp_degrees))} "
         + (f"--dp 1,{','.join(map(str, dp_degrees))} --dp-microbatch-sizes {','.join(map(str, dp_sizes))} "

@@ -249,3 +249,28 @@ def test_outputs_line_names_every_existing_output_in_order(tmp_path):
     assert outputs_line(outs) == (f"outputs: metrics {tmp_path / 'm.jsonl'}; trace {tmp_path / 't.json'}; "
                                   f"TensorBoard {tmp_path / 'tb'}")
     assert outputs_line([("plan", None), ("trace", str(tmp_path / "nope"))]) is None
+
+
+# ---- 1b. a group's own catalog efficiency ------------------------------------------------------------
+
+def test_group_efficiency_overrides_the_catalog_efficiency_and_is_validated(tmp_path, capsys):
+    from hethub_jax.planner import cluster_from_dict
+    from hethub_jax.planner.search import group_costs
+    spec = yaml.safe_load(MIXED.read_text())
+    spec["groups"][0]["efficiency"] = 0.55
+    costs = group_costs(cluster_from_dict(spec))
+    assert costs[spec["groups"][0]["name"]].efficiency == 0.55 and costs[spec["groups"][1]["name"]].efficiency == 0.4
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    assert plan_main(["--model", "tiny", "--cluster", str(path), "--global-batch", "8", "--seq-len", "32",
+                      "--no-upper-bound", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"group {spec['groups'][0]['name']} ({spec['groups'][0]['device']}): costs: catalog " \
+           f"{spec['groups'][0]['device']!r} datasheet peak x 0.55 efficiency" in out
+    for bad in (0, 1.5, float("nan")):
+        spec["groups"][0]["efficiency"] = bad
+        with pytest.raises(ValueError, match="efficiency"):
+            cluster_from_dict(spec)
+    spec["groups"][0].update(efficiency=0.5, profile="x.json", device=None)
+    with pytest.raises(ValueError, match="efficiency"):
+        cluster_from_dict(spec)
