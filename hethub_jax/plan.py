@@ -6,7 +6,8 @@ Usage::
         [--seq-len N] [--memory-headroom F] [--profiles DIR] [--out plan.json] [--top K] [--json]
 
 Prints one table per candidate (best first): per stage its device type, devices, DP x TP, layers,
-predicted compute per microbatch, memory per device and bubble; the step time, tokens/s, MFU and the
+predicted compute (forward + backward) per microbatch, memory per device and bubble; the step time
+(pipeline + gradient all-reduce across stages/replicas and global norm + optimizer update), tokens/s, MFU and the
 fraction of the cluster's upper bound (sum of each group's best homogeneous tokens/s). Every figure is
 PREDICTED by ``hethub_jax.planner.predictor``, none is measured. ``--out`` writes the best plan, which
 ``python -m hethub_jax.train --plan`` runs unchanged (the plan records its ``seq_len``; training
@@ -27,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from hethub_jax.parallel.rules import check_runtime_support
 
-__all__ = ["main", "format_candidate", "candidate_dict"]
+__all__ = ["main", "format_candidate", "candidate_dict", "cost_source_lines"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -78,13 +79,13 @@ def format_candidate(i: int, c: Any, groups: Dict[str, Any], ub: Optional[float]
     lines = [f"Candidate {i + 1} ({c.kind}) - PREDICTED: step {pred.step_time_s:.4g} s, "
              f"{pred.tokens_per_s:,.0f} tokens/s, MFU {_mfu_text(c)}, {frac}",
              f"  microbatch {plan.microbatch_size}, global batch {plan.global_batch_size}, schedule {plan.schedule}, "
-             f"recompute {plan.recompute}; pipeline {pred.pipeline_s:.4g} s + gradient sums {pred.allreduce_s:.3g} s "
+             f"recompute {plan.recompute}; pipeline {pred.pipeline_s:.4g} s + gradient all-reduce {pred.allreduce_s:.3g} s "
              f"+ update {pred.update_s:.3g} s",
              f"  devices used: {devices_used(plan):,}"
              + (f" of the cluster's {cluster_devices:,} ({cluster_devices - devices_used(plan):,} idle; MFU is over "
                 f"the devices used)" if cluster_devices and cluster_devices > devices_used(plan) else ""),
-             f"  {'rep':>3} {'stg':>3}  {'group (device)':<26} {'devices':>7} {'DP x TP':>9} {'layers':>9} "
-             f"{'F+B/mb s':>10} {'memory/device (capacity)':>24} {'bubble':>7}"]
+             f"  {'replica':>7} {'stage':>5}  {'group (device)':<26} {'devices':>7} {'DP x TP':>9} {'layers':>9} "
+             f"{'F+B per microbatch (s)':>22} {'memory/device (capacity)':>24} {'bubble':>7}"]
     shares = plan.batch_shares()
     for sp in pred.stages:
         st = plan.stage(sp.replica, sp.stage)
@@ -92,8 +93,8 @@ def format_candidate(i: int, c: Any, groups: Dict[str, Any], ub: Optional[float]
         dev = f"{st.island} ({g.device or 'profile'})"
         cap = getattr(g, "memory_bytes", None)
         cap = fmt_bytes(cap if cap is not None else g.memory_gb * 1e9)
-        lines.append(f"  {sp.replica:>3} {sp.stage:>3}  {dev:<26.26} {st.num_devices:>7} {st.dp:>4} x {st.tp:<3}"
-                     f" {st.first_layer:>4}-{st.last_layer:<4} {sp.compute_s_per_microbatch:>10.4g} "
+        lines.append(f"  {sp.replica:>7} {sp.stage:>5}  {dev:<26.26} {st.num_devices:>7} {st.dp:>4} x {st.tp:<3}"
+                     f" {st.first_layer:>4}-{st.last_layer:<4} {sp.compute_s_per_microbatch:>22.4g} "
                      f"{fmt_bytes(sp.memory.total) + ' (' + cap + ')':>24} {100 * sp.bubble_fraction:>6.1f}%")
     if plan.num_replicas > 1:
         lines.append(f"  batch shares (samples per replica): {shares}")
@@ -177,6 +178,13 @@ class _GroupInfo:
         self.memory_bytes = costs.memory_bytes
 
 
+def cost_source_lines(cluster: Any, costs: Dict[str, Any]) -> List[str]:
+    """One line per group of ``cluster`` saying where its costs come from
+    (``DeviceCosts.source_text``, the wording ``train --cluster`` prints too): a measured profile and
+    its date, or the catalog's datasheet peak x efficiency (an assumption)."""
+    return [f"group {g.name} ({g.device or 'profile'}): costs: {costs[g.name].source_text()}" for g in cluster.groups]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     from hethub_jax.planner import PlanningError, SearchOptions, default_seq_len, load_cluster, load_model, search
@@ -232,9 +240,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"memory headroom {100 * opt.memory_headroom:g}% (--memory-headroom {opt.memory_headroom:g}): a stage "
           f"fits when its memory per device is at most {100 * (1 - opt.memory_headroom):g}% of the device's "
           f"capacity; memory in GiB (2**30 bytes)")
+    for line in cost_source_lines(cluster, costs):
+        print(line)
     for i, c in enumerate(res.candidates):
         print()
-        print(format_candidate(i, c, groups, res.upper_bound_tokens_per_s, res.upper_bound_note,
+        print(format_candidate(i, c, groups, res.upper_bound_tokens_per_s,
+                               res.upper_bound_note or ("upper bound skipped (--no-upper-bound)"
+                                                        if args.no_upper_bound else None),
                                cluster.num_devices))
     if args.out:
         print(f"\nbest plan written to {args.out}")

@@ -43,11 +43,45 @@ EXIT_CONFIG_ERROR = 2
 _PROG = "python -m hethub_jax.train"
 
 
+#: argparse dest -> the config field its flag sets (``_flags``), whose default ``--help`` shows
+_FIELD_OF_DEST = {"steps": "train.steps", "global_batch_size": "train.global_batch_size",
+                  "microbatch_size": "train.microbatch_size", "seq_len": "data.seq_len",
+                  "lr": "optim.learning_rate", "seed": "train.seed", "eval_every": "train.eval_every",
+                  "checkpoint_every": "train.checkpoint_every", "metrics_file": "train.metrics_file",
+                  "checkpoint_dir": "train.checkpoint_dir", "trace_file": "train.trace_file"}
+
+
+def config_field_default(field: str) -> Any:
+    """The built-in default of a config field ``"section.name"`` (imports ``hethub_jax.config``, which
+    imports JAX: call it only when help is printed)."""
+    from hethub_jax.config import DataConfig, OptimConfig, TrainSettings
+    section, name = field.split(".", 1)
+    model = {"train": TrainSettings, "data": DataConfig, "optim": OptimConfig}[section]
+    return model.model_fields[name].get_default(call_default_factory=True)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Each flag's real default, once: a flag that sets a config field shows that field's built-in
+    default (the flag's own default None means "not given"); a help text that already says its default
+    gets nothing more; switches (store_true) show none; other flags show a non-None default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS or action.nargs == 0:
+            return text
+        if action.dest in _FIELD_OF_DEST and action.default is None:
+            value = config_field_default(_FIELD_OF_DEST[action.dest])
+            return f"{text} (default: {'none' if value is None else value})"
+        if action.default not in (None, []):
+            return f"{text} (default: %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line. Dedicated flags override ``--set``, which overrides the config file."""
     p = argparse.ArgumentParser(
         prog=_PROG, description="Train a Llama-family model with hethub-jax (docs/training.md).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
     p.add_argument("--config", metavar="PATH", default=None,
                    help="YAML config (sections model, data, optim, train; see configs/tiny.yaml); "
                         "default: built-in defaults (tiny preset on the Shakespeare corpus)")
@@ -55,12 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override one config field, VALUE parsed as YAML (repeatable), "
                         "e.g. --set optim.learning_rate=1e-3 --set model=tiny")
     p.add_argument("--steps", type=int, default=None, help="train.steps: optimizer steps")
-    p.add_argument("--global-batch-size", type=int, default=None, help="train.global_batch_size (samples)")
-    p.add_argument("--microbatch-size", type=int, default=None, help="train.microbatch_size (samples)")
+    p.add_argument("--global-batch-size", type=int, default=None,
+                   help="train.global_batch_size (samples) (default: the plan's, 16 without a plan)")
+    p.add_argument("--microbatch-size", type=int, default=None,
+                   help="train.microbatch_size (samples) (default: the plan's, the global batch without a plan)")
     p.add_argument("--seq-len", type=int, default=None, help="data.seq_len (tokens per sample)")
     p.add_argument("--lr", type=float, default=None, help="optim.learning_rate (peak)")
     p.add_argument("--seed", type=int, default=None, help="train.seed: parameter initialisation seed")
     p.add_argument("--eval-every", type=int, default=None, help="train.eval_every (steps)")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                   help="train.checkpoint_every: also checkpoint every N steps (0: only at the end)")
     p.add_argument("--metrics-file", metavar="PATH", default=None, help="train.metrics_file (JSON lines)")
     p.add_argument("--checkpoint-dir", metavar="DIR", default=None, help="train.checkpoint_dir")
     p.add_argument("--no-checkpoint", action="store_true", help="set train.checkpoint_dir to null")
@@ -70,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume-or-start", action="store_true", default=None,
                    help="train.resume and train.resume_or_start: as --resume, but start from step 0 "
                         "when there is no complete checkpoint")
-    p.add_argument("--plan", metavar="PLAN.json", default=None, help="train.plan: parallel plan JSON")
+    p.add_argument("--plan", metavar="PLAN.json", default=None,
+                   help="train.plan: parallel plan JSON (default: one island, one stage, one device)")
     p.add_argument("--trace-file", metavar="PATH", default=None,
                    help="train.trace_file: Chrome trace of the last step's actions")
     p.add_argument("--island", metavar="NAME", default=None,
@@ -104,6 +143,7 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
         "train.steps": args.steps, "train.global_batch_size": args.global_batch_size,
         "train.microbatch_size": args.microbatch_size, "data.seq_len": args.seq_len,
         "optim.learning_rate": args.lr, "train.seed": args.seed, "train.eval_every": args.eval_every,
+        "train.checkpoint_every": args.checkpoint_every,
         "train.metrics_file": args.metrics_file, "train.checkpoint_dir": args.checkpoint_dir,
         "train.resume": True if args.resume_or_start else args.resume,
         "train.resume_or_start": args.resume_or_start, "train.plan": args.plan,
@@ -125,20 +165,29 @@ def _fail(msg: str, args: argparse.Namespace | None = None) -> int:
     return EXIT_CONFIG_ERROR
 
 
-def _fail_before_mpi(msg: str | None, args: argparse.Namespace | None) -> int:
+def _fail_before_mpi(msg: str | None, args: argparse.Namespace | None, held: str | None = None) -> int:
     """A rank of an MPI job failed before starting MPI (configuration, command line): print the error
-    as one line naming this rank and island where known (``msg`` None: already printed, by argparse),
-    then start MPI and report the failure at the start-up gate (``cluster.join_job``), which ends every
-    rank of the job with status 2 within seconds instead of leaving them waiting in ``MPI_Init``.
-    Returns 2."""
+    as one line naming this rank and island where known (``msg`` None: argparse's error, printed by
+    argparse or ``held``), start MPI and report the failure at the start-up gate (``cluster.join_job``),
+    which ends every rank of the job with status 2 within seconds instead of leaving them waiting in
+    ``MPI_Init``. Returns 2.
+
+    The launcher's rank 0 (or a rank the launcher does not name) prints at once; every other rank holds
+    its error until the gate has told it the other ranks' errors, and prints it only when no lower rank
+    failed with the same message (an identical configuration error appears once, not once per rank).
+    ``held``: argparse's output of this rank, captured (``msg`` None), printed under the same rule."""
     from hethub_jax import cluster
 
-    if msg is not None:
-        _say(f"{_PROG}: error: {_rank_label(args)}{msg}")
+    first = cluster.launcher_rank() in (None, 0)
+    text = held if msg is None else f"{_PROG}: error: {_rank_label(args)}{msg}\n"
+    if first and text:
+        _say(text.rstrip("\n"))
     try:
         cluster.join_job(error=msg or "command-line error (see argparse's message)")
-    except cluster.StartFailed:
-        pass  # always raised here: this rank's own failure
+    except cluster.StartFailed as e:  # always raised here: this rank's own failure
+        mine = e.failed.get(e.rank)
+        if not first and text and min(r for r, m in e.failed.items() if m == mine) == e.rank:
+            _say(text.rstrip("\n"))
     return EXIT_CONFIG_ERROR
 
 
@@ -719,8 +768,27 @@ def _resume(run: _Run) -> None:
     run.start_step, meta = got
     run.resumed_from = {"step": run.start_step, "plan": meta.get("plan"), "plan_file": meta.get("plan_file")}
     if run.log:
-        print(f"resume: step {run.start_step} of {t.checkpoint_dir}, written under plan "
-              f"{meta.get('plan_file') or 'built-in'}: {_plan_brief(meta.get('plan') or {})}", flush=True)
+        print(resume_line(run.start_step, t.checkpoint_dir, meta, run.plan.to_dict(), t.plan), flush=True)
+
+
+def resume_line(step: int, checkpoint_dir: str, meta: dict, plan: dict, plan_file: str | None) -> str:
+    """What ``--resume`` prints: the checkpoint's step and the plan that wrote it, as recorded in its
+    ``meta.json`` (``plan``, ``plan_file``). When that plan differs from this run's ``plan`` (plan-less
+    ``--cluster`` training re-plans and rewrites ``plan.json``; or another ``--plan``), the line says so,
+    where the old plan is recorded, and that this run trains its own plan (a checkpoint restores under
+    any plan), instead of naming a file that now holds another plan."""
+    from hethub_jax import checkpoint as ckpt
+
+    old, old_file = meta.get("plan") or {}, meta.get("plan_file")
+    head = f"resume: step {step} of {checkpoint_dir}"
+    if old == plan:
+        return f"{head}, written under plan {old_file or 'built-in'} (the plan this run trains): {_plan_brief(old)}"
+    where = os.path.join(str(ckpt.step_dir(checkpoint_dir, step)), "meta.json")
+    rewritten = (f"; {old_file} now holds this run's new plan" if old_file and plan_file and
+                 os.path.abspath(old_file) == os.path.abspath(plan_file) else "")
+    return (f"{head}, written under ANOTHER plan than this run's: {_plan_brief(old)} (recorded in {where}"
+            f"{rewritten}); this run trains plan {plan_file or 'built-in'}: {_plan_brief(plan)} (a checkpoint "
+            f"restores under any plan)")
 
 
 def _save_checkpoint(run: _Run, step: int):
@@ -752,6 +820,18 @@ def _model_name(cfg) -> str:
     return cfg.model_spec if isinstance(cfg.model_spec, str) else "custom"
 
 
+def single_process_note(plan: Any) -> str | None:
+    """For a plan of several islands run in ONE process (no ``mpiexec``, or ``mpiexec -n 1``): the note
+    that every island runs in this process (an emulation of the plan's processes), and the command that
+    gives one process per island; None for a one-island plan."""
+    if len(plan.islands) < 2:
+        return None
+    names = ", ".join(i.name for i in plan.islands)
+    return (f"all {len(plan.islands)} islands ({names}) run in this one process (an emulation "
+            f"of the plan's {plan.world_size} processes); `mpiexec -n {plan.world_size} python -m "
+            f"hethub_jax.train ...` runs one process per island")
+
+
 def _banner(run: _Run) -> list[str]:
     """The start-up banner (docs/training.md): model, data, plan, devices, optimizer, steps, EMULATED."""
     import jax
@@ -768,6 +848,7 @@ def _banner(run: _Run) -> list[str]:
         *plan_summary(plan, m, run.rt.shares), *(f"  note: {n}" for n in run.plan_notes),
         f"jax {jax.__version__}, backend {jax.default_backend()}, {len(jax.devices())} local device(s)"
         + (f"; rank {run.rank} of {run.world_size}" if run.comm is not None else "; single process"),
+        *([] if run.comm is not None else [f"  note: {n}" for n in [single_process_note(plan)] if n]),
         f"optimizer: AdamW peak lr {o.learning_rate:g}, warm-up {o.warmup_steps}, cosine "
         f"decay over {o.decay_steps} steps, clip {o.grad_clip_norm}",
         f"steps {run.start_step}->{t.steps}, eval every {t.eval_every} steps on "
@@ -868,8 +949,22 @@ def _build_hooks(run: _Run, metrics: MetricsWriter, console: Console) -> list[Ho
     if console.bar is not None:
         hooks.append(ProgressHook(console, emulated=bool(run.emulation)))
     if run.log:
-        hooks.append(ConsoleHook(console, t.log_every, emulated=bool(run.emulation)))
+        outputs = [("metrics", t.metrics_file), ("plan", t.plan), ("trace", t.trace_file),
+                   ("timeline PNG", _timeline_png(run)), ("TensorBoard", run.args.tensorboard),
+                   ("checkpoints", t.checkpoint_dir)]
+        hooks.append(ConsoleHook(console, t.log_every, emulated=bool(run.emulation), outputs=outputs))
     return hooks
+
+
+def _timeline_png(run: _Run) -> str | None:
+    """The timeline PNG's path: ``--timeline-png``, else beside ``train.trace_file`` (``.png``) when
+    matplotlib is installed, else None."""
+    import importlib.util
+
+    t, png = run.cfg.train, run.args.timeline_png
+    if png is None and t.trace_file and importlib.util.find_spec("matplotlib") is not None:
+        png = os.path.splitext(t.trace_file)[0] + ".png"
+    return png
 
 
 def _insight_hooks(run: _Run, metrics: MetricsWriter, console: Console, predicted) -> list[Hook]:
@@ -881,11 +976,10 @@ def _insight_hooks(run: _Run, metrics: MetricsWriter, console: Console, predicte
     t, args, hooks = run.cfg.train, run.args, []
     if run.prediction is not None:
         hooks.append(PredictionHook(run.prediction, metrics, console, t.log_every))
-    png = args.timeline_png
-    if png is None and t.trace_file and importlib.util.find_spec("matplotlib") is not None:
-        png = os.path.splitext(t.trace_file)[0] + ".png"
+    png = _timeline_png(run)
     if png and run.log:
-        hooks.append(TimelineHook(png, {i.name: i.slowdown for i in run.plan.islands}, predicted, console))
+        hooks.append(TimelineHook(png, {i.name: i.slowdown for i in run.plan.islands}, predicted, console,
+                                  run.prediction.prediction.step_time_s if run.prediction is not None else None))
     if args.tensorboard and run.log:
         hooks.append(TensorBoardHook(args.tensorboard, *mfu_inputs(run.cfg.model, run.plan, run.prediction,
                                                                       run.cfg.data.seq_len)))
@@ -934,11 +1028,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     1 training failure (non-finite loss). Other exceptions propagate with their traceback."""
     from hethub_jax.cluster import StartFailed
 
+    import contextlib
+    import io
+
+    from hethub_jax.cluster import launcher_rank
+    # under mpiexec, ranks other than the launcher's rank 0 hold argparse's output (usage, --help, an
+    # error) and print an error only when it differs from rank 0's (_fail_before_mpi): once, not per rank
+    hold = mpi_world_size() > 1 and launcher_rank() not in (None, 0)
+    out, err = io.StringIO(), io.StringIO()
     try:
-        args = build_parser().parse_args(argv)
+        with contextlib.redirect_stdout(out) if hold else contextlib.nullcontext(), \
+                contextlib.redirect_stderr(err) if hold else contextlib.nullcontext():
+            args = build_parser().parse_args(argv)
     except SystemExit as e:  # argparse printed its error; under MPI the other ranks must end too
         if e.code not in (0, None) and mpi_world_size() > 1 and "mpi4py.MPI" not in sys.modules:
-            _fail_before_mpi(None, None)
+            _fail_before_mpi(None, None, held=err.getvalue() if hold else None)
         raise
     try:
         run = _set_up(args)

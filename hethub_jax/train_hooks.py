@@ -24,7 +24,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from tqdm import tqdm
 
@@ -437,9 +437,11 @@ class ConsoleHook(_NoOp):
     0.491 s (PREDICTED/measured 0.45), grad_norm 0.912, lr 2.91e-03``: val_loss only on evaluation
     steps, PREDICTED only when the run has a prediction."""
 
-    def __init__(self, console: Console, log_every: int | None, emulated: bool):
+    def __init__(self, console: Console, log_every: int | None, emulated: bool,
+                 outputs: Sequence[tuple[str, str | None]] = ()):
         self.console, self.log_every = console, log_every
         self.emu = " (EMULATED)" if emulated else ""
+        self.outputs = list(outputs)
 
     def on_start(self, state: TrainState) -> None:
         if state.evaluated:
@@ -466,3 +468,14 @@ class ConsoleHook(_NoOp):
         self.console.say(summary)
         if state.checkpoint_path:
             self.console.say(f"checkpoint: {state.checkpoint_path}")
+        line = outputs_line(self.outputs)
+        if line:
+            self.console.say(line)
+
+
+def outputs_line(outputs: Sequence[tuple[str, str | None]]) -> str | None:
+    """``"outputs: metrics runs/tiny/metrics.jsonl; plan ...; trace ...; ..."``: every ``(label, path)``
+    whose path exists at the end of the run (written by it or kept from before: checkpoints), in the
+    given order; None when there is none."""
+    have = [f"{label} {path}" for label, path in outputs if path and os.path.exists(path)]
+    return f"outputs: {'; '.join(have)}" if have else None

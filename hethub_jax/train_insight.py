@@ -150,11 +150,13 @@ class TimelineHook(_NoOp):
       path: the PNG; slowdown: per island, its emulated slowdown factor.
       predicted: ``offset_s -> PREDICTED ActionRecords`` (``RunPrediction.records``) or None.
       console: where to say that it was written.
+      predicted_step_s: the PREDICTED whole step's seconds (for the PREDICTED panel's title), or None.
     """
 
     def __init__(self, path: str, slowdown: Mapping[str, float], predicted: Optional[Callable[[float], list]],
-                 console: Console):
+                 console: Console, predicted_step_s: Optional[float] = None):
         self.path, self.slowdown, self.predicted, self.console = path, dict(slowdown), predicted, console
+        self.predicted_step_s = predicted_step_s
         self.bars: Optional[dict] = None
 
     def on_end(self, state: TrainState) -> None:
@@ -163,7 +165,8 @@ class TimelineHook(_NoOp):
         from hethub_jax.timeline import write_timeline_png
         pred = self.predicted(0.0) if self.predicted else None
         self.bars = write_timeline_png(self.path, state.records, pred, slowdown=self.slowdown,
-                                       title=f"step {state.step}")
+                                       title=f"step {state.step}",
+                                       step_s={"measured": state.step_time_s, "predicted": self.predicted_step_s})
         self.console.say(f"timeline of step {state.step} (measured" + (" and PREDICTED" if pred else "")
                          + f"): {self.path}")
 

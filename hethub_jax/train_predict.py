@@ -25,6 +25,8 @@ import sys
 import time
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from hethub_jax.planner.costs import cost_source_text
+
 __all__ = ["RunPrediction", "predict_run", "plan_from_cluster", "profile_device", "measured_bubble",
            "PROFILE_SETTINGS", "planner_microbatch_sizes", "microbatch_sizes_to_profile", "tp_degrees_to_profile",
            "profiled_tp_degrees", "dp_degrees_to_profile", "dp_microbatch_sizes_to_profile", "profiled_dp_degrees",
@@ -266,6 +268,15 @@ class RunPrediction:
         return f"; compute from {costs.mesh_source(spec.dp, spec.tp)}" if hasattr(costs, "mesh_source") else ""
 
 
+def _profile_date(path: Optional[str]) -> Optional[str]:
+    """The ``date`` a profile file records (when it was measured), or None when unreadable."""
+    try:
+        with open(path) as f:
+            return json.load(f).get("date")
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
 def _profile_for_island(profiles_dir: Optional[str], isl: Any) -> Optional[str]:
     if not profiles_dir:
         return None
@@ -293,9 +304,12 @@ def predict_run(cfg: Any, plan: Any, seq_len: int, *, profiles_dir: Optional[str
         found = {i.name: _profile_for_island(profiles_dir, i) for i in plan.islands}
         costs = costs_for_plan(plan, {k: v for k, v in found.items() if v})
         if source is None:
-            parts = [f"profile {v}" if v else "catalog 'cpu' entry (assumption, not measured)"
+            parts = [cost_source_text("cpu", profile_path=v, measured=_profile_date(v)) if v else cost_source_text("cpu")
                      for v in found.values()]
-            source = "; ".join(f"{k}: {p}" for k, p in zip(found, parts))
+            by_text: Dict[str, List[str]] = {}  # islands of one source named once: "fast, slow: catalog ..."
+            for k, p in zip(found, parts):
+                by_text.setdefault(p, []).append(k)
+            source = "; ".join(f"{', '.join(ks)}: {p}" for p, ks in by_text.items())
     pred = predict(cfg, plan, dict(costs), seq_len=seq_len, bridge=bridge)
     return RunPrediction(pred, dict(costs), bridge, seq_len, source or "given costs", plan)
 
@@ -430,9 +444,10 @@ def _get_profile(path: str, groups: List[Any], model: str, seq_len: int, log,
     ``tp_degrees``; ``(d, 1)`` meshes for ``dp_degrees`` at ``dp_sizes`` per DP rank), or falls back to
     the catalog. Returns the text saying which."""
     if os.path.exists(path):
-        return f"reusing saved profile {path}"
+        return f"reusing saved profile; costs: {cost_source_text(groups[0].device, profile_path=path, measured=_profile_date(path))}"
     if not all(g.platform == "cpu" and g.device == "cpu" for g in groups):
-        return f"no profile; the catalog entry {groups[0].device!r} (assumption, not measured)"
+        eff = groups[0].efficiency
+        return f"no profile; costs: {cost_source_text(groups[0].device, efficiency=0.4 if eff is None else eff)}"
     log(f"profiling device type cpu for {_groups_text(groups)} into {path} (python -m hethub_jax.profile "
         f"--microbatch-sizes {','.join(map(str, microbatch_sizes))} --tp {','.join(map(str, tp_degrees))} "
         + (f"--dp 1,{','.join(map(str, dp_degrees))} --dp-microbatch-sizes {','.join(map(str, dp_sizes))} "
@@ -443,8 +458,8 @@ def _get_profile(path: str, groups: List[Any], model: str, seq_len: int, log,
     kw = {"dp_degrees": tuple(dp_degrees), "dp_microbatch_sizes": tuple(dp_sizes)} if dp_degrees else {}
     ok, msg = profile_device(model, seq_len, path, microbatch_sizes=tuple(microbatch_sizes),
                              tp_degrees=tuple(tp_degrees), **kw)
-    return (f"measured profile {path} ({msg})" if ok
-            else f"{msg}; using the catalog 'cpu' entry (assumption, not measured)")
+    return (f"measured profile now ({msg}); costs: {cost_source_text('cpu', profile_path=path, measured=_profile_date(path))}" if ok
+            else f"{msg}; costs: {cost_source_text('cpu')}")
 
 
 def cluster_costs(cluster: Any, profiles: Mapping[str, Any]) -> Dict[str, Any]:
@@ -494,7 +509,17 @@ def _check_ranks(c: Any, cluster_path: str, world_size: int, model: str = "MODEL
         f"hethub_jax.train --plan plan.json ...` (or start this job with {n} ranks)")
 
 
-def _plan_lines(res: Any, cluster: Any, costs: Mapping[str, Any]) -> List[str]:
+def upper_bound_skipped_note(model: str, cluster_path: str, gbs: Any, profiles_dir: Optional[str]) -> str:
+    """Why plan-less training prints no fraction of the cluster's upper bound, and the command that
+    computes it (the per-group homogeneous searches are skipped to keep start-up short)."""
+    return (f"upper bound skipped in plan-less training (it needs one more search per group); `python -m "
+            f"hethub_jax.plan --model {model} --cluster {cluster_path} --global-batch {gbs}"
+            + (f" --profiles {profiles_dir}" if profiles_dir else "") + "` computes it")
+
+
+def _plan_lines(res: Any, cluster: Any, costs: Mapping[str, Any], ub_note: Optional[str] = None) -> List[str]:
+    """The planner's table of the chosen plan; ``ub_note``: why the upper bound is missing when the
+    search result gives no reason."""
     from hethub_jax.plan import format_candidate
 
     class _Info:
@@ -502,7 +527,8 @@ def _plan_lines(res: Any, cluster: Any, costs: Mapping[str, Any]) -> List[str]:
             self.device, self.memory_bytes = g.device, costs[g.name].memory_bytes
     groups = {g.name: _Info(g) for g in cluster.resolved().groups}
     return format_candidate(0, res.best, groups, res.upper_bound_tokens_per_s,
-                            getattr(res, "upper_bound_note", None), cluster.resolved().num_devices).splitlines()
+                            getattr(res, "upper_bound_note", None) or ub_note,
+                            cluster.resolved().num_devices).splitlines()
 
 
 def _plan_rank0(cfg: Any, model: str, cluster_path: str, gbs: int, seq_len: int, mbs: Optional[int],
@@ -517,7 +543,9 @@ def _plan_rank0(cfg: Any, model: str, cluster_path: str, gbs: int, seq_len: int,
     res = _search(cfg, cluster, gbs, seq_len, mbs, profiles)
     _check_ranks(res.best, cluster_path, world_size, model, gbs)
     lines = [f"planner ({time.perf_counter() - t0:.1f} s, {res.evaluated} plans predicted): chosen plan for "
-             f"cluster {cluster.name}, every figure PREDICTED", *_plan_lines(res, cluster, cluster_costs(cluster, profiles))]
+             f"cluster {cluster.name}, every figure PREDICTED", *_plan_lines(
+                 res, cluster, cluster_costs(cluster, profiles),
+                 upper_bound_skipped_note(model, cluster_path, gbs, profiles_dir))]
     note = extrapolation_note(res.best.plan, profiles)  # e.g. a saved profile of other sizes, reused
     lines += [note] if note else []
     return {"plan": res.best.plan.to_dict(), "profiles": profiles, "notes": notes, "lines": lines,

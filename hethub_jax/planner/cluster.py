@@ -49,6 +49,8 @@ class NodeGroup(_Strict):
       network_bandwidth: bytes/s per device between nodes of the group; default: the catalog's.
       platform: JAX platform of the island; default from the catalog vendor (nvidia -> cuda, amd -> rocm).
       slowdown: emulated slowdown factor >= 1 (DESIGN.md section 9), only for platform ``cpu``.
+      efficiency: fraction of the catalog's datasheet peaks assumed reachable, in (0, 1]; default None:
+        the planner's (``SearchOptions.efficiency``, 0.4). Catalog groups only (a profile is measured).
     """
 
     name: str = Field(min_length=1)
@@ -60,12 +62,16 @@ class NodeGroup(_Strict):
     network_bandwidth: Optional[float] = Field(default=None, gt=0)
     platform: Optional[str] = None
     slowdown: float = Field(default=1.0, ge=1.0, allow_inf_nan=False)
+    efficiency: Optional[float] = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _one_source(self) -> "NodeGroup":
         if (self.device is None) == (self.profile is None):
             raise ValueError(f"node group {self.name!r}: give exactly one of 'device' (a catalog name) or "
                              f"'profile' (a profile file path)")
+        if self.efficiency is not None and self.profile is not None:
+            raise ValueError(f"node group {self.name!r}: 'efficiency' scales catalog datasheet peaks; a group "
+                             f"with a measured 'profile' has none to scale")
         return self
 
     @property

@@ -23,7 +23,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 from hethub_jax.planner import analytic
 from hethub_jax.planner.catalog import DeviceSpec, get_device
 
-__all__ = ["PHASES", "LinkModel", "DeviceCosts", "PROFILE_FORMAT"]
+__all__ = ["PHASES", "LinkModel", "DeviceCosts", "PROFILE_FORMAT", "cost_source_text"]
 
 PHASES = ("F", "F_nosave", "B", "B_recompute")
 #: ``format`` field of profile JSON files written by ``python -m hethub_jax.profile``
@@ -108,6 +108,7 @@ class DeviceCosts:
       action_overhead_s: the runtime's own seconds per action (Python dispatch and bookkeeping
         around the compute calls), MEASURED on ``PipelineRuntime`` by the profiler (``fits.runtime``);
         0 for the catalog (an assumption: negligible against a large model's compute).
+      profile_path: the profile file read (:meth:`from_profile` given a path), else None.
       local_bridge_link: the bridge between islands that are threads of ONE process
         (``LocalCommunicator``), from the profile's measured 2-thread all-reduce ``c0 + c1 x bytes``
         (``fits.bridge_local``) as ``LinkModel(c0 / 2, 1 / c1)``, so that the predictor's ring
@@ -139,6 +140,7 @@ class DeviceCosts:
     dp_fits: Dict[Tuple[int, int], Dict[str, Dict[str, _Linear]]] = field(default_factory=dict)
     update_dp_fits: Dict[int, _Linear] = field(default_factory=dict)
     action_overhead_s: float = 0.0
+    profile_path: Optional[str] = field(default=None, compare=False)
     local_bridge_link: Optional[LinkModel] = None
     cold_extra: Dict[str, Dict[str, float]] = field(default_factory=dict)
 
@@ -196,6 +198,7 @@ class DeviceCosts:
           ValueError: if the profile's ``format`` is not :data:`PROFILE_FORMAT` or a fit is missing.
           OSError: if the file cannot be read.
         """
+        path = None if isinstance(profile, Mapping) else os.fspath(profile)
         if not isinstance(profile, Mapping):
             with open(profile) as f:
                 profile = json.load(f)
@@ -222,7 +225,7 @@ class DeviceCosts:
                    update_dp_fits={int(k): lin(v) for k, v in (fits_in.get("update_dp") or {}).items()},
                    action_overhead_s=max(0.0, float((fits_in.get("runtime") or {}).get("per_action_s", 0.0))),
                    local_bridge_link=_local_bridge(fits_in.get("bridge_local")),
-                   cold_extra=_cold(fits_in.get("cold")))
+                   cold_extra=_cold(fits_in.get("cold")), profile_path=path)
 
     # ---- DP meshes ---------------------------------------------------------------------------------
     def measured_dp_degrees(self, tp: int) -> Tuple[int, ...]:
@@ -386,6 +389,14 @@ class DeviceCosts:
             return 0.0
         return self.host_link.time_s(nbytes)
 
+    def source_text(self, path: Optional[str] = None) -> str:
+        """Where these costs come from, in the words every command prints (``plan`` per group, ``train``
+        per profile): :func:`cost_source_text` of this device type; ``path``: the profile file read."""
+        if self.source == "catalog":
+            return cost_source_text(self.name, efficiency=self.efficiency)
+        p = self.profile or {}
+        return cost_source_text(self.name, profile_path=path or self.profile_path, measured=p.get("date"))
+
     def describe(self) -> str:
         """One line naming the device type and where the figures come from."""
         if self.source == "catalog":
@@ -393,6 +404,21 @@ class DeviceCosts:
         p = self.profile or {}
         return (f"{self.name}: profile of {p.get('date', '?')} on {p.get('machine', {}).get('node', '?')} "
                 f"(JAX {p.get('jax_version', '?')}, emulated slowdown {self.emulated_slowdown:g})")
+
+
+def cost_source_text(device: str, *, efficiency: Optional[float] = 0.4, profile_path: Optional[str] = None,
+                     measured: Optional[str] = None, profiled: bool = False) -> str:
+    """The one wording of where a group's costs come from (``plan`` and ``train --cluster`` print it):
+
+    - measured (``profiled`` or a ``profile_path`` / ``measured`` date given):
+      ``"profile <path> (measured <date>)"``;
+    - else ``"catalog 'a100' datasheet peak x 0.4 efficiency (assumption, not measured; profile with
+      python -m hethub_jax.profile)"``."""
+    if profiled or profile_path or measured:
+        return (f"profile {profile_path or '(given)'}"
+                + (f" (measured {measured})" if measured else " (measured)"))
+    return (f"catalog {device!r} datasheet peak x {efficiency:g} efficiency (assumption, not measured; "
+            f"profile with python -m hethub_jax.profile)")
 
 
 def _local_bridge(d: Optional[Mapping[str, Any]]) -> Optional[LinkModel]:

@@ -184,19 +184,35 @@ def stage_compute_s(cfg: Any, costs: DeviceCosts, first_layer: int, last_layer: 
     """Seconds of one stage action (phase ``"F"``, ``"F_nosave"``, ``"B"`` or ``"B_recompute"``, see
     ``costs.PHASES``) for one microbatch of ``tokens`` tokens per DP rank on a ``(dp, tp)`` mesh: the
     stage's fixed call cost + layers + embedding (first stage) + LM head and loss (last stage). No
-    slowdown applied.
+    slowdown applied. ``"B_recompute"`` is floored, part by part, at ``B + max(F_nosave, F - F_nosave)``:
+    recomputing costs at least the plain forward it reruns, and recompute ``full`` is never PREDICTED
+    faster than ``none`` (separately fitted profile lines can say otherwise by their noise).
 
     Raises:
       ValueError: for an empty layer range or an unknown phase.
     """
     if last_layer < first_layer:
         raise ValueError(f"empty stage: first_layer {first_layer} > last_layer {last_layer}")
-    t = costs.stage_overhead_s(tp, phase, dp)
-    t += (last_layer - first_layer + 1) * costs.layer_time_s(cfg, tokens, seq_len, tp, phase, dp)
+    def parts(ph: str) -> Tuple[float, float, float, float]:  # call, one layer, embedding, head
+        return (costs.stage_overhead_s(tp, ph, dp), costs.layer_time_s(cfg, tokens, seq_len, tp, ph, dp),
+                costs.embed_time_s(cfg, tokens, tp, ph, dp) if is_first else 0.0,
+                costs.head_time_s(cfg, tokens, seq_len, tp, ph, dp) if is_last else 0.0)
+    o, lay, emb, head = parts(phase)
+    if phase == "B_recompute":
+        # A backward that recomputes runs a plain forward and the saved backward: it costs at least
+        # F_nosave + B, and a microbatch under recompute full (F_nosave + B_recompute) at least one under
+        # none (F + B). Separately fitted lines can break both by their noise (a profile's embedding had
+        # F_nosave + B_recompute 17% below F + B, and the planner chose full over none on a 0.05%
+        # PREDICTED difference): floor each part (per layer, so that stage times stay linear in layers).
+        # The catalog's figures already satisfy both (FLOPs 1 + 2 = 3 forwards, TP all-reduces 2 + 2).
+        fn, f, b = parts("F_nosave"), parts("F"), parts("B")
+        o, lay, emb, head = (max(x, b_ + max(fn_, f_ - fn_)) for x, fn_, f_, b_ in zip((o, lay, emb, head), fn, f, b))
+    t = o
+    t += (last_layer - first_layer + 1) * lay
     if is_first:
-        t += costs.embed_time_s(cfg, tokens, tp, phase, dp)
+        t += emb
     if is_last:
-        t += costs.head_time_s(cfg, tokens, seq_len, tp, phase, dp)
+        t += head
     return t
 
 

@@ -274,7 +274,9 @@ def greedy_bottleneck_split(stage_times: Sequence[Sequence[float]], num_layers: 
 def group_costs(cluster: ClusterSpec, efficiency: float = 0.4, profiles_dir: Optional[str] = None) -> Dict[str, Any]:
     """Per group name, its ``costs.DeviceCosts``: the group's ``profile`` file; else
     ``<profiles_dir>/<device>.json`` or ``<profiles_dir>/<group>.json`` when present; else the device
-    catalog entry with the group's ``devices_per_node`` and bandwidths, at ``efficiency`` of peak.
+    catalog entry with the group's ``devices_per_node`` and bandwidths, at the group's ``efficiency``
+    of peak when its spec gives one, else ``efficiency``. A ``--profiles`` file found for a group
+    replaces the catalog (and its efficiency).
 
     Raises:
       ValueError: for an unknown catalog device or an unreadable profile.
@@ -299,7 +301,7 @@ def group_costs(cluster: ClusterSpec, efficiency: float = 0.4, profiles_dir: Opt
         spec = dataclasses.replace(get_device(g.device), devices_per_node=g.devices_per_node,
                                    intra_node_bandwidth=g.intra_node_bandwidth,
                                    network_bandwidth=g.network_bandwidth)
-        out[g.name] = DeviceCosts.from_catalog(spec, efficiency)
+        out[g.name] = DeviceCosts.from_catalog(spec, efficiency if g.efficiency is None else g.efficiency)
     return out
 
 
