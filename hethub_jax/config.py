@@ -89,8 +89,8 @@ class TrainSettings(StrictModel):
       grad_bucket_mb: heterogeneous DP: bucket size of the gradient all-reduce overlapped with the
         backward, MiB (as PyTorch DDP's ``bucket_cap_mb``, whose default is 25; the first bucket is
         1 MiB or this if smaller); default 25.0 (measured faster than the all-reduce after the whole
-        backward in three consecutive quiet runs of ``benchmarks/hetero_dp.py``, session 8:
-        docs/benchmarks.md); ``None``: off, the all-reduce runs after the whole backward.
+        backward in three consecutive quiet runs of ``benchmarks/hetero_dp.py``: docs/benchmarks.md,
+        issues 5 and 17.5); ``None``: off, the all-reduce runs after the whole backward.
 
     Raises:
       ValueError: on construction, naming the field and the constraint (through :func:`from_dict`:

@@ -1,6 +1,6 @@
 """A steady host allocator for CPU islands: no ``mmap``/``munmap`` churn of XLA's large buffers.
 
-Why (measured, docs/benchmarks.md "Predictor accuracy", session 9): XLA:CPU allocates each call's
+Why (measured, docs/benchmarks.md "Predictor accuracy", issue 13): XLA:CPU allocates each call's
 temporary and output buffers with the C library's ``malloc``. glibc serves a block above its mmap
 threshold (128 KiB, raised after frees up to a 32 MiB ceiling) with a fresh ``mmap``, returns it with
 ``munmap`` on free, and gives the top of the heap back to the kernel above its trim threshold; such

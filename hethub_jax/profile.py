@@ -130,7 +130,7 @@ def fit_compute(cfg: Any, samples: List[dict], seq_len: int, dp: int = 1) -> Dic
         # RELATIVE error. Plain least squares in seconds let the largest calls set the line: with
         # microbatch sizes 1..64 profiled, the LM head's fitted intercept went to -51 ms and calls at
         # microbatch 1 were PREDICTED at a tenth of their measured time, which the planner then chose
-        # (session 9, benchmarks/hetero_e2e.py: PREDICTED 1.2 s, measured 6.2 s)
+        # (benchmarks/hetero_e2e.py: PREDICTED 1.2 s, measured 6.2 s; docs/benchmarks.md, issue 17)
         w = 1.0 / np.maximum(y, 1e-9)
         aw = a * w[:, None]
         scale = np.maximum(np.abs(aw).max(axis=0), 1e-30)  # column scaling for a well-conditioned solve
@@ -513,7 +513,7 @@ def fit_cold(samples: List[dict]) -> Optional[Dict[str, Any]]:
     CPU seconds of each measured call (:func:`measure_cold`) right after another stage's call over
     right after itself, at least 0 (below 0 is noise); None without samples. A cost per CALL: a
     first stage's F of 3 layers and of 1 layer pay about the same extra (docs/benchmarks.md, issue
-    13, session 10)."""
+    13)."""
     out: Dict[str, Any] = {}
     for s in samples:
         out.setdefault(s["position"], {})[s["phase"]] = max(0.0, s["cold_cpu_s"] - s["warm_cpu_s"])

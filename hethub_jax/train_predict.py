@@ -116,9 +116,9 @@ def dp_degrees_to_profile(groups: List[Any], microbatch_sizes: List[int]) -> Lis
     2..``devices_per_node`` that divides one of the sizes (``planner.search``'s ``choices``: DP divides
     the microbatch), ascending. Profiled as ``(d, 1)`` meshes (``python -m hethub_jax.profile --dp``).
     A DP degree not profiled is predicted from one device with ``1/d`` of the tokens, i.e. perfectly
-    parallel, which fake CPU devices sharing a host's cores do not reach (session 9: README's main
-    command chose DP 2 over the two fake devices of island ``fast`` and measured 2.8x its PREDICTED
-    step). DP across nodes is not profiled here (the profile runs on one machine)."""
+    parallel, which fake CPU devices sharing a host's cores do not reach (measured: README's main
+    command chose DP 2 over the two fake devices of island ``fast`` and took 2.8x its PREDICTED
+    step; docs/benchmarks.md, issue 17). DP across nodes is not profiled here (the profile runs on one machine)."""
     out = set()
     for g in groups:
         n = int(getattr(g, "devices_per_node", None) or 1)

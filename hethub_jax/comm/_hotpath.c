@@ -6,8 +6,8 @@
  * message's time, as does everything the sender runs before posting the payload. In Python these
  * paths cost a few microseconds each (interpreter state is cold after a 1 MiB copy); here they cost
  * a few hundred nanoseconds. Measured on a 1 MiB ping-pong (docs/benchmarks.md): 0.92-0.93 of raw
- * mpi4py Send/Recv with the Python paths, 0.98 with posting in C and checks in Python (session 4),
- * 1.00-1.08 with the checks here too (session 5, a slower VM).
+ * mpi4py Send/Recv with the Python paths, 0.98 with posting in C and checks in Python,
+ * 1.00-1.08 with the checks here too (measured on a slower VM).
  *
  * Scope: the fast paths of repeated messages, whole: the checks that decide whether a call may
  * take them (exact numpy.ndarray, C-contiguous, the dtype object and shape of the entry its tag

@@ -1,6 +1,7 @@
 """Automatic parallel planner: three-level search for the plan with the least predicted step time.
 
-DESIGN.md section 8; the method, the search space and the exactness argument are in ``docs/planner.md``.
+DESIGN.md section 8; the method, the search space and the exactness argument are in
+``docs/planner_internals.md`` (how to use the planner: ``docs/planner.md``).
 
 Search space (for a model, a cluster spec and a global batch size):
   * pipeline plans: an order of ALL node groups along the pipeline (every permutation); per group a
@@ -88,12 +89,12 @@ class SearchOptions:
       last_group: only pipelines whose last stage (final norm, LM head, loss) is on this group.
       memory_headroom: fraction of each device's memory kept free, in [0, 1): a stage fits when its
         PREDICTED memory per device is at most ``(1 - memory_headroom) x`` the device's capacity
-        (:data:`DEFAULT_MEMORY_HEADROOM`, 0.05; 0: plan up to the full capacity, as before session 10).
+        (:data:`DEFAULT_MEMORY_HEADROOM`, 0.05; 0: plan up to the full capacity).
       runnable_stages: level 2 keeps only stage sizes that today's runtime runs once a multi-node group
         is split per stage (``parallel.rules.uniform_stages_run``: a group holding several stages gives
         each ``dp x tp`` devices inside one node or a whole number of nodes), so every emitted plan runs
-        (after ``planner.runnable``'s split); False: the largest DP that fits the group, as before
-        session 9 (plans of 12 devices per stage on 8-device nodes, which no split runs, for comparisons).
+        (after ``planner.runnable``'s split); False: the largest DP that fits the group, e.g. plans of
+        12 devices per stage on 8-device nodes, which no split runs (for comparisons).
     """
 
     microbatch_sizes: Optional[Tuple[int, ...]] = None
@@ -174,9 +175,9 @@ class SearchResult:
     Attributes:
       candidates: the top k, best (least predicted step time) first; ties go to recompute ``none``
         (see ``_Planner.offer``), then to the plan JSON.
-      skeletons: configurations and pipeline orders the search looked at (since session 9 the
-        configurations of a (microbatch size, recompute, schedule) row whose cheap bound exceeds the k-th
-        best are never built and not counted); expanded: pipeline orders not pruned by their bound.
+      skeletons: configurations and pipeline orders the search looked at (the configurations of a
+        (microbatch size, recompute, schedule) row whose cheap bound exceeds the k-th best are never
+        built and not counted); expanded: pipeline orders not pruned by their bound.
       evaluated: ``predict`` calls.
       wall_s: seconds the search took.
       upper_bound_tokens_per_s: sum over groups of each group's best homogeneous tokens/s (or None:
@@ -425,7 +426,7 @@ class _Planner:
         if any(k[1] == key[1] for k in self.top):
             return
         self.top.append((key[0], key[1], cand))
-        # Ties (equal PREDICTED step time) go to recompute "none" first (branch s9-e2e, issue 17): when
+        # Ties (equal PREDICTED step time) go to recompute "none" first (issue 17): when
         # every forward of a plan is fused with its backward (one-stage replicas under 1F1B) both
         # policies run the same calls, and the JSON order alone ("full" < "none") chose "full".
         self.top.sort(key=lambda x: (x[0], x[2].plan.recompute != "none", x[1]))

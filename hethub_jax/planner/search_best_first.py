@@ -11,7 +11,7 @@ worked on next; ``predict`` runs on a complete split only when its refined bound
 everything outstanding, so a plan is predicted only if its lower bound is at most the k-th best step time
 found so far. Work is dropped when its bound exceeds the k-th best (times ``1 + LB_SLACK``), and the search
 stops when the least key does: since the k-th best only decreases, every plan left out has a lower bound
-above the final k-th best and cannot enter the top k (``docs/planner.md``). Ties go to deeper work (a
+above the final k-th best and cannot enter the top k (``docs/planner_internals.md``). Ties go to deeper work (a
 complete split before a partial one) and then to the order of insertion: deterministic.
 """
 from __future__ import annotations
