@@ -793,7 +793,11 @@ class PipelineRuntime:
         compiling run on copies of the parameters and optimizer state (the real ones are not changed;
         the copies cost their memory for the duration), emulated slowdown included. The all-reduce's
         exposed tail, after the last replica's last bucket, is the same for every replica and so does
-        not move the balance: it is not counted.
+        not move the balance: it is not counted. Under the sharded update (ZeRO-1) a replica updates
+        the parameters it owns, in proportion to its share (`plan.zero1_owners`): its update then
+        costs per sample, not per step, so the whole update's time (timed likewise) / the global batch
+        is added to its seconds per sample and its fixed seconds are 0 (the parameter exchange that
+        follows is the same for every replica, like the all-reduce's tail).
 
         Returns:
           (unit_s, fixed_s): seconds per sample and seconds per step, one per replica.
@@ -813,12 +817,15 @@ class PipelineRuntime:
             for _ in range(2):  # the first run compiles
                 p, o = jax.tree.map(jnp.copy, (st.params, st.opt_state))
                 t0 = time.perf_counter()
-                out = self._update_fn(k)(p, o, acc[k], inv, gnorm)
+                out = st.update(p, o, acc[k], inv, gnorm)  # the whole update (ZeRO-1: per sample below)
                 self._emulate(k, out, t0)
                 fixed[k] = (time.perf_counter() - t0) if self._counts(k) else 0.0
                 del p, o, out
         busy, fixed = self._allreduce_world(busy), self._allreduce_world(fixed)
         unit = [float(busy[r].max()) / (steps * self.shares[r]) for r in range(R)]
+        if self.zero1:  # each replica updates a share of the parameters proportional to its batch share
+            gbs = self.plan.global_batch_size
+            return [u + float(fixed[r].max()) / gbs for r, u in enumerate(unit)], [0.0] * R
         return unit, [float(fixed[r].max()) for r in range(R)]
 
     def set_batch_shares(self, shares: list[int]) -> None:
