@@ -6,8 +6,11 @@ replicas: each parameter tensor has one owner replica (`hethub_jax.parallel.plan
 which alone needs the tensor's summed gradient and alone updates it; the updated tensor then goes
 from the owner to the other replicas. The gradient all-reduce becomes a reduce to the owners
 (`reduce_to_owners`, a reduce-scatter at tensor granularity) and the parameters come back with
-`gather_from_owners` (an all-gather): each rank sends and receives the same bytes as in a
-reduce-scatter + all-gather implementation of the all-reduce, so the bridge carries no more data.
+`gather_from_owners` (an all-gather). With float32 parameters each rank sends and receives in total
+as many bytes as a reduce-scatter + all-gather implementation of the all-reduce does (ZeRO section 7.1:
+P_os keeps DP's communication volume); with uneven ownership the larger owner receives more gradients
+and sends more parameters, so the busier direction of a rank carries up to ``(p - 1) x`` its owned
+fraction of each.
 
 Both functions run over a group communicator (`hethub_jax.comm` contract) whose ranks are the
 replicas (one process each), with point-to-point messages: one flat buffer per (peer, dtype).
