@@ -20,14 +20,21 @@ every step; warm-up steps excluded; medians over steps):
       otherwise); the last backward runs in layer buckets whose gradient all-reduce overlaps the
       backward of the earlier layers (`hethub_jax.parallel.buckets`, `--bucket-mb`, default 25 MiB);
       tokens/s = global non-pad tokens / step time (the slower rank's time);
+      The optimizer update is sharded over the two replicas (ZeRO-1, the plan's default
+      `optimizer_sharding: auto`: each island updates the parameters it owns, in proportion to its
+      share; gradients are reduced to the owners and the updated parameters exchanged);
   (a0) `proportional_unbucketed`: the same shares, the all-reduce after the whole backward (the
       path before issue 17.5: the in-run baseline);
+  (ar) `proportional_replicated`: as (a) with `optimizer_sharding: replicated` (every island
+      all-reduces every gradient and updates every parameter: the path before session 10), its
+      shares measured the same way for that update;
   (b) `equal`: equal shares 8/8 (bucketed);
   (c) `alone`: each island trains the same model on its own (a one-replica plan on that island, no
       communicator), both at the same time on their own cores, each with the global batch of its share
       in (a) (12 and 4 rows: the same per-step work as in (a)); tokens/s of each island alone.
 Figures: `fraction_of_upper_bound` = (a) / (c_fast + c_slow), `fraction_of_upper_bound_unbucketed`
-= (a0) / (c_fast + c_slow), `over_equal_shares` = (a) / (b), `over_unbucketed` = (a) / (a0),
+= (a0) / (c_fast + c_slow), `fraction_of_upper_bound_replicated` = (ar) / (c_fast + c_slow),
+`over_equal_shares` = (a) / (b), `over_unbucketed` = (a) / (a0), `over_replicated` = (a) / (ar),
 `num_buckets`, and `overlap_fraction`: the share of the bucket all-reduce time (device->host copies,
 bridge, on the slow rank, which finishes last) spent before its backward ended.
 """
@@ -45,7 +52,8 @@ ISLANDS = [{"name": "fast", "platform": "cpu", "num_processes": 1, "devices_per_
            {"name": "slow", "platform": "cpu", "num_processes": 1, "devices_per_process": 1}]
 
 
-def dp_plan(layers: int, gbs: int, mbs: int, slowdown: float, shares=None, throughputs=None) -> dict:
+def dp_plan(layers: int, gbs: int, mbs: int, slowdown: float, shares=None, throughputs=None,
+            optimizer_sharding: str = "auto") -> dict:
     islands = [dict(ISLANDS[0]), dict(ISLANDS[1], slowdown=slowdown)]
     reps = []
     for i, isl in enumerate(islands):
@@ -53,7 +61,8 @@ def dp_plan(layers: int, gbs: int, mbs: int, slowdown: float, shares=None, throu
                      "batch_share": None if shares is None else shares[i],
                      "throughput": None if throughputs is None else throughputs[i]})
     return {"description": "hetero_dp benchmark", "islands": islands, "replicas": reps,
-            "global_batch_size": gbs, "microbatch_size": mbs, "schedule": "1f1b", "recompute": "none"}
+            "global_batch_size": gbs, "microbatch_size": mbs, "schedule": "1f1b", "recompute": "none",
+            "optimizer_sharding": optimizer_sharding}
 
 
 def alone_plan(layers: int, island: dict, gbs: int, mbs: int) -> dict:
@@ -122,12 +131,15 @@ def main() -> None:
     equal = Plan.from_dict(dp_plan(L, args.batch, args.microbatch, args.slowdown, shares=[half, half]))
     thr = [args.slowdown, 1.0] if args.given_shares else None
     prop = Plan.from_dict(dp_plan(L, args.batch, args.microbatch, args.slowdown, throughputs=thr))
+    repl = Plan.from_dict(dp_plan(L, args.batch, args.microbatch, args.slowdown, throughputs=thr,
+                                  optimizer_sharding="replicated"))
     runtimes = {"proportional": PipelineRuntime(prop, config, optim, seed=0, comm=comm, rank=rank),
                 "proportional_unbucketed": PipelineRuntime(prop, config, optim, seed=0, comm=comm, rank=rank),
+                "proportional_replicated": PipelineRuntime(repl, config, optim, seed=0, comm=comm, rank=rank),
                 "equal": PipelineRuntime(equal, config, optim, seed=0, comm=comm, rank=rank)}
-    for n in ("proportional", "equal"):  # bucketed all-reduce (off by default in the runtime), 25 MiB as DDP
+    for n in ("proportional", "proportional_replicated", "equal"):  # bucketed all-reduce, 25 MiB as DDP
         runtimes[n].set_grad_buckets(args.bucket_mb)
-    costs = None
+    costs = costs_repl = None
     if not args.given_shares:  # warm-up measurement on an extra batch (equal shares to start)
         from hethub_jax.parallel.plan import balanced_shares
         mbs = args.microbatch
@@ -135,7 +147,11 @@ def main() -> None:
         units = balanced_shares(args.batch // mbs, [u * mbs for u in costs[0]], costs[1])
         for n in ("proportional", "proportional_unbucketed"):
             runtimes[n].set_batch_shares([u * mbs for u in units])
+        costs_repl = runtimes["proportional_replicated"].measure_step_costs(global_batches[-1], steps=2)
+        units = balanced_shares(args.batch // mbs, [u * mbs for u in costs_repl[0]], costs_repl[1])
+        runtimes["proportional_replicated"].set_batch_shares([u * mbs for u in units])
     shares = list(runtimes["proportional"].shares)
+    shares_repl = list(runtimes["proportional_replicated"].shares)
     my_island = dict(ISLANDS[rank], slowdown=1.0 if rank == 0 else args.slowdown)
     alone = Plan.from_dict(alone_plan(L, my_island, shares[rank], args.microbatch))
     runtimes["alone"] = PipelineRuntime(alone, config, optim, seed=0)
@@ -148,12 +164,13 @@ def main() -> None:
               "not two real accelerator types")
         how = ("given throughputs 3:1" if costs is None else "measured: " + ", ".join(
             f"{isl} {1 / u:.1f} samples/s + {f * 1e3:.0f} ms/step update" for isl, u, f in zip(("fast", "slow"), *costs)))
-        print(f"  shares: proportional {shares} ({how}), equal {equal.batch_shares()}, alone: fast {shares[0]} rows, "
+        print(f"  shares: proportional {shares} ({how}; replicated update: {shares_repl}), equal {equal.batch_shares()}, alone: fast {shares[0]} rows, "
               f"slow {shares[1]} rows")
         sys.stdout.flush()
 
     # the gradient all-reduce over the bridge: time spent in _reduce_shared per step (DP configs)
-    reduce_time = time_reduce_shared([runtimes[n] for n in ("proportional", "proportional_unbucketed", "equal")])
+    reduce_time = time_reduce_shared([runtimes[n] for n in ("proportional", "proportional_unbucketed",
+                                                            "proportional_replicated", "equal")])
 
     # alone: each island takes the rows of its share in the proportional run (same data, same work)
     lo = sum(shares[:rank])
@@ -169,7 +186,8 @@ def main() -> None:
         dt = time.perf_counter() - t0
         b = rt.last_bucket_stats if name != "alone" and rt.grad_bucket_bytes is not None else None
         rt.last_bucket_stats = None
-        return {"time_s": dt, "tokens": res.num_tokens, "loss": res.loss, "reduce_s": reduce_time["t"], "buckets": b}
+        return {"time_s": dt, "tokens": res.num_tokens, "loss": res.loss, "reduce_s": reduce_time["t"], "buckets": b,
+                "exchange_s": getattr(rt, "last_exchange_s", 0.0) if getattr(rt, "zero1", False) else 0.0}
 
     names = list(runtimes)
     compile_s = {}
@@ -188,6 +206,7 @@ def main() -> None:
 
     mine = {n: {"times": [r["time_s"] for r in rs], "tokens": [r["tokens"] for r in rs],
                 "reduce": [r["reduce_s"] for r in rs], "loss": [r["loss"] for r in rs],
+                "exchange": [r["exchange_s"] for r in rs],
                 "buckets": [r["buckets"] for r in rs]} for n, rs in results.items()}
     gathered = world.gather({"rank": rank, "core": core, "mine": mine, "compile_s": compile_s,
                              "machine": machine()}, root=0)
@@ -195,7 +214,7 @@ def main() -> None:
         return
     by_rank = sorted(gathered, key=lambda g: g["rank"])
     per_step = {}
-    for n in ("proportional", "proportional_unbucketed", "equal"):
+    for n in ("proportional", "proportional_unbucketed", "proportional_replicated", "equal"):
         # a DP step ends on both ranks together (all-reduce); its time is the slower rank's
         ts = [max(a, b) for a, b in zip(by_rank[0]["mine"][n]["times"], by_rank[1]["mine"][n]["times"])]
         toks = by_rank[0]["mine"][n]["tokens"]
@@ -210,6 +229,11 @@ def main() -> None:
         "fraction_of_upper_bound_unbucketed": round(tps["proportional_unbucketed"] / upper, 4),
         "over_equal_shares": round(tps["proportional"] / tps["equal"], 4),
         "over_unbucketed": round(tps["proportional"] / tps["proportional_unbucketed"], 4),
+        "fraction_of_upper_bound_replicated": round(tps["proportional_replicated"] / upper, 4),
+        "over_replicated": round(tps["proportional"] / tps["proportional_replicated"], 4),
+        "optimizer_sharding": "zero1 (proportional, proportional_unbucketed, equal); replicated (proportional_replicated)",
+        "shares_replicated": shares_repl,
+        "zero1_param_exchange_s_slow_rank": median(by_rank[1]["mine"]["proportional"]["exchange"]),
         **bucket_figures(by_rank[1]["mine"]["proportional"]["buckets"]),
         "shares": shares, "shares_source": "given throughputs 3:1" if costs is None else "measured",
         "measured_unit_s": None if costs is None else costs[0], "measured_fixed_s": None if costs is None else costs[1],
@@ -224,9 +248,11 @@ def main() -> None:
         "grad_allreduce_s_slow_rank_proportional": median(by_rank[1]["mine"]["proportional"]["reduce"]),
     }
     rows = []
-    for n, label in (("proportional", f"shares {shares}"), ("proportional_unbucketed", f"shares {shares}"),
-                     ("equal", f"shares {equal.batch_shares()}")):
-        rows.append({"config": n, "shares": shares if n.startswith("proportional") else equal.batch_shares(),
+    row_shares = {"proportional": shares, "proportional_unbucketed": shares,
+                  "proportional_replicated": shares_repl, "equal": equal.batch_shares()}
+    for n in row_shares:
+        label = f"shares {row_shares[n]}"
+        rows.append({"config": n, "shares": row_shares[n],
                      "tokens_per_s": tps[n],
                      "median_step_s": median([max(a, b) for a, b in zip(by_rank[0]["mine"][n]["times"],
                                                                          by_rank[1]["mine"][n]["times"])]),
@@ -264,6 +290,7 @@ def main() -> None:
     print(f"upper bound (fast alone + slow alone) {upper:.1f} tokens/s")
     print(f"fraction_of_upper_bound = {figures['fraction_of_upper_bound']:.3f}, "
           f"unbucketed {figures['fraction_of_upper_bound_unbucketed']:.3f}, "
+          f"replicated update {figures['fraction_of_upper_bound_replicated']:.3f}, "
           f"over_equal_shares = {figures['over_equal_shares']:.3f}  "
           f"[EMULATED slowdown {args.slowdown:g}x on island slow]")
     print(f"gradient all-reduce over the bridge (proportional, slow rank, median): "

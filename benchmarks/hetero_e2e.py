@@ -22,7 +22,10 @@ steps excluded; medians):
   (b) ``planned``: the planner's best plan for the two islands (``hethub_jax.planner.search``);
   (c) ``uniform``: a pipeline with the layers split evenly (fast island first, the planner's microbatch,
       schedule and recompute for pipelines);
-  (d) ``hetero_dp``: the planner's best heterogeneous data-parallel plan (one replica per island).
+  (d) ``hetero_dp``: the planner's best heterogeneous data-parallel plan (one replica per island), its
+      optimizer update sharded over the islands (ZeRO-1, the plan's default ``optimizer_sharding: auto``);
+  (e) ``hetero_dp_replicated``: the same plan with ``optimizer_sharding: replicated`` (every island
+      updates every parameter, the slow one EMULATED 3x: the path before session 10).
 Costs for the planner and the prediction: ``--profile-islands``: each rank profiles its own island after
 the pinning (``python -m hethub_jax.profile`` on this benchmark's model and sequence length, one device,
 no emulated slowdown: the predictor applies the island's slowdown; both ranks at once, as they train),
@@ -39,15 +42,17 @@ heterogeneous-DP plans); the figures give each rank's bucket count, overlap and 
 seconds spent in the gradient sums after the backward.
 
 Default global batch 64 (rows of ``--seq`` tokens; it was 16 before session 9, and the recorded runs used
-8 and 32): heterogeneous DP replicates the optimizer update on each island (the slow one's EMULATED 3x)
+8 and 32): heterogeneous DP with a replicated update pays it on each island (the slow one's EMULATED 3x),
 and all-reduces 60 MB of gradients per step, while each island alone (the upper bound) pays one update
-per global batch; at 64 rows these per-step costs are a few % of the step (compute dominates, as the
+per global batch (the sharded update, (b)/(d), pays about one in all: each island its owned share); at 64 rows these per-step costs are a few % of the step (compute dominates, as the
 issue asks) and microbatch 8 or 16 still splits the rows 48/16 between the islands.
 
 Figures: ``fraction_of_upper_bound`` = (b) / (a_fast + a_slow), ``planned_over_uniform`` = (b) / (c),
 ``prediction_error`` = |predicted - measured| / measured median step time of (b);
 ``prediction_error_per_contender`` the same for every contender (alone: each island's own step);
-``predicted_parts_s``: the PREDICTED (pipeline, gradient sums + norm, update) seconds of (b) and (d).
+``predicted_parts_s``: the PREDICTED (pipeline, gradient sums + norm, update) seconds of (b), (d) and (e);
+``fraction_of_upper_bound_hetero_dp_replicated`` = (e) / (a_fast + a_slow), ``hetero_dp_over_replicated``
+= (d) / (e).
 """
 from __future__ import annotations
 
@@ -91,8 +96,11 @@ def plans(cfg, args, costs) -> dict:
     uniform = Plan.from_dict(p)
     pred_u = predict(cfg, uniform, {i.name: costs[i.name] for i in uniform.islands}, seq_len=args.seq,
                      bridge=bridge_for(both, [("fast", "slow")])).step_time_s
+    rep = hdp.plan.replace(optimizer_sharding="replicated")
+    pred_r = predict(cfg, rep, {i.name: costs[i.name] for i in rep.islands}, seq_len=args.seq,
+                     bridge=bridge_for(both, [("fast", "slow")])).step_time_s
     out = {"planned": (best.plan, best.step_time_s), "uniform": (uniform, pred_u),
-           "hetero_dp": (hdp.plan, hdp.step_time_s)}
+           "hetero_dp": (hdp.plan, hdp.step_time_s), "hetero_dp_replicated": (rep, pred_r)}
     for isl in ("fast", "slow"):
         one = cluster_from_dict(cluster(args.slowdown, isl))
         alone = search(cfg, one, args.batch, args.seq, costs={isl: costs[isl]}, options=SearchOptions(top_k=1)).best
@@ -270,7 +278,7 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
         ts = [max(xs) for xs in zip(*(g[r]["times"][n] for r in ranks))]
         return median([t / s for t, s in zip(g[ranks[0]]["tokens"][n], ts)]), median(ts)
     rows = {}
-    for n in ("planned", "uniform", "hetero_dp"):
+    for n in ("planned", "uniform", "hetero_dp", "hetero_dp_replicated"):
         rows[n] = tps(n if n in g[0]["times"] else "planned")  # the planner's plan may be the hetero-DP one
     measured = {v: [tps(v, (r,)) for r in (0, 1)] for v in ALONE_VARIANTS if v in g[0]["times"]}
     best_v = [max(measured, key=lambda v: measured[v][r][0]) for r in (0, 1)]
@@ -280,6 +288,10 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
     figures = {"emulated": True, "slowdown": args.slowdown,
                "fraction_of_upper_bound": round(rows["planned"][0] / upper, 4),
                "planned_over_uniform": round(rows["planned"][0] / rows["uniform"][0], 4),
+               "fraction_of_upper_bound_hetero_dp_replicated": round(rows["hetero_dp_replicated"][0] / upper, 4),
+               "hetero_dp_over_replicated": round(rows["hetero_dp"][0] / rows["hetero_dp_replicated"][0], 4),
+               "optimizer_sharding": {n: ("zero1" if contenders[n][0].sharded_update() else "replicated")
+                                      for n in ("planned", "hetero_dp", "hetero_dp_replicated")},
                "prediction_error": round(abs(pred - rows["planned"][1]) / rows["planned"][1], 4),
                "predicted_step_s_planned": pred, "measured_step_s_planned": rows["planned"][1],
                "tokens_per_s": {n: r[0] for n, r in rows.items()},
@@ -301,7 +313,8 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
                                               for x in g],
                "hetero_dp_reduce_after_backward_s_per_rank": [
                    median(x["reduce_s"].get("hetero_dp", x["reduce_s"]["planned"])) for x in g],
-               "predicted_parts_s": {n: _parts(contenders[n][0], cfg, costs, args) for n in ("planned", "hetero_dp")}}
+               "predicted_parts_s": {n: _parts(contenders[n][0], cfg, costs, args)
+                                     for n in ("planned", "hetero_dp", "hetero_dp_replicated")}}
     result = {"benchmark": "hetero_e2e", "command": command_line(),
               "machine": dict(g[0]["machine"], cores_per_rank=[x["core"] for x in g],
                               loadavg_per_rank=[x["load"] for x in g]),
@@ -329,7 +342,10 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
     print(f"hetero DP: " + (f"gradient all-reduce NOT bucketed ({off})" if off else
                             f"{b[0]['num_buckets']} gradient buckets of {args.bucket_mb:g} MiB, exposed wait per rank "
                             f"{exposed}") + f", all-reduce after the backward per rank {after}; PREDICTED (pipeline, "
-          f"all-reduce + norm, update) {figures['predicted_parts_s']['hetero_dp']}")
+          f"all-reduce + norm, update) {figures['predicted_parts_s']['hetero_dp']}, replicated update "
+          f"{figures['predicted_parts_s']['hetero_dp_replicated']}")
+    print(f"hetero DP sharded (ZeRO-1) over replicated update: {figures['hetero_dp_over_replicated']:.3f}; "
+          f"replicated fraction_of_upper_bound {figures['fraction_of_upper_bound_hetero_dp_replicated']:.3f}")
     print(f"upper bound {upper:.1f} tokens/s; fraction_of_upper_bound {figures['fraction_of_upper_bound']:.3f}, "
           f"planned_over_uniform {figures['planned_over_uniform']:.3f}, prediction_error "
           f"{figures['prediction_error']:.3f} (predicted {pred:.3f} s from {source}) [EMULATED]")

@@ -260,8 +260,12 @@ def _owned_units(rt: Any) -> dict[str, tuple]:
 def runtime_units(rt: Any) -> dict[str, dict]:
     """Host copies (numpy) of the units this rank writes (see module docstring), by unit name.
     Arrays of a stage spanning processes are read from this process's shards
-    (``multiprocess.host_copy``: each process holds every element of a parameter)."""
+    (``multiprocess.host_copy``: each process holds every element of a parameter). Every rank calls
+    it at the same step: under the sharded update (ZeRO-1) the Adam moments a replica does not own
+    are first gathered from their owners (``rt.sync_optimizer_state``, a collective)."""
     from hethub_jax.parallel.multiprocess import host_copy
+    if hasattr(rt, "sync_optimizer_state"):
+        rt.sync_optimizer_state()
     out = {}
     for u, key in _owned_units(rt).items():
         out[u] = _stage_units(rt.stages[key], host_copy)[u]

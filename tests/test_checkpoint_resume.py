@@ -99,10 +99,13 @@ def test_resume_same_plan_is_bitwise_equal(straight, tmp_path):
         assert got[s] == straight["losses"][s], (s, got[s], straight["losses"][s])
 
 
-@pytest.mark.parametrize("layout", ["single_device", "three_islands_dp2", "other_split_tp"])
+@pytest.mark.parametrize("layout", ["single_device", "three_islands_dp2", "other_split_tp", "hetero_dp_zero1"])
 def test_resume_under_another_plan_matches(straight, tmp_path, layout):
     if layout == "single_device":
         args = []                                              # built-in plan: one stage, one device
+    elif layout == "hetero_dp_zero1":  # two data-parallel replicas, the update sharded (optimizer_sharding auto)
+        args = ["--plan", str(_plan(tmp_path / "p.json", [("x", 1), ("y", 1)],
+                                    [[("x", 0, 2, 1, 1)], [("y", 0, 2, 1, 1)]]))]
     elif layout == "three_islands_dp2":
         args = ["--plan", str(_plan(tmp_path / "p.json", [("x", 2), ("y", 1), ("z", 1)],
                                     [[("x", 0, 0, 2, 1), ("y", 1, 1, 1, 1), ("z", 2, 2, 1, 1)]]))]

@@ -589,3 +589,32 @@ def test_cold_calls_cost_their_measured_extra_in_the_timeline(slow):
     plain = predict(Cfg, plan, {"i0": own, "i1": DeviceCosts.from_profile(fixed_profile(t_f, t_b))}, seq_len=8)
     last = lambda p: [r.end_s - r.start_s for r in p.timeline if r.stage == 1 and r.action.startswith("F")]  # noqa: E731
     assert last(plain) == pytest.approx(last(alone))
+
+
+def test_zero1_update_is_the_owned_share():
+    """Two one-stage replicas, shares 3:1, the second island EMULATED 3x slower, update fit c1 seconds per
+    parameter: replicated, each island updates every parameter (the slow one 3x slower); ZeRO-1, each
+    updates what its replica owns (`zero1_owners` of the tensors over the shares), so the step's update
+    term is max(c1 n0, 3 c1 n1) with n_r the owned parameters."""
+    from hethub_jax.parallel.plan import zero1_owners
+    c1 = 1e-6
+    prof = fixed_profile(0.01, 0.02, update=0.0)
+    prof["fits"]["update"] = {"c0": 0.0, "c1": c1}
+    costs = DeviceCosts.from_profile(prof)
+    plan = Plan.from_dict({
+        "islands": [{"name": "a", "platform": "cpu"}, {"name": "b", "platform": "cpu", "slowdown": 3.0}],
+        "replicas": [{"stages": [{"island": i, "first_layer": 0, "last_layer": 7}], "batch_share": s}
+                     for i, s in (("a", 6), ("b", 2))],
+        "global_batch_size": 8, "microbatch_size": 1, "schedule": "1f1b"})
+    tensors = analytic.param_tensors(Cfg)
+    total = analytic.stage_params(Cfg, 0, 7, True, True)
+    assert sum(tensors.values()) == total
+    rep = predict(Cfg, plan.replace(optimizer_sharding="replicated"), {"a": costs, "b": costs}, seq_len=8)
+    assert rep.update_s == pytest.approx(3 * c1 * total)
+    owners = zero1_owners(tensors, [6, 2])
+    n = [sum(c for t, c in tensors.items() if owners[t] == r) for r in range(2)]
+    assert n[0] + n[1] == total and n[0] > n[1] > 0
+    z = predict(Cfg, plan, {"a": costs, "b": costs}, seq_len=8)  # "auto": zero1 here
+    assert plan.sharded_update()
+    assert z.update_s == pytest.approx(max(c1 * n[0], 3 * c1 * n[1]))
+    assert z.update_s < 0.5 * rep.update_s

@@ -34,6 +34,13 @@ def test_heterogeneous_dp_replicas_stay_bitwise_identical():
     assert digests[0] == digests[1], digests
 
 
+def test_heterogeneous_dp_replicated_update_stays_bitwise_identical():
+    # optimizer_sharding "replicated": every replica all-reduces every gradient and updates everything
+    # (hdp2 runs the default, the update sharded over the replicas: ZeRO-1)
+    digests = _run("hdp2_replicated", 2)
+    assert digests[0] == digests[1], digests
+
+
 def test_heterogeneous_dp_bucketed_allreduce_over_the_bridge():
     # the gradient all-reduce in 11 buckets (one per layer), run by a background thread over the
     # bridge while the backward goes on; NaN-filled buffers; same checks as hdp2

@@ -240,10 +240,15 @@ class BucketedReduction:
         `MPIHostBridge`): each bucket first waits there in a barrier until every replica has it, so
         that the thread spins (``comm.spin_s``) only while the data moves, not while a slower peer
         still computes and this replica's compute needs the same CPU core.
+      owners: None (all-reduce: every rank gets every sum), or, under the sharded update (ZeRO-1),
+        flat name -> group rank of its owner (``"rows"``: the embedding's): each bucket is then
+        reduced to the owners only (`zero.reduce_to_owners`); `join` gives None for the others.
     """
 
-    def __init__(self, pool: ThreadPoolExecutor, holders: list, comm: Any, rows: np.ndarray, arrive: Any = None):
+    def __init__(self, pool: ThreadPoolExecutor, holders: list, comm: Any, rows: np.ndarray, arrive: Any = None,
+                 owners: Callable[[str], int] | None = None):
         self.pool, self.holders, self.comm, self.rows, self.arrive = pool, list(holders), comm, rows, arrive
+        self.owners = owners
         self.pending: dict[Any, dict] = {}
         self.futures: list[Future] = []
         self.jobs: list[tuple[float, float]] = []  # (start, end) perf_counter of each bucket's reduction
@@ -266,6 +271,9 @@ class BucketedReduction:
     def _sum(self, tree: dict) -> dict:
         if self.comm is None:
             return tree
+        if self.owners is not None:
+            from hethub_jax.parallel.zero import reduce_to_owners
+            return reduce_to_owners(self.comm, tree, self.owners)
         return self.comm.allreduce_tree(tree, op="sum")
 
     def _reduce(self, flats: list[dict], raws: list) -> tuple[dict, Any]:
@@ -282,7 +290,8 @@ class BucketedReduction:
         return total, sparse
 
     def join(self) -> dict[str, np.ndarray]:
-        """Waits for every bucket; returns flat name -> host float32 total over all replicas.
+        """Waits for every bucket; returns flat name -> host float32 total over all replicas (None
+        for a name reduced to another rank, its owner, with ``owners``).
 
         Raises:
           whatever a bucket's reduction raised (e.g. the communicator's timeout error).
@@ -292,7 +301,7 @@ class BucketedReduction:
             t, s = f.result()
             totals.update(t)
             sparse = s if s is not None else sparse
-        if sparse is not None:
+        if sparse is not None and totals.get("embed_tokens") is not None:
             emb = np.array(totals["embed_tokens"], np.float32, copy=True)
             np.add.at(emb, self.rows, sparse)  # rows are unique: a plain indexed add
             totals["embed_tokens"] = emb

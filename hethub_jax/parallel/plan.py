@@ -28,10 +28,14 @@ from hethub_jax.parallel.rules import check_batch, check_shares, check_tp
 from hethub_jax.typed import Float, StrictModel, TupleOf, validate_model
 
 __all__ = ["IslandSpec", "StageSpec", "ReplicaSpec", "Plan", "proportional_shares", "SCHEDULE_NAMES",
-           "RECOMPUTE_POLICIES"]
+           "RECOMPUTE_POLICIES", "OPTIMIZER_SHARDINGS", "zero1_owners"]
 
 SCHEDULE_NAMES = ("gpipe", "1f1b")
 RECOMPUTE_POLICIES = ("none", "full")
+#: ``Plan.optimizer_sharding`` values: ``"replicated"`` (every data-parallel replica updates every
+#: parameter), ``"zero1"`` (each replica updates its own subset, ZeRO stage 1), ``"auto"`` (zero1
+#: where it applies, see :meth:`Plan.sharded_update`).
+OPTIMIZER_SHARDINGS = ("auto", "replicated", "zero1")
 NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
 
 
@@ -218,6 +222,39 @@ def balanced_shares(global_units: int, unit_s: Sequence[float], fixed_s: Sequenc
     return shares
 
 
+def zero1_owners(sizes: Mapping[str, int], shares: Sequence[int]) -> Dict[str, int]:
+    """The replica that updates each parameter tensor under ZeRO-1 (``optimizer_sharding``).
+
+    Whole tensors, never parts of one. Replica ``r`` should own a fraction ``shares[r] / sum(shares)``
+    of the bytes, so that its update time (proportional to the bytes it owns) scales with its batch
+    share, as its compute does: a replica k times slower gets k times fewer samples and parameters.
+    Greedy (largest tensor first, ties by name): each tensor goes to the replica whose owned bytes
+    after taking it, divided by its share, are smallest (ties: lower index). The same on every rank.
+
+    Example: sizes {a: 6, b: 3, c: 1}, shares (3, 1) -> a, b to replica 0, c to replica 1 (owned / share:
+    9 / 3 = 3 and 1 / 1 = 1; b to replica 1 would also give 3, the tie goes to the lower index).
+
+    Args:
+      sizes: flat parameter name -> size (bytes or elements: only ratios matter), >= 0.
+      shares: batch share of each replica (samples), each >= 1.
+
+    Returns:
+      name -> owning replica index.
+
+    Raises:
+      ValueError: if there are no shares or a share is < 1.
+    """
+    if not shares or any(s < 1 for s in shares):
+        raise ValueError(f"zero1_owners needs one share >= 1 per replica, got {list(shares)}")
+    owned = [0] * len(shares)
+    out: Dict[str, int] = {}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        r = min(range(len(shares)), key=lambda j: (Fraction(owned[j] + sizes[name], shares[j]), j))
+        owned[r] += sizes[name]
+        out[name] = r
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------
 
 class Plan(StrictModel):
@@ -231,11 +268,20 @@ class Plan(StrictModel):
       schedule: pipeline schedule name, one of :data:`SCHEDULE_NAMES` (``hethub_jax.parallel.schedule``).
       recompute: activation recompute policy, ``"none"`` (backward applies saved ``jax.vjp`` residuals)
         or ``"full"`` (backward recomputes the stage forward from the saved stage input).
+      optimizer_sharding: how data-parallel replicas apply the optimizer update, one of
+        :data:`OPTIMIZER_SHARDINGS`: ``"replicated"``: every replica all-reduces every gradient and
+        updates every parameter; ``"zero1"``: optimizer-state partitioning (ZeRO stage 1, Rajbhandari
+        et al. 2020, section 5.1, P_os): each parameter tensor is updated by one replica, its owner
+        (:func:`zero1_owners`: parameter bytes in proportion to the replicas' batch shares), which
+        receives the gradient sum (a reduce to the owner instead of an all-reduce where the runtime
+        can) and then sends the updated tensor to the other replicas; ``"auto"`` (default): zero1
+        where it applies (:meth:`sharded_update`). The result is the same as replicated (float32
+        rounding of the sums only). Omitted from the JSON when ``"auto"``.
       description: free text for humans.
       seq_len: tokens per sample the plan was made for (the planner writes the ``--seq-len`` it
         searched with; its memory and time predictions hold for this length), >= 1, at most the
-        model's ``max_position_embeddings``; ``None`` (hand-written plans, plans written before
-        session 10): not recorded. ``python -m hethub_jax.train --plan`` refuses a longer training
+        model's ``max_position_embeddings``; ``None`` (hand-written plans, plans written by older
+        versions): not recorded. ``python -m hethub_jax.train --plan`` refuses a longer training
         ``data.seq_len`` (activation memory grows with it, so the plan's memory check no longer holds)
         and warns for a shorter one (the plan fits but may not be the fastest); see docs/plan_format.md.
     """
@@ -248,6 +294,8 @@ class Plan(StrictModel):
     schedule: str = Field("1f1b", json_schema_extra={"enum": list(SCHEDULE_NAMES)})
     recompute: str = Field("none", json_schema_extra={"enum": list(RECOMPUTE_POLICIES)})
     seq_len: Optional[int] = Field(None, exclude_if=lambda v: v is None)
+    optimizer_sharding: str = Field("auto", exclude_if=lambda v: v == "auto",
+                                    json_schema_extra={"enum": list(OPTIMIZER_SHARDINGS)})
 
     @model_validator(mode="before")
     @classmethod
@@ -503,6 +551,9 @@ class Plan(StrictModel):
             raise ValueError(f"schedule must be one of {list(SCHEDULE_NAMES)}, got {self.schedule!r}")
         if self.recompute not in RECOMPUTE_POLICIES:
             raise ValueError(f"recompute must be one of {list(RECOMPUTE_POLICIES)}, got {self.recompute!r}")
+        if self.optimizer_sharding not in OPTIMIZER_SHARDINGS:
+            raise ValueError(f"optimizer_sharding must be one of {list(OPTIMIZER_SHARDINGS)}, got "
+                             f"{self.optimizer_sharding!r}")
         if not self.replicas:
             raise ValueError("plan needs at least one replica (pipeline of stages)")
         if model_config is not None:
@@ -540,7 +591,22 @@ class Plan(StrictModel):
                 raise ValueError(f"every island must run a stage: island {isl.name!r} runs none")
         self._device_assignment()
         self._validate_batch()
+        if self.optimizer_sharding == "zero1":
+            multi = [i.name for i in self.islands if i.num_processes > 1]
+            if multi and self.num_replicas > 1:
+                raise ValueError(f"optimizer_sharding 'zero1' needs every island to be one process (today's "
+                                 f"runtime exchanges the owners' parameters between single processes); islands "
+                                 f"{multi} have several: use 'replicated' or 'auto'")
         return self
+
+    def sharded_update(self) -> bool:
+        """True when the optimizer update is sharded over the data-parallel replicas (ZeRO-1):
+        ``optimizer_sharding`` is ``"zero1"``, or ``"auto"`` and the plan has several replicas and
+        every island is one process; then the replicas own their parameters as :func:`zero1_owners`
+        of :meth:`batch_shares` says. A plan with one replica: False (nothing to shard)."""
+        if self.num_replicas < 2 or self.optimizer_sharding == "replicated":
+            return False
+        return self.optimizer_sharding == "zero1" or all(i.num_processes == 1 for i in self.islands)
 
     def _validate_islands(self) -> None:
         if not self.islands:

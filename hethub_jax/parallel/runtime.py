@@ -45,7 +45,8 @@ from hethub_jax.optim import OptimConfig, make_optimizer
 from hethub_jax.parallel import buckets as bk
 from hethub_jax.parallel import exchange
 from hethub_jax.parallel import multiprocess as mp
-from hethub_jax.parallel.plan import Plan
+from hethub_jax.parallel import zero
+from hethub_jax.parallel.plan import Plan, zero1_owners
 from hethub_jax.parallel.rules import check_runtime_support, check_shares
 from hethub_jax.parallel.schedule import Action, ActionKind
 from hethub_jax.parallel.stage import Backward, PipelineStage, StageInputs
@@ -85,8 +86,14 @@ class StepResult:
 
 def stage_param_names(config: LlamaConfig, first_layer: int, last_layer: int) -> list[str]:
     """Global flat parameter names held by the stage [first_layer, last_layer] (no allocation)."""
+    return list(stage_param_bytes(config, first_layer, last_layer))
+
+
+def stage_param_bytes(config: LlamaConfig, first_layer: int, last_layer: int) -> dict[str, int]:
+    """Global flat parameter name -> bytes, for the stage [first_layer, last_layer] (no allocation)."""
     abstract = nnx.eval_shape(partial(Llama, config, first_layer=first_layer, last_layer=last_layer))
-    return list(abstract.param_table())
+    values = {n: p.get_value() for n, p in abstract.param_table().items()}
+    return {n: int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for n, v in values.items()}
 
 
 class PipelineRuntime:
@@ -149,12 +156,22 @@ class PipelineRuntime:
         # Parameters held by more than one stage (tied embeddings, data-parallel replicas): their
         # gradients are summed over the holders; the first holder counts them in the global norm.
         holders: dict[str, list[StageKey]] = {}
+        self._param_bytes: dict[str, int] = {}
         for k in all_keys:
             spec = plan.stage(*k)
-            for name in stage_param_names(model_config, spec.first_layer, spec.last_layer):
+            sizes = stage_param_bytes(model_config, spec.first_layer, spec.last_layer)
+            self._param_bytes.update(sizes)
+            for name in sizes:
                 holders.setdefault(name, []).append(k)
         self.shared = {n: h for n, h in holders.items() if len(h) > 1}
-        self.norm_owner = {n: h[0] for n, h in holders.items()}
+        self._holders = holders
+        # Sharded update (ZeRO-1, `Plan.optimizer_sharding`): `owner_of` maps each parameter name to
+        # the replica that updates it; `norm_owner` (the holder counted in the global norm, and the
+        # stage whose value the others receive) is then that replica's first holder. See `_set_owners`.
+        self.zero1 = plan.sharded_update()
+        self.owner_of: dict[str, int] = {}
+        self._full_reduce = False  # True: every holder gets every gradient sum (`gradients`)
+        self._set_owners()
         self._group_comms: dict[tuple[int, ...], Any] = {}
         if comm is not None:
             self._make_group_comms()
@@ -171,13 +188,14 @@ class PipelineRuntime:
         # all-reduced in the background while the next bucket computes (`hethub_jax.parallel.buckets`;
         # `_bucketing` says when it applies). None (this class's default, see `set_grad_buckets`): off,
         # the all-reduce runs after the whole backward. Training turns it on through
-        # `train.grad_bucket_mb` (default 25 MiB since session 8: measured faster in three consecutive
+        # `train.grad_bucket_mb` (default 25 MiB: measured faster in three consecutive
         # quiet runs of benchmarks/hetero_dp.py, docs/benchmarks.md).
         self.grad_bucket_bytes: int | None = None
         self.first_grad_bucket_bytes: int = bk.DEFAULT_FIRST_BUCKET_BYTES
         # each bucket's all-reduce first waits (sleeping) until every replica has the bucket
         # (`buckets.BucketedReduction`, ``arrive``); False: it spins from the start (`spin_s`)
         self.bucket_arrival_sleeps = True
+        self.last_exchange_s = 0.0  # ZeRO-1: seconds of the last step's parameter exchange (`_apply_updates`)
         self.last_bucket_stats: dict | None = None  # `BucketedReduction.stats` of the last step, + exposed_s
         self._chunks: dict[StageKey, tuple[tuple[int, int], bk.StageChunks]] = {}
         self._bucket_pool, self._pending_buckets, self._bucket_clock = None, None, None
@@ -428,7 +446,7 @@ class PipelineRuntime:
         new = {k: dict(f) for k, f in flats.items()}
         for name, total in done.items():
             for k in self.shared[name]:
-                if k in new:
+                if k in new and total is not None:  # None: reduced to its owner, another replica
                     new[k][name] = total
         for group, names in by_group.items():
             if self.rank not in group:
@@ -447,10 +465,13 @@ class PipelineRuntime:
                 host = {n: mp.host_copy(v).astype(np.float32) for n, v in local_sum.items()}
                 host = host if counts else {n: np.zeros_like(v) for n, v in host.items()}
                 with self._naming_peers(group):
-                    local_sum = sub.allreduce_tree(host, op="sum")  # one all-reduce for all of them
+                    if self._reduce_to_owners():  # ZeRO-1: only the owner needs the sum
+                        local_sum = zero.reduce_to_owners(sub, host, self._group_owner(group))
+                    else:
+                        local_sum = sub.allreduce_tree(host, op="sum")  # one all-reduce for all of them
             for name, total in local_sum.items():
                 for k in self.shared[name]:
-                    if k in new:
+                    if k in new and total is not None:  # None: summed at its owner only
                         new[k][name] = total
         out = {}
         for k in self.local_keys:
@@ -462,6 +483,140 @@ class PipelineRuntime:
                 continue
             out[k] = jax.tree.map(lambda v, like, s: jax.device_put(jnp.asarray(v, like.dtype), s),
                                   tree, acc[k], st.param_shardings)
+        return out
+
+    # ---- sharded optimizer update (ZeRO-1) ------------------------------------------------------
+    def _set_owners(self) -> None:
+        """Sets `owner_of` (parameter name -> owning replica: `plan.zero1_owners` of the parameter
+        bytes and the current shares; empty when the update is replicated) and `norm_owner` (the
+        first holder, in the owning replica under ZeRO-1). The same on every rank."""
+        if self.zero1:
+            self.owner_of = zero1_owners(self._param_bytes, self.shares)
+            self.norm_owner = {n: next(k for k in h if k[0] == self.owner_of[n]) for n, h in self._holders.items()}
+        else:
+            self.owner_of = {}
+            self.norm_owner = {n: h[0] for n, h in self._holders.items()}
+
+    def owned_names(self, key: StageKey) -> frozenset[str]:
+        """Parameter names stage ``key`` updates: all of its parameters unless the update is sharded
+        (ZeRO-1), then those its replica owns."""
+        names = self.stages[key].flat(self.stages[key]._abstract_params)
+        if not self.zero1:
+            return frozenset(names)
+        return frozenset(n for n in names if self.owner_of[n] == key[0])
+
+    def _update_fn(self, key: StageKey):
+        """Stage ``key``'s jitted update (`PipelineStage.update`, or `owned_update` under ZeRO-1)."""
+        st = self.stages[key]
+        return st.owned_update(self.owned_names(key)) if self.zero1 else st.update
+
+    def _one_stage_replicas(self) -> bool:
+        """Every replica is one stage on one process (each group rank is then one replica)."""
+        return (all(self.plan.num_stages(r) == 1 for r in range(self.plan.num_replicas))
+                and all(len(o) == 1 for o in self.owners.values()))
+
+    def _reduce_to_owners(self) -> bool:
+        """True when the shared gradients are summed at their owners only (ZeRO-1 over processes,
+        replicas of one stage on one process each; not while `gradients` asks for every sum)."""
+        return self.zero1 and self.comm is not None and not self._full_reduce and self._one_stage_replicas()
+
+    def _group_owner(self, group: tuple[int, ...]):
+        """name -> the group rank (position in ``group``, sorted world ranks) of the process holding
+        the name's owning stage: the group communicator's ranks (``split`` keyed by world rank)."""
+        return lambda n: group.index(self.owner[self.norm_owner["embed_tokens" if n == "rows" else n]])
+
+    def _apply_updates(self, acc: dict[StageKey, Any], inv: Any, gnorm: Any) -> None:
+        """Each local stage's optimizer update (its owned parameters only under ZeRO-1; the emulated
+        slowdown applies to the update too); then, under ZeRO-1, the owners' parameters go to the other
+        replicas (`_exchange_params`)."""
+        for k in self.local_keys:
+            st, t_update = self.stages[k], time.perf_counter()
+            st.params, st.opt_state = self._update_fn(k)(st.params, st.opt_state, acc[k], inv, gnorm)
+            if self.plan.island(self.plan.stage(*k).island).slowdown > 1:
+                self._emulate(k, st.params, t_update)  # the update runs on the slow island too
+        if self.zero1:
+            t0 = time.perf_counter()
+            self._exchange_params()
+            self.last_exchange_s = time.perf_counter() - t0
+
+    def _exchange_params(self) -> None:
+        """ZeRO-1: every stage gets the parameters its replica does not own from the owners."""
+        local = {k: self.stages[k].flat() for k in self.local_keys}
+        got = self._from_owners(local, lambda x: x)
+        for k, vals in got.items():
+            if vals:
+                st = self.stages[k]
+                flat, shardings = dict(local[k]), st.flat(st.param_shardings)
+                flat.update({n: jax.device_put(v, shardings[n]) for n, v in vals.items()})
+                st.params = st.unflat(flat)
+
+    def sync_optimizer_state(self) -> None:
+        """Makes every stage's optimizer state current for every parameter (collective: every rank
+        calls it). Under ZeRO-1 a stage keeps current only the Adam moments of the parameters its
+        replica owns; this copies the others from their owners (before a checkpoint is written, and
+        before the owners change). No-op when the update is replicated."""
+        if not self.zero1:
+            return
+        local, index = {}, {}
+        for k in self.local_keys:
+            st = self.stages[k]
+            leaves = jax.tree.leaves(st.opt_state)
+            index[k] = {f"{slot}|{name}": i for i, (slot, name) in
+                        ((i, e) for i, e in enumerate(st.opt_state_names()) if e is not None)}
+            local[k] = {x: leaves[i] for x, i in index[k].items()}
+        got = self._from_owners(local, lambda x: x.split("|", 1)[1])
+        for k, vals in got.items():
+            st = self.stages[k]
+            leaves, treedef = jax.tree.flatten(st.opt_state)
+            for x, v in vals.items():
+                i = index[k][x]
+                leaves[i] = jax.device_put(np.asarray(v, leaves[i].dtype) if isinstance(v, np.ndarray) else v,
+                                           leaves[i].sharding)
+            st.opt_state = jax.tree.unflatten(treedef, leaves)
+
+    def _from_owners(self, local: dict[StageKey, dict[str, Any]], name_of) -> dict[StageKey, dict[str, Any]]:
+        """For each local stage, key -> the owning replica's value of every key of ``local[stage]``
+        whose parameter (``name_of(key)``) its replica does not own. ``local``: per local stage, key
+        -> array (the same keys on every holder of a parameter). The value comes from the parameter's
+        `norm_owner` stage: in one process directly (through the host between islands, as over the
+        bridge); between processes by `zero.gather_from_owners` (replicas of one stage on one process)
+        or else a sum over the holders' group in which only that stage's process contributes."""
+        need = {k: sorted(x for x in d if self.owner_of[name_of(x)] != k[0]) for k, d in local.items()}
+        src = lambda x: self.norm_owner[name_of(x)]
+        out: dict[StageKey, dict[str, Any]] = {k: {} for k in local}
+        pending: dict[tuple[int, ...], set[str]] = {}
+        for k, xs in need.items():
+            for x in xs:
+                if src(x) in local:
+                    v = local[src(x)][x]
+                    same = self.plan.stage(*src(x)).island == self.plan.stage(*k).island
+                    out[k][x] = v if same else np.asarray(jax.device_get(v))
+                else:
+                    pending.setdefault(self._holder_ranks(self._holders[name_of(x)]), set()).add(x)
+        if self.comm is None:
+            return out
+        # every rank of a group takes part, owner or not: the keys of each group held here
+        for group in sorted({self._holder_ranks(h) for h in self.shared.values()}):
+            if self.rank not in group or len(group) < 2:
+                continue
+            held = {}  # the owner's copy where it is local
+            for d in local.values():
+                held.update({x: local[src(x)][x] if src(x) in local else v for x, v in d.items()
+                             if self._holder_ranks(self._holders[name_of(x)]) == group})
+            if not held:
+                continue
+            sub = self._group_comms[group]
+            with self._naming_peers(group):
+                if self._one_stage_replicas():
+                    owner = lambda x, g=group: g.index(self.owner[src(x)])
+                    mine = {x: mp.host_copy(v) for x, v in held.items() if owner(x) == sub.rank}
+                    vals = zero.gather_from_owners(sub, mine, held, owner)
+                else:
+                    host = {x: (mp.host_copy(v) if self.rank == self.owner[src(x)] else
+                                np.zeros(v.shape, v.dtype)) for x, v in held.items()}
+                    vals = sub.allreduce_tree(host, op="sum")  # x + 0: exact
+            for k, xs in need.items():
+                out[k].update({x: vals[x] for x in xs if x in pending.get(group, ()) and x in vals})
         return out
 
     # ---- bucketed gradient all-reduce overlapped with the backward (heterogeneous DP) ----------
@@ -540,11 +695,13 @@ class PipelineRuntime:
         last = [batch["tokens"][self.offsets[r] + self.shares[r] - mbs:self.offsets[r] + self.shares[r]] for r in range(R)]
         rows = np.unique(np.concatenate([t.ravel() for t in last]))
         comm = self._group_comms.get(self._bucket_group())
+        owners = self._group_owner(self._bucket_group()) if self._reduce_to_owners() and comm is not None else None
         if comm is not None and self.bucket_arrival_sleeps and hasattr(comm, "with_spin"):
             if getattr(self, "_bucket_arrive", (None,))[0] is not comm:
                 self._bucket_arrive = (comm, comm.with_spin(0.0))
-            return bk.BucketedReduction(self._bucket_pool, self.local_keys, comm, rows, self._bucket_arrive[1])
-        return bk.BucketedReduction(self._bucket_pool, self.local_keys, comm, rows)
+            return bk.BucketedReduction(self._bucket_pool, self.local_keys, comm, rows, self._bucket_arrive[1],
+                                        owners=owners)
+        return bk.BucketedReduction(self._bucket_pool, self.local_keys, comm, rows, owners=owners)
 
     def _bucket_group(self) -> tuple[int, ...]:
         return self._holder_ranks(next(iter(self.shared.values())))
@@ -615,12 +772,7 @@ class PipelineRuntime:
             return StepResult(loss, int(num_tokens), float(norms[self.local_keys[0]]),
                               time.perf_counter() - t0, records, bubble_from_terms([bubble_terms(records, t0)]))
         acc, loss, num_tokens, norm, records, bubble = self._forward_backward(batch, t0)
-        inv, gnorm = jnp.float32(1.0 / num_tokens), jnp.float32(norm)
-        for k in self.local_keys:
-            st, t_update = self.stages[k], time.perf_counter()
-            st.params, st.opt_state = st.update(st.params, st.opt_state, acc[k], inv, gnorm)
-            if self.plan.island(self.plan.stage(*k).island).slowdown > 1:
-                self._emulate(k, st.params, t_update)  # the update runs on the slow island too
+        self._apply_updates(acc, jnp.float32(1.0 / num_tokens), jnp.float32(norm))
         jax.block_until_ready([self.stages[k].params for k in self.local_keys])
         self.step += 1
         return StepResult(loss, int(num_tokens), norm, time.perf_counter() - t0, records, bubble)
@@ -628,7 +780,11 @@ class PipelineRuntime:
     def gradients(self, batch: dict[str, np.ndarray]) -> tuple[float, dict[str, np.ndarray]]:
         """(loss, gradients of the mean loss) without updating; flat global names of this rank's
         stages (a tied embedding or a replicated parameter appears once, holding the total)."""
-        acc, loss, num_tokens, _, _, _ = self._forward_backward(batch)
+        self._full_reduce = True  # every holder gets every sum (ZeRO-1 sums at the owners only)
+        try:
+            acc, loss, num_tokens, _, _, _ = self._forward_backward(batch)
+        finally:
+            self._full_reduce = False
         out = {}
         for k in self.local_keys:
             for n, v in self.stages[k].flat(acc[k]).items():
@@ -662,7 +818,11 @@ class PipelineRuntime:
         compiling run on copies of the parameters and optimizer state (the real ones are not changed;
         the copies cost their memory for the duration), emulated slowdown included. The all-reduce's
         exposed tail, after the last replica's last bucket, is the same for every replica and so does
-        not move the balance: it is not counted.
+        not move the balance: it is not counted. Under the sharded update (ZeRO-1) a replica updates
+        the parameters it owns, in proportion to its share (`plan.zero1_owners`): its update then
+        costs per sample, not per step, so the whole update's time (timed likewise) / the global batch
+        is added to its seconds per sample and its fixed seconds are 0 (the parameter exchange that
+        follows is the same for every replica, like the all-reduce's tail).
 
         Returns:
           (unit_s, fixed_s): seconds per sample and seconds per step, one per replica.
@@ -682,12 +842,15 @@ class PipelineRuntime:
             for _ in range(2):  # the first run compiles
                 p, o = jax.tree.map(jnp.copy, (st.params, st.opt_state))
                 t0 = time.perf_counter()
-                out = st.update(p, o, acc[k], inv, gnorm)
+                out = st.update(p, o, acc[k], inv, gnorm)  # the whole update (ZeRO-1: per sample below)
                 self._emulate(k, out, t0)
                 fixed[k] = (time.perf_counter() - t0) if self._counts(k) else 0.0
                 del p, o, out
         busy, fixed = self._allreduce_world(busy), self._allreduce_world(fixed)
         unit = [float(busy[r].max()) / (steps * self.shares[r]) for r in range(R)]
+        if self.zero1:  # each replica updates a share of the parameters proportional to its batch share
+            gbs = self.plan.global_batch_size
+            return [u + float(fixed[r].max()) / gbs for r, u in enumerate(unit)], [0.0] * R
         return unit, [float(fixed[r].max()) for r in range(R)]
 
     def set_batch_shares(self, shares: list[int]) -> None:
@@ -704,7 +867,10 @@ class PipelineRuntime:
         check_shares(shares, gbs, mbs)
         from hethub_jax.parallel.schedule import get_schedule
 
+        if self.zero1 and self.step > 0:
+            self.sync_optimizer_state()  # the owners change: every moment must be current first
         self.shares = list(shares)
+        self._set_owners()
         self.offsets = [sum(self.shares[:r]) for r in range(self.plan.num_replicas)]
         for r in range(self.plan.num_replicas):
             m = self.shares[r] // mbs
@@ -730,7 +896,9 @@ class PipelineRuntime:
         return {n: mp.host_copy(v) for n, v in self.stages[key].flat().items()}
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """{"r{replica}s{stage}": {"params": ..., "opt_state": ...}} for this rank's stages."""
+        """{"r{replica}s{stage}": {"params": ..., "opt_state": ...}} for this rank's stages, every
+        optimizer-state leaf current (under ZeRO-1 a collective: `sync_optimizer_state`)."""
+        self.sync_optimizer_state()
         return {f"r{r}s{s}": {"params": self.stages[(r, s)].params, "opt_state": self.stages[(r, s)].opt_state}
                 for r, s in self.local_keys}
 

@@ -258,6 +258,54 @@ class PipelineStage:
                 self._forward_backward_update, donate_argnames=("params", "opt_state"),  # acc: no output left to reuse it
                 out_shardings=(None, None, ps, self.opt_shardings))
 
+    # ---- sharded (ZeRO-1) update ----------------------------------------------------------------
+    def owned_update(self, owned: frozenset[str]):
+        """The jitted `update` restricted to the parameter tensors named in ``owned`` (flat global
+        names; ZeRO-1, `Plan.optimizer_sharding`): same arguments and results, but only owned
+        tensors and their optimizer-state leaves (Adam moments) are computed; the others pass
+        through unchanged (donated, so not copied) and their moments go stale until
+        `PipelineRuntime.sync_optimizer_state`. The step counts advance as in `update`. An owned
+        tensor gets exactly `update`'s arithmetic (AdamW is elementwise per tensor; the global norm
+        is passed in). Compiled once per owned set.
+
+        Raises:
+          KeyError: if ``owned`` names a parameter the stage does not hold.
+        """
+        key = frozenset(owned)
+        fns = self.__dict__.setdefault("_owned_updates", {})
+        if key in fns:
+            return fns[key]
+        names = set(self.flat(self._abstract_params))
+        if key - names:
+            raise KeyError(f"stage layers {self.first_layer}..{self.last_layer} holds no {sorted(key - names)}")
+        mask = self.unflat({n: n in key for n in names}, like=self._abstract_params)
+        is_none = lambda x: x is None
+
+        def update(params, opt_state, grads, inv_tokens, global_norm):
+            prune = lambda t: jax.tree.map(lambda x, m: x if m else None, t, mask)
+            p, g = prune(params), prune(grads)
+            template = jax.eval_shape(self.optimizer.init, p)
+            o = jax.tree.map(lambda t, f: None if t is None else f, template, opt_state, is_leaf=is_none)
+            p, o = self._update(p, o, g, inv_tokens, global_norm)
+            merge = lambda full, new: jax.tree.map(lambda a, b: a if b is None else b, full, new)
+            return merge(params, p), merge(opt_state, o)
+        fns[key] = jax.jit(update, donate_argnames=("params", "opt_state"),
+                           out_shardings=(self.param_shardings, self.opt_shardings))
+        return fns[key]
+
+    def opt_state_names(self) -> list[tuple[str, str] | None]:
+        """One entry per leaf of `opt_state` (``jax.tree.leaves`` order): (the optimizer's path to
+        the parameter-shaped tree, e.g. ``"[0].mu"``, the parameter's flat global name) for a leaf
+        that belongs to one parameter tensor (Adam's moments), None for a scalar (a step count)."""
+        out = []
+        for path, _ in jax.tree_util.tree_leaves_with_path(self.opt_state):
+            i = len(path)
+            while i > 0 and isinstance(path[i - 1], jax.tree_util.DictKey):
+                i -= 1
+            out.append((jax.tree_util.keystr(path[:i]), flat_name(path[i:], self.first_layer))
+                       if i < len(path) else None)
+        return out
+
     # ---- helpers for the runtime ---------------------------------------------------------------
     def new_grad_buffer(self) -> Params:
         """A gradient accumulator: zeros, or NaNs when `debug_nan` (first microbatch overwrites it)."""

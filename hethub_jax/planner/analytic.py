@@ -139,6 +139,35 @@ def stage_params(cfg: Any, first_layer: int, last_layer: int, is_first: bool, is
     return out
 
 
+def param_tensors(cfg: Any) -> dict[str, int]:
+    """Parameter count of every tensor of the whole model, by the runtime's flat names
+    (``hethub_jax.models.llama.Llama.param_table``: ``embed_tokens``, ``layers.{i}.self_attn.q_proj``,
+    ..., ``norm``, ``lm_head`` when untied). Sums to ``stage_params`` of the whole model."""
+    d, h, k, dh, f, v = _dims(cfg)
+    layer = {"input_layernorm": d, "post_attention_layernorm": d, "self_attn.q_proj": d * h * dh,
+             "self_attn.k_proj": d * k * dh, "self_attn.v_proj": d * k * dh, "self_attn.o_proj": h * dh * d,
+             "mlp.gate_proj": d * f, "mlp.up_proj": d * f, "mlp.down_proj": f * d}
+    out = {"embed_tokens": v * d}
+    for i in range(cfg.num_hidden_layers):
+        out.update({f"layers.{i}.{n}": c for n, c in layer.items()})
+    out["norm"] = d
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = d * v
+    return out
+
+
+def stage_tensor_names(cfg: Any, first_layer: int, last_layer: int, is_first: bool, is_last: bool) -> list[str]:
+    """Names (:func:`param_tensors`) of the tensors a stage holds: its layers, the embedding on the first
+    stage and, when tied, on the last; the norm and LM head on the last."""
+    names = [n for n in param_tensors(cfg) if n.startswith("layers.")
+             and first_layer <= int(n.split(".")[1]) <= last_layer]
+    if is_first or (is_last and cfg.tie_word_embeddings):
+        names.append("embed_tokens")
+    if is_last:
+        names += ["norm"] + ([] if cfg.tie_word_embeddings else ["lm_head"])
+    return names
+
+
 def kv_sharded(cfg: Any, tp: int) -> bool:
     """True when TP splits the KV heads (``K % tp == 0``), else they are replicated (stage.py)."""
     return (cfg.num_key_value_heads or cfg.num_attention_heads) % tp == 0

@@ -149,8 +149,10 @@ class Prediction:
       tokens_per_s: ``global_batch_size x seq_len / step_time_s``.
       stages: one :class:`StagePrediction` per (replica, stage).
       pipeline_s: seconds until the last pipeline action of the step ends.
-      allreduce_s: seconds of the gradient sums across stages/replicas and the global norm.
-      update_s: seconds of the optimizer updates (the slowest island's).
+      allreduce_s: seconds of the gradient sums across stages/replicas and the global norm (under the
+        sharded update, ``plan.sharded_update()``: the reduce to the owners and the parameter gather).
+      update_s: seconds of the optimizer updates (the slowest island's; under the sharded update each
+        stage updates the fraction of its parameters its replica owns).
       critical_path: a readable summary of what bounds the step.
       timeline: the predicted actions as ActionRecords, in the order they ran (``island`` names the
         island, labelled predicted by :func:`predicted_records`); a :class:`LazyRecords`, built on
@@ -617,6 +619,8 @@ def _reduction_parts(cfg: Any, plan: Any, ctxs, bridge: LinkModel) -> Tuple[Dict
     cross-island all-reduces and the bridge latency): the parts of :func:`_reduction_s`."""
     held: Dict[str, List[float]] = {}  # float32 bytes and tensors summed over the holders on each island
     cross = 0.0
+    own = _owned_fractions(cfg, plan)
+    pb = analytic.dtype_bytes(cfg.param_dtype)
     for n, tensors, holders in _shared_groups(cfg, plan):
         nbytes = 4.0 * n
         isl = sorted({ctxs[k].spec.island for k in holders})
@@ -624,18 +628,61 @@ def _reduction_parts(cfg: Any, plan: Any, ctxs, bridge: LinkModel) -> Tuple[Dict
             h = held.setdefault(ctxs[k].spec.island, [0.0, 0])
             h[0] += nbytes
             h[1] += tensors
-        if len(isl) > 1:
+        reps = {k[0]: own[k] for k in holders} if own else {}
+        if len(isl) > 1 and len(reps) > 1:  # ZeRO-1: reduce to the owners, gather the parameters
+            cross += _zero1_exchange_s(bridge, list(reps.values()), nbytes + pb * n)
+        elif len(isl) > 1:
             p = len(isl)
             cross += 2 * (p - 1) * bridge.alpha_s + 2.0 * (p - 1) / p * nbytes / bridge.bandwidth
     first = {c.spec.island: c for c in ctxs.values()}
     per_island = {i: first[i].costs.shared_sum_s(b, t) for i, (b, t) in held.items()}
     norm = {}
-    for k, ctx in ctxs.items():
-        pb = analytic.dtype_bytes(cfg.param_dtype)
-        norm[ctx.spec.island] = norm.get(ctx.spec.island, 0.0) + ctx.costs.update_time_s(ctx.n_params, pb,
-                                                                                           ctx.spec.dp) / 7
+    for k, ctx in ctxs.items():  # under ZeRO-1 each stage reads its owned gradients only
+        norm[ctx.spec.island] = norm.get(ctx.spec.island, 0.0) + ctx.costs.update_time_s(
+            ctx.n_params * own.get(k, 1.0), pb, ctx.spec.dp) / 7
     return ({i: per_island.get(i, 0.0) + norm.get(i, 0.0) for i in norm},
             cross + (bridge.alpha_s if len(plan.islands) > 1 else 0.0))
+
+
+_OWNED_CACHE: Dict[tuple, Dict[str, int]] = {}
+
+
+def _owned_fractions(cfg: Any, plan: Any) -> Dict[Tuple[int, int], float]:
+    """Under the sharded update (``plan.sharded_update()``, ZeRO-1): per stage (replica, stage), the
+    fraction of its parameters that its replica owns and so updates: the runtime's owners,
+    :func:`hethub_jax.parallel.plan.zero1_owners` of :func:`analytic.param_tensors` over the plan's batch
+    shares. Empty when the update is replicated (every stage updates everything)."""
+    if not plan.sharded_update():
+        return {}
+    from hethub_jax.parallel.plan import zero1_owners
+    sizes = analytic.param_tensors(cfg)
+    shares = tuple(plan.batch_shares())
+    key = (tuple(sizes.items()), shares)
+    if key not in _OWNED_CACHE:
+        if len(_OWNED_CACHE) > 64:
+            _OWNED_CACHE.clear()
+        _OWNED_CACHE[key] = zero1_owners(sizes, shares)
+    owners = _OWNED_CACHE[key]
+    out = {}
+    for r, rep in enumerate(plan.replicas):
+        for s, st in enumerate(rep.stages):
+            names = analytic.stage_tensor_names(cfg, st.first_layer, st.last_layer, st.is_first, st.is_last)
+            total = sum(sizes[n] for n in names)
+            out[(r, s)] = sum(sizes[n] for n in names if owners[n] == r) / total if total else 1.0
+    return out
+
+
+def _zero1_exchange_s(bridge: LinkModel, owned: Sequence[float], nbytes: float) -> float:
+    """Seconds of ZeRO-1's two point-to-point exchanges over the bridge for ``nbytes`` (float32 gradient
+    + parameter bytes) held by ``p = len(owned)`` replicas, replica r owning the fraction ``owned[r]``:
+    the gradient reduce to the owners (r sends ``1 - owned[r]`` of the gradient bytes, receives
+    ``(p - 1) owned[r]``) and the parameter gather (the same fractions of the parameter bytes), each
+    bounded by the busiest rank's larger direction, plus one bridge latency per peer and exchange."""
+    p = len(owned)
+    if p < 2:
+        return 0.0
+    busiest = max(max(1.0 - f, (p - 1) * f) for f in owned)
+    return 2 * (p - 1) * bridge.alpha_s + busiest * nbytes / bridge.bandwidth
 
 
 def _update_fusable(plan: Any, cfg: Any, per_replica=None) -> bool:
@@ -684,7 +731,8 @@ def predict(cfg: Any, plan: Any, costs: Mapping[str, DeviceCosts], *, seq_len: i
               for r in range(plan.num_replicas)}
     fuse = (plan.num_replicas == 1 and plan.num_stages(0) == 1  # else no Action lists are needed
             and _update_fusable(plan, cfg, {0: (arrays[0].lists,)}))
-    upd = {k: c.factor * c.costs.update_time_s(c.n_params, pb, c.spec.dp) for k, c in ctxs.items()}
+    own = _owned_fractions(cfg, plan)
+    upd = {k: c.factor * c.costs.update_time_s(c.n_params * own.get(k, 1.0), pb, c.spec.dp) for k, c in ctxs.items()}
     fused_update_s = upd[(0, 0)] * (1 + 1 / 7) if fuse else 0.0
     proc_of = (lambda k: ctxs[k].spec.island) if concurrency == "runtime" else (lambda k: k)
     pl = _pipeline(cfg, plan, ctxs, bridge, seq_len, fused_update_s, proc_of, arrays)

@@ -5,8 +5,9 @@ bridge, computes the unsplit single-device reference itself, and checks the loss
 gradients of its stages and their parameters after 3 steps (float32, relative 1e-5). It prints
 "DIGEST rank R <sha256 of its replica's parameters and optimizer state>" and "OK rank R".
 Cases: split3 (11 layers [5,4,2] with 1F1B, then [7,3,1] with GPipe, on 3 ranks), tied2 (tied embeddings, first and last stage on 2
-ranks), hdp2 (2 data-parallel replicas, throughputs 3:1 -> shares 8:2, padded sequences), hybrid4
-(2 replicas x 2 pipeline stages on 4 ranks).
+ranks), hdp2 (2 data-parallel replicas, throughputs 3:1 -> shares 8:2, padded sequences; the update sharded,
+ZeRO-1), hdp2_buckets (the same, bucketed), hdp2_replicated (the same, the update replicated), hybrid4
+(2 replicas x 2 pipeline stages on 4 ranks; ZeRO-1).
 """
 import hashlib
 import os
@@ -55,9 +56,12 @@ if case == "split3":
     plan = split_plan((5, 4, 2), islands=3)
 elif case == "tied2":
     plan = split_plan((6, 5), islands=2)
-elif case in ("hdp2", "hdp2_buckets"):  # hdp2_buckets: the all-reduce in one bucket per layer
+elif case in ("hdp2", "hdp2_buckets", "hdp2_replicated"):  # hdp2_buckets: the all-reduce in one bucket per layer
     plan = replicas_plan(2, 1, [3.0, 1.0])
     assert plan.batch_shares() == [8, 2], plan.batch_shares()
+    # the update is sharded over the replicas (ZeRO-1, optimizer_sharding "auto") but in hdp2_replicated
+    plan = plan.replace(optimizer_sharding="replicated") if case == "hdp2_replicated" else plan
+    assert plan.sharded_update() == (case != "hdp2_replicated")
 elif case == "hybrid4":
     plan = replicas_plan(4, 2, [1.0, 1.0], gbs=8)
 else:
