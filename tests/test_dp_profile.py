@@ -94,21 +94,14 @@ def test_planless_training_asks_the_profiler_for_the_dp_meshes(tmp_path, monkeyp
 
     from hethub_jax import train_predict as tp
     from hethub_jax.models.config import get_preset
-    from test_train_insight import ROOT
+    from test_train_insight import ROOT, write_fake_profile
     asked = []
 
     def fake_profile(model, seq_len, out, timeout_s=600.0, microbatch_sizes=(1, 2), tp_degrees=(1,),
                      dp_degrees=(), dp_microbatch_sizes=()):
         asked.append((tuple(dp_degrees), tuple(dp_microbatch_sizes)))
-        prof = _profile(dp2_scale=1.0)
-        prof["seq_len"] = seq_len
-        prof["samples"] = ([{"kind": "stage", "tokens": m * seq_len, "tp": t} for m in microbatch_sizes
-                            for t in tp_degrees] + [{"kind": "stage", "tokens": m * seq_len, "tp": 1, "dp": d}
-                                                    for m in dp_microbatch_sizes for d in dp_degrees])
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(prof, f)
-        return True, "profiled in 1 s"
+        return write_fake_profile(_profile(dp2_scale=1.0), seq_len, out, microbatch_sizes, tp_degrees,
+                                  dp_degrees, dp_microbatch_sizes)
     monkeypatch.setattr(tp, "profile_device", fake_profile)
     cluster = str(ROOT / "configs/clusters/tiny_2island_cpu.yaml")
     msg = tp._plan_rank0(get_preset("tiny"), "tiny", cluster, 16, 32, None, str(tmp_path / "p"), lambda m: None)

@@ -137,23 +137,15 @@ def test_planless_training_profiles_up_to_the_global_batch(tmp_path, monkeypatch
     import os
     from hethub_jax import train_predict as tp
     from hethub_jax.models.config import get_preset
-    from test_train_insight import ROOT, fixed_profile
+    from test_train_insight import ROOT, fixed_profile, write_fake_profile
     asked, asked_tp = [], []
 
     def fake_profile(model, seq_len, out, timeout_s=600.0, microbatch_sizes=(1, 2), tp_degrees=(1,),
                      dp_degrees=(), dp_microbatch_sizes=()):
         asked.append(tuple(microbatch_sizes))
         asked_tp.append(tuple(tp_degrees))
-        prof = fixed_profile()
-        prof["seq_len"] = seq_len
-        prof["samples"] = ([{"kind": "stage", "tokens": m * seq_len, "tp": t}
-                            for m in microbatch_sizes for t in tp_degrees]
-                           + [{"kind": "stage", "tokens": m * seq_len, "tp": 1, "dp": d}
-                              for m in dp_microbatch_sizes for d in dp_degrees])
-        os.makedirs(os.path.dirname(out), exist_ok=True)  # as the profiler does
-        with open(out, "w") as f:
-            json.dump(prof, f)
-        return True, "profiled in 1 s"
+        return write_fake_profile(fixed_profile(), seq_len, out, microbatch_sizes, tp_degrees, dp_degrees,
+                                  dp_microbatch_sizes)
     monkeypatch.setattr(tp, "profile_device", fake_profile)
     cluster = str(ROOT / "configs/clusters/tiny_2island_cpu.yaml")
     msg = tp._plan_rank0(get_preset("tiny"), "tiny", cluster, 16, 32, None, str(tmp_path / "p"), lambda m: None)

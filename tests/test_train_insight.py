@@ -26,6 +26,19 @@ PLAN = {"islands": [{"name": "fast", "platform": "cpu"}, {"name": "slow", "platf
         "global_batch_size": 4, "microbatch_size": 2, "schedule": "1f1b"}
 
 
+
+def write_fake_profile(prof, seq_len, out, microbatch_sizes, tp_degrees, dp_degrees=(), dp_microbatch_sizes=()):
+    """Writes `prof` as the profiler would to `out`, with one stage sample per asked (microbatch, TP) and
+    (DP microbatch, DP) setting; returns the profiler's (ok, message)."""
+    prof["seq_len"] = seq_len
+    prof["samples"] = ([{"kind": "stage", "tokens": m * seq_len, "tp": t} for m in microbatch_sizes for t in tp_degrees]
+                       + [{"kind": "stage", "tokens": m * seq_len, "tp": 1, "dp": d}
+                          for m in dp_microbatch_sizes for d in dp_degrees])
+    os.makedirs(os.path.dirname(out), exist_ok=True)  # as the profiler does
+    with open(out, "w") as f:
+        json.dump(prof, f)
+    return True, "profiled in 1 s"
+
 def fixed_profile(t_f=0.004, t_b=0.008, update=0.001):
     """A profile whose stage calls cost ``t / 2`` plus ``t / 2`` per layer (no per-token term)."""
     zero = {"c0": 0.0, "c1": 0.0}
