@@ -499,26 +499,28 @@ class PipelineRuntime:
 
     def owned_names(self, key: StageKey) -> frozenset[str]:
         """Parameter names stage ``key`` updates: all of its parameters unless the update is sharded
-        (ZeRO-1), then those its replica owns."""
+        (ZeRO-1), then those its replica owns and of which it is the replica's first holder
+        (`norm_owner`; a second holder in the owning replica, a tied LM head on another stage, gets
+        the updated tensor from that first holder like the other replicas do)."""
         names = self.stages[key].flat(self.stages[key]._abstract_params)
         if not self.zero1:
             return frozenset(names)
-        return frozenset(n for n in names if self.owner_of[n] == key[0])
+        return frozenset(n for n in names if self.norm_owner[n] == key)
 
     def _update_fn(self, key: StageKey):
         """Stage ``key``'s jitted update (`PipelineStage.update`, or `owned_update` under ZeRO-1)."""
         st = self.stages[key]
         return st.owned_update(self.owned_names(key)) if self.zero1 else st.update
 
-    def _one_stage_replicas(self) -> bool:
-        """Every replica is one stage on one process (each group rank is then one replica)."""
-        return (all(self.plan.num_stages(r) == 1 for r in range(self.plan.num_replicas))
-                and all(len(o) == 1 for o in self.owners.values()))
+    def _single_process_stages(self) -> bool:
+        """Every stage runs on one process (the plan's islands are one process each)."""
+        return all(len(o) == 1 for o in self.owners.values())
 
     def _reduce_to_owners(self) -> bool:
-        """True when the shared gradients are summed at their owners only (ZeRO-1 over processes,
-        replicas of one stage on one process each; not while `gradients` asks for every sum)."""
-        return self.zero1 and self.comm is not None and not self._full_reduce and self._one_stage_replicas()
+        """True when the shared gradients are summed at their owners only (ZeRO-1 over processes:
+        each tensor's sum goes to the process of its `norm_owner` stage, whatever the replicas' stage
+        splits; every stage on one process; not while `gradients` asks for every sum)."""
+        return self.zero1 and self.comm is not None and not self._full_reduce and self._single_process_stages()
 
     def _group_owner(self, group: tuple[int, ...]):
         """name -> the group rank (position in ``group``, sorted world ranks) of the process holding
@@ -575,13 +577,16 @@ class PipelineRuntime:
             st.opt_state = jax.tree.unflatten(treedef, leaves)
 
     def _from_owners(self, local: dict[StageKey, dict[str, Any]], name_of) -> dict[StageKey, dict[str, Any]]:
-        """For each local stage, key -> the owning replica's value of every key of ``local[stage]``
-        whose parameter (``name_of(key)``) its replica does not own. ``local``: per local stage, key
-        -> array (the same keys on every holder of a parameter). The value comes from the parameter's
-        `norm_owner` stage: in one process directly (through the host between islands, as over the
-        bridge); between processes by `zero.gather_from_owners` (replicas of one stage on one process)
-        or else a sum over the holders' group in which only that stage's process contributes."""
-        need = {k: sorted(x for x in d if self.owner_of[name_of(x)] != k[0]) for k, d in local.items()}
+        """For each local stage, key -> the owning stage's value of every key of ``local[stage]``
+        whose parameter (``name_of(key)``) the stage does not update itself (its `norm_owner` is
+        another stage). ``local``: per local stage, key -> array (the same keys on every holder of a
+        parameter). The value comes from the parameter's `norm_owner` stage: in one process directly
+        (through the host between islands, as over the bridge); between processes by
+        `zero.gather_from_owners` over the holders' group (any stage splits of the replicas: each
+        process sends what its stages own to the group's other processes), or, were a stage spread
+        over several processes, a sum over the group in which only the owner's first process
+        contributes."""
+        need = {k: sorted(x for x in d if self.norm_owner[name_of(x)] != k) for k, d in local.items()}
         src = lambda x: self.norm_owner[name_of(x)]
         out: dict[StageKey, dict[str, Any]] = {k: {} for k in local}
         pending: dict[tuple[int, ...], set[str]] = {}
@@ -607,7 +612,7 @@ class PipelineRuntime:
                 continue
             sub = self._group_comms[group]
             with self._naming_peers(group):
-                if self._one_stage_replicas():
+                if self._single_process_stages():  # point to point from the owner's process
                     owner = lambda x, g=group: g.index(self.owner[src(x)])
                     mine = {x: mp.host_copy(v) for x, v in held.items() if owner(x) == sub.rank}
                     vals = zero.gather_from_owners(sub, mine, held, owner)
