@@ -247,35 +247,39 @@ def _run_plan_ranks(plan: Plan, body, timeout: float = 600.0) -> dict:
 
 def _count_calls(monkeypatch) -> dict:
     """Counts the point-to-point ZeRO-1 exchanges (`zero.reduce_to_owners`, `zero.gather_from_owners`)
-    and the group all-reduces (`allreduce_tree` of the runtime's group communicators) per thread."""
+    and the group all-reduces (`allreduce_tree`) per communicator: (id(comm), function) -> calls
+    (the gather may run on a background thread)."""
     counts: dict = {}
     for fn in ("reduce_to_owners", "gather_from_owners"):
         orig = getattr(zero, fn)
 
-        def wrapped(*a, _orig=orig, _fn=fn, **kw):
-            key = (threading.get_ident(), _fn)
+        def wrapped(comm, *a, _orig=orig, _fn=fn, **kw):
+            key = (id(comm), _fn)
             counts[key] = counts.get(key, 0) + 1
-            return _orig(*a, **kw)
+            return _orig(comm, *a, **kw)
         monkeypatch.setattr(zero, fn, wrapped)
     orig_tree = LocalCommunicator.allreduce_tree
 
     def tree(self, *a, **kw):
-        key = (threading.get_ident(), "allreduce_tree")
+        key = (id(self), "allreduce_tree")
         counts[key] = counts.get(key, 0) + 1
         return orig_tree(self, *a, **kw)
     monkeypatch.setattr(LocalCommunicator, "allreduce_tree", tree)
     return counts
 
 
-@pytest.mark.parametrize("layout,schedule", [("split", "1f1b"), ("split", "gpipe"), ("crossed", "1f1b"),
-                                             ("crossed", "gpipe")])
-def test_zero1_multi_stage_replicas_over_two_islands_equal_single_device(layout, schedule, monkeypatch):
+@pytest.mark.parametrize("layout,schedule,overlap", [("split", "1f1b", False), ("split", "gpipe", False),
+                                                     ("crossed", "1f1b", False), ("crossed", "gpipe", False),
+                                                     ("split", "gpipe", True), ("crossed", "1f1b", True)])
+def test_zero1_multi_stage_replicas_over_two_islands_equal_single_device(layout, schedule, overlap, monkeypatch):
     """Replicas of several pipeline stages, split differently, one island per rank (threads joined by
     the in-process bridge): every tensor's gradient is reduced to its owner's process only, updated
     there, and sent back to its other holders (point to point: no group all-reduce in a training
     step). Loss and gradients of batch 0, loss and parameters after each of several steps as the
     unsplit run; every stage owns a disjoint part (the slow replica fewer bytes); all holders of a
-    tensor end bitwise equal, Adam moments included."""
+    tensor end bitwise equal, Adam moments included. ``overlap``: the parameter gather runs in the
+    background (`overlap_param_gather`): each step returns with it pending, and the next step (or a
+    read of the parameters) waits for it."""
     cfg = model_config(False)
     plan = split_replicas_plan(layout, schedule)
     assert plan.batch_shares() == [8, 2] and plan.sharded_update() and plan.world_size == 2
@@ -285,18 +289,22 @@ def test_zero1_multi_stage_replicas_over_two_islands_equal_single_device(layout,
 
     def body(c):
         rt = PipelineRuntime(plan, cfg, OPTIM, seed=7, comm=c, rank=c.rank, debug_nan=True)
-        assert rt._reduce_to_owners()
-        me = threading.get_ident()
+        rt.overlap_param_gather = overlap
+        assert rt._reduce_to_owners() and rt._gather_in_background() == overlap
+        mine = [id(sub) for sub in rt._group_comms.values()]
+        total = lambda f: sum(counts.get((i, f), 0) for i in mine)  # noqa: E731
         loss0, grads = rt.gradients(data[0])  # every holder gets every sum here
-        before = dict(counts)
+        fns = ("reduce_to_owners", "gather_from_owners", "allreduce_tree")
+        before = {f: total(f) for f in fns}
         losses, params = [], [rt.params()]
         stage_params = []
         for b in data[:1 + STEPS]:
             losses.append(rt.train_step(b).loss)
+            assert (rt._pending_gather is not None) == overlap  # pending until read
             params.append(rt.params())
+            assert rt._pending_gather is None
             stage_params.append({k: rt.stage_params(k) for k in rt.local_keys})
-        calls = {f: counts.get((me, f), 0) - before.get((me, f), 0)
-                 for f in ("reduce_to_owners", "gather_from_owners", "allreduce_tree")}
+        calls = {f: total(f) - before[f] for f in fns}
         owned = {k: rt.owned_names(k) for k in rt.local_keys}
         return dict(loss0=loss0, grads=grads, losses=losses, params=params, stage_params=stage_params,
                     calls=calls, owned=owned, sizes=dict(rt._param_bytes), state=_stage_state(rt))
@@ -352,7 +360,8 @@ def test_zero1_multi_stage_replicas_checkpoint_round_trip_over_two_islands():
     per island in "crossed"), one island per rank: three steps, a checkpoint (every Adam moment
     gathered from its owner), a fresh runtime (another seed) restored from it, two more steps:
     bitwise the uninterrupted run, every holder bitwise equal; the checkpointed state is that of
-    the replicated update of the same plan, run alongside (float32 rounding of the sums)."""
+    the replicated update of the same plan, run alongside (float32 rounding of the sums). The last
+    steps run the parameter gather in the background (`overlap_param_gather`)."""
     cfg = model_config(True)
     data = batches(10, n=5, padded=True)
     plan = split_replicas_plan("crossed")
@@ -366,8 +375,10 @@ def test_zero1_multi_stage_replicas_checkpoint_round_trip_over_two_islands():
         saved = jax.tree.map(np.asarray, runs["zero1"].checkpoint_state())
         want = jax.tree.map(np.asarray, runs["replicated"].checkpoint_state())
         rt = runs["zero1"]
+        rt.overlap_param_gather = True  # the last steps' gathers run in the background
         cont = [rt.train_step(b).loss for b in data[3:]]
         fresh = PipelineRuntime(plan, cfg, OPTIM, seed=3, comm=c, rank=c.rank)
+        fresh.overlap_param_gather = True
         fresh.restore_checkpoint_state(saved)
         fresh.step = 3
         losses = [fresh.train_step(b).loss for b in data[3:]]
