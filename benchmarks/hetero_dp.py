@@ -115,6 +115,8 @@ def main() -> None:
     ap.add_argument("--gather-rounds", type=int, default=3,
                     help="rounds of the consecutive-step comparison of the overlapped parameter gather (0: off)")
     ap.add_argument("--gather-steps", type=int, default=4, help="consecutive steps per block of that comparison")
+    ap.add_argument("--gather-control", action="store_true",
+                    help="A/A control of that comparison: its second runtime also gathers after the update")
     ap.add_argument("--given-shares", action="store_true",
                     help="shares proportional to the given throughputs 3:1 instead of measured in a warm-up")
     args = ap.parse_args()
@@ -221,7 +223,7 @@ def main() -> None:
         ov = PipelineRuntime(prop, config, optim, seed=0, comm=comm, rank=rank)
         ov.set_grad_buckets(args.bucket_mb)
         ov.set_batch_shares(shares)
-        ov.overlap_param_gather = True
+        ov.overlap_param_gather = not args.gather_control
         blocks = {"proportional": runtimes["proportional"], "proportional_overlap_gather": ov}
         ov.train_step(global_batches[0])  # compiles
         ov.wait_params()
@@ -289,7 +291,8 @@ def main() -> None:
             "gather_consecutive_step_s": block,
             "overlap_gather_over_after_update": round(block["proportional"] / block["proportional_overlap_gather"], 4),
             "overlap_gather_wait_s_per_rank": [median(g["gather_wait"]) if g["gather_wait"] else None for g in by_rank],
-            "gather_blocks": f"{args.gather_rounds} rounds x {args.gather_steps} consecutive steps per configuration"})
+            "gather_blocks": f"{args.gather_rounds} rounds x {args.gather_steps} consecutive steps per configuration"
+                             + (" (A/A control: both gather after the update)" if args.gather_control else "")})
     rows = []
     row_shares = {"proportional": shares, "proportional_unbucketed": shares,
                   "proportional_replicated": shares_repl, "equal": equal.batch_shares()}
