@@ -29,6 +29,10 @@ every step; warm-up steps excluded; medians over steps):
       all-reduces every gradient and updates every parameter: the path before session 10), its
       shares measured the same way for that update;
   (b) `equal`: equal shares 8/8 (bucketed);
+  (g) `proportional_overlap_gather`: as (a) with the ZeRO-1 parameter gather on a background thread
+      (`PipelineRuntime.overlap_param_gather`), compared with (a) in separate blocks of consecutive
+      steps of one configuration (figure `overlap_gather_over_after_update` = (a)'s seconds per step
+      / (g)'s; `--gather-rounds`, `--gather-steps`);
   (c) `alone`: each island trains the same model on its own (a one-replica plan on that island, no
       communicator), both at the same time on their own cores, each with the global batch of its share
       in (a) (12 and 4 rows: the same per-step work as in (a)); tokens/s of each island alone.
@@ -108,6 +112,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="timed steps per configuration")
     ap.add_argument("--bucket-mb", type=float, default=25.0,
                     help="gradient bucket size of the bucketed configurations, MiB (first bucket 1 MiB)")
+    ap.add_argument("--gather-rounds", type=int, default=3,
+                    help="rounds of the consecutive-step comparison of the overlapped parameter gather (0: off)")
+    ap.add_argument("--gather-steps", type=int, default=4, help="consecutive steps per block of that comparison")
+    ap.add_argument("--gather-control", action="store_true",
+                    help="A/A control of that comparison: its second runtime also gathers after the update")
     ap.add_argument("--given-shares", action="store_true",
                     help="shares proportional to the given throughputs 3:1 instead of measured in a warm-up")
     args = ap.parse_args()
@@ -202,6 +211,33 @@ def main() -> None:
             r = run_step(n, i)
             if i > args.warmup:
                 results[n].append(r)
+
+    # (g) the ZeRO-1 parameter gather in the background (`overlap_param_gather`) against after the
+    # update (proportional): blocks of consecutive steps of ONE configuration (a step's gather can only
+    # hide behind what runs before the same runtime's next step, not behind other configurations'
+    # steps), a barrier before each block, the gather of the block's last step waited for inside it;
+    # blocks alternate, the order reversed every round; per rank: block seconds / steps
+    gather = {"proportional": [], "proportional_overlap_gather": []}
+    gather_wait = []  # overlapped: seconds each step's first action waited for the previous gather
+    if args.gather_rounds > 0:
+        ov = PipelineRuntime(prop, config, optim, seed=0, comm=comm, rank=rank)
+        ov.set_grad_buckets(args.bucket_mb)
+        ov.set_batch_shares(shares)
+        ov.overlap_param_gather = not args.gather_control
+        blocks = {"proportional": runtimes["proportional"], "proportional_overlap_gather": ov}
+        ov.train_step(global_batches[0])  # compiles
+        ov.wait_params()
+        for rnd in range(args.gather_rounds):
+            for n in (list(blocks) if rnd % 2 == 0 else list(blocks)[::-1]):
+                rt = blocks[n]
+                world.Barrier()
+                t0 = time.perf_counter()
+                for i in range(1, 1 + args.gather_steps):
+                    rt.train_step(global_batches[i % n_steps])
+                    if n != "proportional" and i > 1:
+                        gather_wait.append(rt.last_exchange_wait_s)
+                rt.wait_params()
+                gather[n].append((time.perf_counter() - t0) / args.gather_steps)
     load_end = loadavg()
 
     mine = {n: {"times": [r["time_s"] for r in rs], "tokens": [r["tokens"] for r in rs],
@@ -209,6 +245,7 @@ def main() -> None:
                 "exchange": [r["exchange_s"] for r in rs],
                 "buckets": [r["buckets"] for r in rs]} for n, rs in results.items()}
     gathered = world.gather({"rank": rank, "core": core, "mine": mine, "compile_s": compile_s,
+                             "gather": gather, "gather_wait": gather_wait,
                              "machine": machine()}, root=0)
     if rank != 0:
         return
@@ -247,6 +284,15 @@ def main() -> None:
         # which arrives last and so waits least: about its cost; the fast rank's figure includes waiting
         "grad_allreduce_s_slow_rank_proportional": median(by_rank[1]["mine"]["proportional"]["reduce"]),
     }
+    if args.gather_rounds > 0:  # (g): a block ends on both ranks together; its time is the slower rank's
+        block = {n: median([max(a, b) for a, b in zip(by_rank[0]["gather"][n], by_rank[1]["gather"][n])])
+                 for n in by_rank[0]["gather"]}
+        figures.update({
+            "gather_consecutive_step_s": block,
+            "overlap_gather_over_after_update": round(block["proportional"] / block["proportional_overlap_gather"], 4),
+            "overlap_gather_wait_s_per_rank": [median(g["gather_wait"]) if g["gather_wait"] else None for g in by_rank],
+            "gather_blocks": f"{args.gather_rounds} rounds x {args.gather_steps} consecutive steps per configuration"
+                             + (" (A/A control: both gather after the update)" if args.gather_control else "")})
     rows = []
     row_shares = {"proportional": shares, "proportional_unbucketed": shares,
                   "proportional_replicated": shares_repl, "equal": equal.batch_shares()}
@@ -301,6 +347,12 @@ def main() -> None:
     print(f"buckets: {figures['num_buckets']} (layer ranges, backward order: {chunks[1].chunks if chunks else None}); slow rank, median per step: bucket all-reduce "
           f"{figures['bucket_reduce_s'] * 1e3:.1f} ms, {figures['overlap_fraction']:.0%} of it before the "
           f"backward ended (overlapped), exposed wait after the backward {figures['bucket_exposed_s'] * 1e3:.1f} ms")
+    if args.gather_rounds > 0:
+        b = figures["gather_consecutive_step_s"]
+        print(f"ZeRO-1 parameter gather ({figures['gather_blocks']}): after the update {b['proportional']:.3f} s/step, "
+              f"in the background {b['proportional_overlap_gather']:.3f} s/step: "
+              f"overlap_gather_over_after_update {figures['overlap_gather_over_after_update']:.3f}; the next step waited "
+              f"(median, fast/slow) {figures['overlap_gather_wait_s_per_rank']} s for it")
 
 
 if __name__ == "__main__":

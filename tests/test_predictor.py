@@ -618,3 +618,35 @@ def test_zero1_update_is_the_owned_share():
     assert plan.sharded_update()
     assert z.update_s == pytest.approx(max(c1 * n[0], 3 * c1 * n[1]))
     assert z.update_s < 0.5 * rep.update_s
+
+
+def test_zero1_owned_fractions_of_multi_stage_replicas_count_each_tensor_once():
+    """Replicas of two stages split differently, tied embeddings: each tensor is updated by one stage
+    (its owning replica's first holder, as the runtime's `norm_owner`), so the stages' owned
+    parameter counts add up to the model once; a replica's last stage never updates the tied
+    embedding (its first stage does). Reference: `zero1_owners` of the tensors by hand."""
+    from hethub_jax.parallel.plan import zero1_owners
+    from hethub_jax.planner.predictor import _owned_fractions
+
+    class Tied(Cfg):
+        tie_word_embeddings = True
+    plan = Plan.from_dict({
+        "islands": [{"name": "a", "platform": "cpu", "devices_per_process": 2},
+                    {"name": "b", "platform": "cpu", "devices_per_process": 2}],
+        "replicas": [{"stages": [{"island": "a", "first_layer": 0, "last_layer": 2},
+                                 {"island": "a", "first_layer": 3, "last_layer": 7}], "batch_share": 6},
+                     {"stages": [{"island": "b", "first_layer": 0, "last_layer": 4},
+                                 {"island": "b", "first_layer": 5, "last_layer": 7}], "batch_share": 2}],
+        "global_batch_size": 8, "microbatch_size": 1, "schedule": "1f1b"})
+    tensors = analytic.param_tensors(Tied)
+    owners = zero1_owners(tensors, [6, 2])
+    own = _owned_fractions(Tied, plan)
+    counted = 0.0
+    for r, rep in enumerate(plan.replicas):
+        for s, st in enumerate(rep.stages):
+            names = analytic.stage_tensor_names(Tied, st.first_layer, st.last_layer, st.is_first, st.is_last)
+            total = sum(tensors[n] for n in names)
+            want = sum(tensors[n] for n in names if owners[n] == r and (s == 0 or n != "embed_tokens"))
+            assert own[(r, s)] == pytest.approx(want / total)
+            counted += own[(r, s)] * total
+    assert counted == pytest.approx(sum(tensors.values()))

@@ -52,3 +52,9 @@ def test_hybrid_two_replicas_of_two_stage_pipelines():
     digests = _run("hybrid4", 4)
     # rank 0/2 hold stage 0 of replica 0/1, rank 1/3 stage 1: replicas are bitwise identical
     assert digests[0] == digests[2] and digests[1] == digests[3], digests
+
+
+def test_zero1_replicas_split_differently_gather_in_the_background():
+    # two replicas of two stages, split differently (one replica per rank): gradients reduced to the
+    # owning stage's rank, the updated tensors gathered back in the background over MPI
+    _run("splits2", 2)

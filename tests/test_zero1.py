@@ -15,7 +15,7 @@ from hethub_jax.comm import LocalCommunicator
 from hethub_jax.parallel import zero
 from hethub_jax.parallel.plan import Plan, zero1_owners
 from hethub_jax.parallel.runtime import PipelineRuntime
-from test_hetero_dp import assert_replicas_bitwise_equal, check_steps_against, dp_plan, single_device_run
+from test_hetero_dp import STEPS, assert_replicas_bitwise_equal, check_steps_against, dp_plan, single_device_run
 from test_runtime_equivalence import OPTIM, assert_rel, batches, model_config
 
 
@@ -176,3 +176,220 @@ def test_changing_shares_after_steps_keeps_the_update_exact():
             rt.train_step(b)
     for n, p in runs[1].params().items():
         assert_rel(runs[0].params()[n], p, f"parameter {n}")
+
+
+# ---- replicas of several pipeline stages, with different stage splits ---------------------------
+def split_replicas_plan(layout: str, schedule: str = "1f1b") -> Plan:
+    """Two replicas, throughputs 3:1 (shares 8:2 of 10), two islands of one process each.
+    "split": replica 0 runs two stages on island i0 (layers 0-5, 6-10), replica 1 three stages on
+    island i1 (0-2, 3-7, 8-10): every tensor's holders are one stage on each island.
+    "crossed": replica 0 runs 0-5 on i0 and 6-10 on i1, replica 1 runs 0-3 on i1 and 4-10 on i0:
+    each island runs a stage of both replicas; layers 4-5 are held twice on i0 (summed there), the
+    others once on each island."""
+    splits = {"split": ([("i0", 0, 5), ("i0", 6, 10)], [("i1", 0, 2), ("i1", 3, 7), ("i1", 8, 10)]),
+              "crossed": ([("i0", 0, 5), ("i1", 6, 10)], [("i1", 0, 3), ("i0", 4, 10)])}[layout]
+    reps = [{"stages": [{"island": i, "first_layer": a, "last_layer": b} for i, a, b in stages], "throughput": t}
+            for stages, t in zip(splits, (3.0, 1.0))]
+    return Plan.from_dict({
+        "islands": [{"name": "i0", "platform": "cpu", "devices_per_process": 3},
+                    {"name": "i1", "platform": "cpu", "devices_per_process": 3}],
+        "replicas": reps, "global_batch_size": 10, "microbatch_size": 1, "schedule": schedule,
+        "recompute": "none", "optimizer_sharding": "zero1"})
+
+
+def _opt_by_name(st, opt_state) -> dict[str, np.ndarray]:
+    """"slot|name" -> host array of a stage's per-tensor optimizer-state leaves (Adam's moments)."""
+    return {f"{e[0]}|{e[1]}": np.asarray(x) for e, x in zip(st.opt_state_names(), jax.tree.leaves(opt_state),
+                                                             strict=True) if e is not None}
+
+
+def assert_holders_bitwise_equal(per_stage: dict) -> None:
+    """Every holder of a parameter (any replica, any stage) holds it, and its Adam moments, bitwise
+    equal. ``per_stage``: stage key -> {"params": flat name -> array, "opt": "slot|name" -> array}."""
+    for part in ("params", "opt"):
+        seen: dict[str, tuple] = {}
+        for k, d in sorted(per_stage.items()):
+            for n, v in d[part].items():
+                if n in seen:
+                    np.testing.assert_array_equal(v, seen[n][1], err_msg=f"{part} {n}: stage {k} vs {seen[n][0]}")
+                else:
+                    seen[n] = (k, v)
+
+
+def _stage_state(rt) -> dict:
+    """Per local stage: flat parameters and optimizer-state leaves by name, every moment current
+    (`checkpoint_state` is a collective under ZeRO-1: every rank calls it)."""
+    state = rt.checkpoint_state()
+    return {(r, s): {"params": rt.stage_params((r, s)), "opt": _opt_by_name(rt.stages[(r, s)], state[f"r{r}s{s}"]["opt_state"])}
+            for r, s in rt.local_keys}
+
+
+def _run_plan_ranks(plan: Plan, body, timeout: float = 600.0) -> dict:
+    """``body(comm)`` on every rank of ``plan`` in threads of this process (`LocalCommunicator`, the
+    in-process bridge; every rank sees this process's devices); rank -> its result."""
+    comms = LocalCommunicator.create(plan.world_size, timeout=timeout)
+    out, errors = {}, {}
+
+    def run(c):
+        try:
+            out[c.rank] = body(c)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors[c.rank] = e
+    threads = [threading.Thread(target=run, args=(c,), daemon=True) for c in comms]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 60)
+    assert not errors, errors
+    assert len(out) == plan.world_size, "a rank did not finish"
+    return out
+
+
+def _count_calls(monkeypatch) -> dict:
+    """Counts the point-to-point ZeRO-1 exchanges (`zero.reduce_to_owners`, `zero.gather_from_owners`)
+    and the group all-reduces (`allreduce_tree`) per communicator: (id(comm), function) -> calls
+    (the gather may run on a background thread)."""
+    counts: dict = {}
+    for fn in ("reduce_to_owners", "gather_from_owners"):
+        orig = getattr(zero, fn)
+
+        def wrapped(comm, *a, _orig=orig, _fn=fn, **kw):
+            key = (id(comm), _fn)
+            counts[key] = counts.get(key, 0) + 1
+            return _orig(comm, *a, **kw)
+        monkeypatch.setattr(zero, fn, wrapped)
+    orig_tree = LocalCommunicator.allreduce_tree
+
+    def tree(self, *a, **kw):
+        key = (id(self), "allreduce_tree")
+        counts[key] = counts.get(key, 0) + 1
+        return orig_tree(self, *a, **kw)
+    monkeypatch.setattr(LocalCommunicator, "allreduce_tree", tree)
+    return counts
+
+
+@pytest.mark.parametrize("layout,schedule,overlap", [("split", "1f1b", False), ("split", "gpipe", False),
+                                                     ("crossed", "1f1b", False), ("crossed", "gpipe", False),
+                                                     ("split", "gpipe", True), ("crossed", "1f1b", True)])
+def test_zero1_multi_stage_replicas_over_two_islands_equal_single_device(layout, schedule, overlap, monkeypatch):
+    """Replicas of several pipeline stages, split differently, one island per rank (threads joined by
+    the in-process bridge): every tensor's gradient is reduced to its owner's process only, updated
+    there, and sent back to its other holders (point to point: no group all-reduce in a training
+    step). Loss and gradients of batch 0, loss and parameters after each of several steps as the
+    unsplit run; every stage owns a disjoint part (the slow replica fewer bytes); all holders of a
+    tensor end bitwise equal, Adam moments included. ``overlap``: the parameter gather runs in the
+    background (`overlap_param_gather`): each step returns with it pending, and the next step (or a
+    read of the parameters) waits for it."""
+    cfg = model_config(False)
+    plan = split_replicas_plan(layout, schedule)
+    assert plan.batch_shares() == [8, 2] and plan.sharded_update() and plan.world_size == 2
+    data = batches(10, padded=True)
+    ref = single_device_run(cfg, data)
+    counts = _count_calls(monkeypatch)
+
+    def body(c):
+        rt = PipelineRuntime(plan, cfg, OPTIM, seed=7, comm=c, rank=c.rank, debug_nan=True)
+        rt.overlap_param_gather = overlap
+        assert rt._reduce_to_owners() and rt._gather_in_background() == overlap
+        mine = [id(sub) for sub in rt._group_comms.values()]
+        total = lambda f: sum(counts.get((i, f), 0) for i in mine)  # noqa: E731
+        loss0, grads = rt.gradients(data[0])  # every holder gets every sum here
+        fns = ("reduce_to_owners", "gather_from_owners", "allreduce_tree")
+        before = {f: total(f) for f in fns}
+        losses, params = [], [rt.params()]
+        stage_params = []
+        for b in data[:1 + STEPS]:
+            losses.append(rt.train_step(b).loss)
+            assert (rt._pending_gather is not None) == overlap  # pending until read
+            params.append(rt.params())
+            assert rt._pending_gather is None
+            stage_params.append({k: rt.stage_params(k) for k in rt.local_keys})
+        calls = {f: total(f) - before[f] for f in fns}
+        owned = {k: rt.owned_names(k) for k in rt.local_keys}
+        return dict(loss0=loss0, grads=grads, losses=losses, params=params, stage_params=stage_params,
+                    calls=calls, owned=owned, sizes=dict(rt._param_bytes), state=_stage_state(rt))
+    out = _run_plan_ranks(plan, body)
+    names = set(ref["grads"])
+    for r, o in out.items():
+        assert_rel(o["loss0"], ref["loss0"], f"rank {r}: loss")
+        for n, g in o["grads"].items():
+            assert_rel(g, ref["grads"][n], f"rank {r}: gradient {n}")
+        for step, loss in enumerate(o["losses"]):
+            assert_rel(loss, ref["losses"][step], f"rank {r}: loss at step {step}")
+        for n, p in o["params"][0].items():
+            np.testing.assert_array_equal(p, ref["params"][0][n])  # the same initial weights
+            np.testing.assert_array_equal(o["params"][1][n], p)  # the warm-up step moves nothing
+        for step in range(1, 1 + STEPS):
+            for n, p in o["params"][step + 1].items():
+                assert not np.array_equal(p, o["params"][step][n]), f"rank {r}: step {step} left {n} unchanged"
+                assert_rel(p, ref["params"][step + 1][n], f"rank {r}: parameter {n} after step {step}")
+        # a training step: reduce to the owners, then the owners' tensors back (no group all-reduce)
+        steps = 1 + STEPS
+        assert o["calls"]["reduce_to_owners"] >= steps and o["calls"]["gather_from_owners"] >= steps, o["calls"]
+        assert o["calls"]["allreduce_tree"] == 0, o["calls"]
+    # ownership: each tensor is updated by exactly one stage; the slow replica owns fewer bytes
+    owners: dict[str, list] = {}
+    for o in out.values():
+        for k, ns in o["owned"].items():
+            for n in ns:
+                owners.setdefault(n, []).append(k)
+    assert set(owners) == names and all(len(v) == 1 for v in owners.values()), owners
+    sizes = out[0]["sizes"]
+    nbytes = [sum(sizes[n] for n, v in owners.items() if v[0][0] == r) for r in range(2)]
+    assert nbytes[0] > 2 * nbytes[1], nbytes  # shares 8:2
+    # every holder of a tensor (both replicas, several stages) is bitwise equal after every step
+    for i in range(1 + STEPS):
+        assert_holders_bitwise_equal({k: {"params": v, "opt": {}} for o in out.values()
+                                      for k, v in o["stage_params"][i].items()})
+    assert_holders_bitwise_equal({k: v for o in out.values() for k, v in o["state"].items()})
+
+
+@pytest.mark.parametrize("layout", ["split", "crossed"])
+def test_zero1_multi_stage_replicas_in_one_process_equal_single_device(layout):
+    """The same plans in one process (no communicator): the owners' tensors are copied directly."""
+    cfg = model_config(False)
+    plan = split_replicas_plan(layout)
+    data = batches(10, padded=True)
+    rt = PipelineRuntime(plan, cfg, OPTIM, seed=7, debug_nan=True)
+    check_steps_against(rt, single_device_run(cfg, data), data)
+    assert_holders_bitwise_equal(_stage_state(rt))
+
+
+def test_zero1_multi_stage_replicas_checkpoint_round_trip_over_two_islands():
+    """Tied embeddings (first and last stage of each replica hold the embedding: four holders, two
+    per island in "crossed"), one island per rank: three steps, a checkpoint (every Adam moment
+    gathered from its owner), a fresh runtime (another seed) restored from it, two more steps:
+    bitwise the uninterrupted run, every holder bitwise equal; the checkpointed state is that of
+    the replicated update of the same plan, run alongside (float32 rounding of the sums). The last
+    steps run the parameter gather in the background (`overlap_param_gather`)."""
+    cfg = model_config(True)
+    data = batches(10, n=5, padded=True)
+    plan = split_replicas_plan("crossed")
+
+    def body(c):
+        runs = {m: PipelineRuntime(plan.replace(optimizer_sharding=m), cfg, OPTIM, seed=7, comm=c, rank=c.rank)
+                for m in ("zero1", "replicated")}
+        for b in data[:3]:
+            for rt in runs.values():
+                rt.train_step(b)
+        saved = jax.tree.map(np.asarray, runs["zero1"].checkpoint_state())
+        want = jax.tree.map(np.asarray, runs["replicated"].checkpoint_state())
+        rt = runs["zero1"]
+        rt.overlap_param_gather = True  # the last steps' gathers run in the background
+        cont = [rt.train_step(b).loss for b in data[3:]]
+        fresh = PipelineRuntime(plan, cfg, OPTIM, seed=3, comm=c, rank=c.rank)
+        fresh.overlap_param_gather = True
+        fresh.restore_checkpoint_state(saved)
+        fresh.step = 3
+        losses = [fresh.train_step(b).loss for b in data[3:]]
+        return dict(saved=saved, want=want, cont=cont, losses=losses, params=rt.params(),
+                    fresh=fresh.params(), state=_stage_state(fresh))
+    out = _run_plan_ranks(plan, body)
+    for r, o in out.items():
+        for k in o["want"]:
+            for x, y in zip(jax.tree.leaves(o["saved"][k]), jax.tree.leaves(o["want"][k]), strict=True):
+                assert_rel(x, y, f"rank {r}: {k} checkpoint leaf")
+        assert o["losses"] == o["cont"], (o["losses"], o["cont"])
+        for n, p in o["params"].items():
+            np.testing.assert_array_equal(o["fresh"][n], p)
+    assert_holders_bitwise_equal({k: v for o in out.values() for k, v in o["state"].items()})

@@ -140,11 +140,11 @@ class PipelineRuntime:
         if any(d.platform == "cpu" for d in devices):  # XLA:CPU buffers: no mmap churn (host_allocator)
             steady_host_allocator()
         tx = make_optimizer(optim)
-        self.stages: dict[StageKey, PipelineStage] = {}
+        self._stages: dict[StageKey, PipelineStage] = {}
         for k in self.local_keys:
             spec = plan.stage(*k)
             devs = [devices[i] for i in plan.stage_devices(*k)]
-            self.stages[k] = PipelineStage(
+            self._stages[k] = PipelineStage(
                 model_config, spec.first_layer, spec.last_layer, devs, spec.dp, spec.tp, seed=seed,
                 recompute=plan.recompute == "full", optimizer=tx, clip_norm=optim.grad_clip_norm,
                 debug_nan=debug_nan)
@@ -196,6 +196,12 @@ class PipelineRuntime:
         # (`buckets.BucketedReduction`, ``arrive``); False: it spins from the start (`spin_s`)
         self.bucket_arrival_sleeps = True
         self.last_exchange_s = 0.0  # ZeRO-1: seconds of the last step's parameter exchange (`_apply_updates`)
+        # ZeRO-1 between processes: True runs the parameter gather after the update on a background
+        # thread; the step returns without waiting for it and the next step's first action (or any
+        # read of the parameters: `wait_params`) waits for it. False (default): the step waits.
+        self.overlap_param_gather = False
+        self.last_exchange_wait_s = 0.0  # seconds the last `wait_params` waited for a background gather
+        self._gather_pool, self._pending_gather = None, None
         self.last_bucket_stats: dict | None = None  # `BucketedReduction.stats` of the last step, + exposed_s
         self._chunks: dict[StageKey, tuple[tuple[int, int], bk.StageChunks]] = {}
         self._bucket_pool, self._pending_buckets, self._bucket_clock = None, None, None
@@ -384,7 +390,7 @@ class PipelineRuntime:
     def _place_received(self, k: StageKey, x: Any) -> Any:
         """A received activation or gradient on stage `k`'s activation sharding (a multi-process
         stage: `x` holds this process's rows only)."""
-        st = self.stages[k]
+        st = self._stages[k]
         if not st.multiprocess:
             return jax.device_put(x, st.act_sharding)
         lo, _ = self.rows[k][self.rank]
@@ -394,12 +400,12 @@ class PipelineRuntime:
     def _warm_up_collectives(self) -> None:
         """Every rank: a barrier, then the gloo communicators of each local stage mesh that spans
         processes (``multiprocess.warm_up_collectives``), so none is first made inside a step."""
-        spanning = [k for k in self.local_keys if mp.spans_processes(list(self.stages[k].mesh.devices.flat))]
+        spanning = [k for k in self.local_keys if mp.spans_processes(list(self._stages[k].mesh.devices.flat))]
         if not any(len(o) > 1 for o in self.owners.values()):
             return  # no island of several processes in this plan: nothing to warm up, no barrier
         self.comm.barrier(timeout=self.timeout_s)
         for k in spanning:
-            mp.warm_up_collectives(self.stages[k].mesh)
+            mp.warm_up_collectives(self._stages[k].mesh)
 
     def _make_group_comms(self) -> None:
         """One sub-communicator per set of ranks that share parameters (created on every rank)."""
@@ -438,7 +444,7 @@ class PipelineRuntime:
         done = self._join_buckets()  # names already all-reduced during the backward (buckets)
         if not self.shared:
             return acc
-        flats = {k: self.stages[k].flat(acc[k]) for k in self.local_keys}
+        flats = {k: self._stages[k].flat(acc[k]) for k in self.local_keys}
         by_group: dict[tuple[int, ...], list[str]] = {}
         for name, hs in self.shared.items():
             if name not in done:
@@ -475,7 +481,7 @@ class PipelineRuntime:
                         new[k][name] = total
         out = {}
         for k in self.local_keys:
-            st = self.stages[k]
+            st = self._stages[k]
             tree = st.unflat(new[k], like=acc[k])
             if st.multiprocess:  # the same host sum on every process: each device takes its slice
                 out[k] = jax.tree.map(lambda v, like, s: mp.place_global(np.asarray(v, like.dtype), s),
@@ -499,26 +505,28 @@ class PipelineRuntime:
 
     def owned_names(self, key: StageKey) -> frozenset[str]:
         """Parameter names stage ``key`` updates: all of its parameters unless the update is sharded
-        (ZeRO-1), then those its replica owns."""
-        names = self.stages[key].flat(self.stages[key]._abstract_params)
+        (ZeRO-1), then those its replica owns and of which it is the replica's first holder
+        (`norm_owner`; a second holder in the owning replica, a tied LM head on another stage, gets
+        the updated tensor from that first holder like the other replicas do)."""
+        names = self._stages[key].flat(self._stages[key]._abstract_params)
         if not self.zero1:
             return frozenset(names)
-        return frozenset(n for n in names if self.owner_of[n] == key[0])
+        return frozenset(n for n in names if self.norm_owner[n] == key)
 
     def _update_fn(self, key: StageKey):
         """Stage ``key``'s jitted update (`PipelineStage.update`, or `owned_update` under ZeRO-1)."""
-        st = self.stages[key]
+        st = self._stages[key]
         return st.owned_update(self.owned_names(key)) if self.zero1 else st.update
 
-    def _one_stage_replicas(self) -> bool:
-        """Every replica is one stage on one process (each group rank is then one replica)."""
-        return (all(self.plan.num_stages(r) == 1 for r in range(self.plan.num_replicas))
-                and all(len(o) == 1 for o in self.owners.values()))
+    def _single_process_stages(self) -> bool:
+        """Every stage runs on one process (the plan's islands are one process each)."""
+        return all(len(o) == 1 for o in self.owners.values())
 
     def _reduce_to_owners(self) -> bool:
-        """True when the shared gradients are summed at their owners only (ZeRO-1 over processes,
-        replicas of one stage on one process each; not while `gradients` asks for every sum)."""
-        return self.zero1 and self.comm is not None and not self._full_reduce and self._one_stage_replicas()
+        """True when the shared gradients are summed at their owners only (ZeRO-1 over processes:
+        each tensor's sum goes to the process of its `norm_owner` stage, whatever the replicas' stage
+        splits; every stage on one process; not while `gradients` asks for every sum)."""
+        return self.zero1 and self.comm is not None and not self._full_reduce and self._single_process_stages()
 
     def _group_owner(self, group: tuple[int, ...]):
         """name -> the group rank (position in ``group``, sorted world ranks) of the process holding
@@ -530,7 +538,7 @@ class PipelineRuntime:
         slowdown applies to the update too); then, under ZeRO-1, the owners' parameters go to the other
         replicas (`_exchange_params`)."""
         for k in self.local_keys:
-            st, t_update = self.stages[k], time.perf_counter()
+            st, t_update = self._stages[k], time.perf_counter()
             st.params, st.opt_state = self._update_fn(k)(st.params, st.opt_state, acc[k], inv, gnorm)
             if self.plan.island(self.plan.stage(*k).island).slowdown > 1:
                 self._emulate(k, st.params, t_update)  # the update runs on the slow island too
@@ -539,13 +547,60 @@ class PipelineRuntime:
             self._exchange_params()
             self.last_exchange_s = time.perf_counter() - t0
 
+    @property
+    def stages(self) -> dict[StageKey, PipelineStage]:
+        """This rank's pipeline stages by (replica, stage) key, their parameters current (waits for
+        a parameter gather still running in the background: `wait_params`)."""
+        self.wait_params()
+        return self._stages
+
+    def _gather_in_background(self) -> bool:
+        """True when the ZeRO-1 parameter gather runs on a background thread (`overlap_param_gather`,
+        between processes, and this rank exchanges with another process)."""
+        return (self.zero1 and self.overlap_param_gather and self.comm is not None
+                and any(self.rank in g and len(g) > 1 for g in self._group_comms))
+
     def _exchange_params(self) -> None:
-        """ZeRO-1: every stage gets the parameters its replica does not own from the owners."""
-        local = {k: self.stages[k].flat() for k in self.local_keys}
-        got = self._from_owners(local, lambda x: x)
+        """ZeRO-1: every stage gets the parameters it does not update itself from their owning stages
+        (`_from_owners`): at once, or, with `_gather_in_background`, started on a background thread
+        and placed by `wait_params` (the next step's first action, or any read of the parameters)."""
+        local = {k: self._stages[k].flat() for k in self.local_keys}
+        if not self._gather_in_background():
+            self._place_params(local, self._from_owners(local, lambda x: x))
+            return
+        if self._gather_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._gather_pool = ThreadPoolExecutor(1, thread_name_prefix="param-gather")
+
+        def gather():  # host copies of the owned tensors, the bridge; no device placement here
+            t0 = time.perf_counter()
+            return self._from_owners(local, lambda x: x), time.perf_counter() - t0
+        self._pending_gather = (self._gather_pool.submit(gather), local)
+
+    def wait_params(self) -> None:
+        """Waits for a ZeRO-1 parameter gather running in the background (`overlap_param_gather`) and
+        places the received tensors on the stages; sets `last_exchange_s` (the gather's seconds on its
+        thread) and `last_exchange_wait_s` (seconds waited here). No-op when none is pending.
+
+        Raises:
+          TimeoutError: naming the peers, if a peer's tensors did not arrive in `timeout_s`; the
+            communicator's other errors.
+        """
+        pending, self._pending_gather = self._pending_gather, None
+        if pending is None:
+            return
+        future, local = pending
+        t0 = time.perf_counter()
+        got, self.last_exchange_s = future.result()
+        self.last_exchange_wait_s = time.perf_counter() - t0
+        self._place_params(local, got)
+
+    def _place_params(self, local: dict[StageKey, dict[str, Any]], got: dict[StageKey, dict[str, Any]]) -> None:
+        """Each local stage's parameters: ``local`` (flat name -> array) with ``got``'s received
+        tensors placed on the stage's shardings."""
         for k, vals in got.items():
             if vals:
-                st = self.stages[k]
+                st = self._stages[k]
                 flat, shardings = dict(local[k]), st.flat(st.param_shardings)
                 flat.update({n: jax.device_put(v, shardings[n]) for n, v in vals.items()})
                 st.params = st.unflat(flat)
@@ -555,18 +610,19 @@ class PipelineRuntime:
         calls it). Under ZeRO-1 a stage keeps current only the Adam moments of the parameters its
         replica owns; this copies the others from their owners (before a checkpoint is written, and
         before the owners change). No-op when the update is replicated."""
+        self.wait_params()
         if not self.zero1:
             return
         local, index = {}, {}
         for k in self.local_keys:
-            st = self.stages[k]
+            st = self._stages[k]
             leaves = jax.tree.leaves(st.opt_state)
             index[k] = {f"{slot}|{name}": i for i, (slot, name) in
                         ((i, e) for i, e in enumerate(st.opt_state_names()) if e is not None)}
             local[k] = {x: leaves[i] for x, i in index[k].items()}
         got = self._from_owners(local, lambda x: x.split("|", 1)[1])
         for k, vals in got.items():
-            st = self.stages[k]
+            st = self._stages[k]
             leaves, treedef = jax.tree.flatten(st.opt_state)
             for x, v in vals.items():
                 i = index[k][x]
@@ -575,13 +631,16 @@ class PipelineRuntime:
             st.opt_state = jax.tree.unflatten(treedef, leaves)
 
     def _from_owners(self, local: dict[StageKey, dict[str, Any]], name_of) -> dict[StageKey, dict[str, Any]]:
-        """For each local stage, key -> the owning replica's value of every key of ``local[stage]``
-        whose parameter (``name_of(key)``) its replica does not own. ``local``: per local stage, key
-        -> array (the same keys on every holder of a parameter). The value comes from the parameter's
-        `norm_owner` stage: in one process directly (through the host between islands, as over the
-        bridge); between processes by `zero.gather_from_owners` (replicas of one stage on one process)
-        or else a sum over the holders' group in which only that stage's process contributes."""
-        need = {k: sorted(x for x in d if self.owner_of[name_of(x)] != k[0]) for k, d in local.items()}
+        """For each local stage, key -> the owning stage's value of every key of ``local[stage]``
+        whose parameter (``name_of(key)``) the stage does not update itself (its `norm_owner` is
+        another stage). ``local``: per local stage, key -> array (the same keys on every holder of a
+        parameter). The value comes from the parameter's `norm_owner` stage: in one process directly
+        (through the host between islands, as over the bridge); between processes by
+        `zero.gather_from_owners` over the holders' group (any stage splits of the replicas: each
+        process sends what its stages own to the group's other processes), or, were a stage spread
+        over several processes, a sum over the group in which only the owner's first process
+        contributes."""
+        need = {k: sorted(x for x in d if self.norm_owner[name_of(x)] != k) for k, d in local.items()}
         src = lambda x: self.norm_owner[name_of(x)]
         out: dict[StageKey, dict[str, Any]] = {k: {} for k in local}
         pending: dict[tuple[int, ...], set[str]] = {}
@@ -607,7 +666,7 @@ class PipelineRuntime:
                 continue
             sub = self._group_comms[group]
             with self._naming_peers(group):
-                if self._one_stage_replicas():
+                if self._single_process_stages():  # point to point from the owner's process
                     owner = lambda x, g=group: g.index(self.owner[src(x)])
                     mine = {x: mp.host_copy(v) for x, v in held.items() if owner(x) == sub.rank}
                     vals = zero.gather_from_owners(sub, mine, held, owner)
@@ -686,7 +745,7 @@ class PipelineRuntime:
         caps = (int(self.grad_bucket_bytes), int(self.first_grad_bucket_bytes))
         for k in self.local_keys:
             if self._chunks.get(k, (None,))[0] != caps:
-                self._chunks[k] = (caps, bk.StageChunks(self.stages[k], *caps))
+                self._chunks[k] = (caps, bk.StageChunks(self._stages[k], *caps))
         if self._bucket_pool is None:
             from concurrent.futures import ThreadPoolExecutor
             self._bucket_pool = ThreadPoolExecutor(1, thread_name_prefix="grad-allreduce")
@@ -730,7 +789,7 @@ class PipelineRuntime:
         inv = jnp.float32(1.0 / num_tokens)
         sq = 0.0
         for k in self.local_keys:
-            st = self.stages[k]
+            st = self._stages[k]
             counted = {n: v for n, v in st.flat(acc[k]).items() if self.norm_owner[n] == k}
             if counted:
                 v = st.sq_norm(counted, inv)  # run by every process of the stage (SPMD)
@@ -773,7 +832,7 @@ class PipelineRuntime:
                               time.perf_counter() - t0, records, bubble_from_terms([bubble_terms(records, t0)]))
         acc, loss, num_tokens, norm, records, bubble = self._forward_backward(batch, t0)
         self._apply_updates(acc, jnp.float32(1.0 / num_tokens), jnp.float32(norm))
-        jax.block_until_ready([self.stages[k].params for k in self.local_keys])
+        jax.block_until_ready([self._stages[k].params for k in self.local_keys])
         self.step += 1
         return StepResult(loss, int(num_tokens), norm, time.perf_counter() - t0, records, bubble)
 
@@ -787,7 +846,7 @@ class PipelineRuntime:
             self._full_reduce = False
         out = {}
         for k in self.local_keys:
-            for n, v in self.stages[k].flat(acc[k]).items():
+            for n, v in self._stages[k].flat(acc[k]).items():
                 out[n] = mp.host_copy(v).astype(np.float32) / np.float32(num_tokens)
         return loss, out
 
@@ -838,7 +897,7 @@ class PipelineRuntime:
                     busy[rec.replica, rec.stage] += rec.end_s - rec.start_s
         inv, gnorm = jnp.float32(1.0 / num_tokens), jnp.float32(norm)
         for k in self.local_keys:
-            st = self.stages[k]
+            st = self._stages[k]
             for _ in range(2):  # the first run compiles
                 p, o = jax.tree.map(jnp.copy, (st.params, st.opt_state))
                 t0 = time.perf_counter()
@@ -867,6 +926,7 @@ class PipelineRuntime:
         check_shares(shares, gbs, mbs)
         from hethub_jax.parallel.schedule import get_schedule
 
+        self.wait_params()
         if self.zero1 and self.step > 0:
             self.sync_optimizer_state()  # the owners change: every moment must be current first
         self.shares = list(shares)
@@ -887,25 +947,28 @@ class PipelineRuntime:
 
     def params(self) -> dict[str, np.ndarray]:
         """Flat global names -> host arrays of this rank's stages' parameters."""
+        self.wait_params()
         out = {}
         for k in self.local_keys:
-            out.update({n: mp.host_copy(v) for n, v in self.stages[k].flat().items()})
+            out.update({n: mp.host_copy(v) for n, v in self._stages[k].flat().items()})
         return out
 
     def stage_params(self, key: StageKey) -> dict[str, np.ndarray]:
-        return {n: mp.host_copy(v) for n, v in self.stages[key].flat().items()}
+        self.wait_params()
+        return {n: mp.host_copy(v) for n, v in self._stages[key].flat().items()}
 
     def checkpoint_state(self) -> dict[str, Any]:
         """{"r{replica}s{stage}": {"params": ..., "opt_state": ...}} for this rank's stages, every
         optimizer-state leaf current (under ZeRO-1 a collective: `sync_optimizer_state`)."""
         self.sync_optimizer_state()
-        return {f"r{r}s{s}": {"params": self.stages[(r, s)].params, "opt_state": self.stages[(r, s)].opt_state}
+        return {f"r{r}s{s}": {"params": self._stages[(r, s)].params, "opt_state": self._stages[(r, s)].opt_state}
                 for r, s in self.local_keys}
 
     def restore_checkpoint_state(self, state: dict[str, Any]) -> None:
         """Inverse of `checkpoint_state`; arrays are placed onto each stage's shardings."""
+        self.wait_params()  # a gather still running would overwrite the restored tensors
         for r, s in self.local_keys:
-            st, item = self.stages[(r, s)], state[f"r{r}s{s}"]
+            st, item = self._stages[(r, s)], state[f"r{r}s{s}"]
             st.params = jax.device_put(item["params"], st.param_shardings)
             st.opt_state = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding),
                                         item["opt_state"], st.opt_state)
@@ -957,7 +1020,7 @@ class _StepExecutor:
         self.num_b = {k: sum(a.kind == ActionKind.B for a in self.lists[k]) for k in keys}
         self.n_acc = {k: 0 for k in keys}
         # no accumulator for a one-microbatch step whose update is fused (its gradients never leave the jit)
-        self.acc = {k: (None if self.fuse_update and self.num_b[k] == 1 else rt.stages[k].new_grad_buffer())
+        self.acc = {k: (None if self.fuse_update and self.num_b[k] == 1 else rt._stages[k].new_grad_buffer())
                     for k in keys} if train else {}
         self.norms: dict[StageKey, Any] = {}
         self.loss_sums: dict[StageKey, list] = {k: [] for k in keys}
@@ -967,7 +1030,10 @@ class _StepExecutor:
         self.buckets = rt._step_buckets(batch) if train else None
 
     def run(self) -> tuple[dict, dict, list[ActionRecord]]:
-        """Executes every action; returns what `PipelineRuntime._run` documents."""
+        """Executes every action; returns what `PipelineRuntime._run` documents. First waits for a
+        ZeRO-1 parameter gather of the previous step still running in the background (the receives
+        are already posted)."""
+        self.rt.wait_params()
         deadline = None
         while any(self.ptr[k] < len(self.lists[k]) for k in self.rt.local_keys):
             if self._advance():
@@ -1053,7 +1119,7 @@ class _StepExecutor:
     def _inputs(self, k: StageKey, mb: int) -> StageInputs:
         """Microbatch `mb`'s inputs of stage `k`, placed on the stage's mesh: token ids (first stage)
         or the received activation, positions, and targets and loss mask on the last stage."""
-        st, data = self.rt.stages[k], self.rt._microbatch(self.batch, k, mb)
+        st, data = self.rt._stages[k], self.rt._microbatch(self.batch, k, mb)
         tokens = data["tokens"]
         x = st.place_tokens(tokens) if st.is_first else self.outbox.pop(("in", k, mb))
         pos = st.place_tokens(np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape))
@@ -1065,7 +1131,7 @@ class _StepExecutor:
     def _forward(self, k: StageKey, mb: int, nxt: Action | None) -> Any:
         """F: the stage's forward on microbatch `mb` (with the backward when it comes next on the last
         stage, see `PipelineRuntime.fuse_last_stage`). Returns what to wait for."""
-        st, inputs = self.rt.stages[k], self._inputs(k, mb)
+        st, inputs = self.rt._stages[k], self._inputs(k, mb)
         bucketed = (self.buckets is not None and nxt is not None and nxt.kind == ActionKind.B
                     and nxt.microbatch == mb and self.n_acc[k] == self.num_b[k] - 1)
         if not self.train:
@@ -1104,7 +1170,7 @@ class _StepExecutor:
     def _forward_backward(self, k: StageKey, mb: int, inputs: StageInputs) -> Any:
         """Last stage: forward and backward in one jit; the last one applies the update too when the
         step fuses it. The backward's result waits in `fused` for the B action. Returns the loss."""
-        st, first = self.rt.stages[k], np.bool_(self.n_acc[k] == 0)
+        st, first = self.rt._stages[k], np.bool_(self.n_acc[k] == 0)
         if self.fuse_update and self.n_acc[k] == self.num_b[k] - 1:  # the last backward, and the update
             out, self.norms[k], st.params, st.opt_state = st.forward_backward_update(
                 st.params, st.opt_state, inputs, self.acc[k], first, jnp.float32(self.inv_tokens))
@@ -1118,7 +1184,7 @@ class _StepExecutor:
     def _backward(self, k: StageKey, mb: int) -> Any:
         """B: accumulates microbatch `mb`'s parameter gradients and, past the first stage, puts the
         input's gradient in the outbox. Returns what to wait for."""
-        st = self.rt.stages[k]
+        st = self.rt._stages[k]
         g = jnp.ones((), jnp.float32) if st.is_last else self.outbox.pop(("gout", k, mb))
         first = np.bool_(self.n_acc[k] == 0)
         if (k, mb) in self.fused:  # computed with the forward

@@ -651,7 +651,9 @@ def _owned_fractions(cfg: Any, plan: Any) -> Dict[Tuple[int, int], float]:
     """Under the sharded update (``plan.sharded_update()``, ZeRO-1): per stage (replica, stage), the
     fraction of its parameters that its replica owns and so updates: the runtime's owners,
     :func:`hethub_jax.parallel.plan.zero1_owners` of :func:`analytic.param_tensors` over the plan's batch
-    shares. Empty when the update is replicated (every stage updates everything)."""
+    shares, counting a tensor at its owning replica's first holder only (the runtime's ``norm_owner``:
+    a tied embedding on a replica's last stage receives the updated tensor from its first stage).
+    Empty when the update is replicated (every stage updates everything)."""
     if not plan.sharded_update():
         return {}
     from hethub_jax.parallel.plan import zero1_owners
@@ -668,7 +670,8 @@ def _owned_fractions(cfg: Any, plan: Any) -> Dict[Tuple[int, int], float]:
         for s, st in enumerate(rep.stages):
             names = analytic.stage_tensor_names(cfg, st.first_layer, st.last_layer, st.is_first, st.is_last)
             total = sum(sizes[n] for n in names)
-            out[(r, s)] = sum(sizes[n] for n in names if owners[n] == r) / total if total else 1.0
+            first = lambda n: n != "embed_tokens" or st.is_first  # noqa: E731 - tied: the first stage updates it
+            out[(r, s)] = sum(sizes[n] for n in names if owners[n] == r and first(n)) / total if total else 1.0
     return out
 
 

@@ -7,7 +7,9 @@ gradients of its stages and their parameters after 3 steps (float32, relative 1e
 Cases: split3 (11 layers [5,4,2] with 1F1B, then [7,3,1] with GPipe, on 3 ranks), tied2 (tied embeddings, first and last stage on 2
 ranks), hdp2 (2 data-parallel replicas, throughputs 3:1 -> shares 8:2, padded sequences; the update sharded,
 ZeRO-1), hdp2_buckets (the same, bucketed), hdp2_replicated (the same, the update replicated), hybrid4
-(2 replicas x 2 pipeline stages on 4 ranks; ZeRO-1).
+(2 replicas x 2 pipeline stages on 4 ranks; ZeRO-1), splits2 (2 replicas of two stages split differently,
+layers 0-5 / 6-10 on rank 0 and 0-3 / 4-10 on rank 1, throughputs 3:1; ZeRO-1 reducing to the owners, the
+parameter gather in the background: `overlap_param_gather`).
 """
 import hashlib
 import os
@@ -62,6 +64,13 @@ elif case in ("hdp2", "hdp2_buckets", "hdp2_replicated"):  # hdp2_buckets: the a
     # the update is sharded over the replicas (ZeRO-1, optimizer_sharding "auto") but in hdp2_replicated
     plan = plan.replace(optimizer_sharding="replicated") if case == "hdp2_replicated" else plan
     assert plan.sharded_update() == (case != "hdp2_replicated")
+elif case == "splits2":
+    plan = Plan.from_dict({
+        "islands": [{"name": f"i{j}", "platform": "cpu", "devices_per_process": 2} for j in range(2)],
+        "replicas": [{"stages": [{"island": i, "first_layer": a, "last_layer": b} for a, b in split], "throughput": t}
+                     for i, split, t in (("i0", [(0, 5), (6, 10)], 3.0), ("i1", [(0, 3), (4, 10)], 1.0))],
+        "global_batch_size": 10, "microbatch_size": 1, "schedule": "1f1b", "recompute": "none"})
+    assert plan.batch_shares() == [8, 2] and plan.sharded_update(), plan.batch_shares()
 elif case == "hybrid4":
     plan = replicas_plan(4, 2, [1.0, 1.0], gbs=8)
 else:
@@ -79,6 +88,9 @@ def check(plan):
                          debug_nan=case in ("split3", "hdp2_buckets"))
     if case == "hdp2_buckets":
         rt.grad_bucket_bytes, rt.first_grad_bucket_bytes = 20_000, 1
+    if case == "splits2":
+        assert rt._reduce_to_owners()
+        rt.overlap_param_gather = True
     loss0, grads = rt.gradients(data[0])
     assert_rel(loss0, ref["loss0"], "loss of batch 0")
     for name, g in grads.items():
