@@ -115,3 +115,21 @@ def test_fit_update_cold_is_the_paired_extra_per_parameter():
     assert got["per_param_s"] == pytest.approx((1e-3 + 3e-3) / 4000) and got["samples"] == 2
     assert fit_update_cold([{"params": 10, "seconds": 1e-3, "warm_seconds": 2e-3}])["per_param_s"] == 0.0
     assert fit_update_cold([]) is None
+
+
+def test_zero1_gather_host_side_is_one_copy_per_tensor_per_island():
+    """ZeRO-1 over two islands of one-stage replicas: every tensor is held on both islands, so each
+    island copies each tensor across the host once (out when its replica owns it, in when not): 8 x 9
+    layer tensors + the embedding + the final norm, each ``c0 + c1 x bytes``, float32."""
+    from hethub_jax.planner.predictor import _stage_ctx, _zero1_gather_host_s
+    prof = tail_profile()
+    prof["fits"]["host_copy"] = {"c0": 3e-5, "c1": 2e-11}
+    costs = DeviceCosts.from_profile(prof)
+    plan = Plan.from_dict({"islands": [{"name": "a", "platform": "cpu"}, {"name": "b", "platform": "cpu"}],
+                           "replicas": [{"stages": [{"island": i, "first_layer": 0, "last_layer": 7}]}
+                                        for i in "ab"],
+                           "global_batch_size": 4, "microbatch_size": 1, "optimizer_sharding": "zero1"})
+    ctxs = {(r, 0): _stage_ctx(Tied, plan, r, 0, {"a": costs, "b": costs}, 8) for r in range(2)}
+    got = _zero1_gather_host_s(Tied, plan, ctxs)
+    tensors, nbytes = 8 * 9 + 2, 4 * (8 * LAYER + EMBED + D)
+    assert got["a"] == pytest.approx(tensors * 3e-5 + 2e-11 * nbytes) and got["b"] == pytest.approx(got["a"])

@@ -641,8 +641,36 @@ def _reduction_parts(cfg: Any, plan: Any, ctxs, bridge: LinkModel) -> Tuple[Dict
     for k, ctx in ctxs.items():  # each stage's sq_norm of the gradients it counts (runtime `norm_owner`)
         norm[ctx.spec.island] = norm.get(ctx.spec.island, 0.0) + ctx.costs.norm_time_s(
             ctx.n_params * counted[k], pb, ctx.spec.dp)
-    return ({i: per_island.get(i, 0.0) + norm.get(i, 0.0) for i in norm},
+    gather = _zero1_gather_host_s(cfg, plan, ctxs) if own else {}
+    return ({i: per_island.get(i, 0.0) + norm.get(i, 0.0) + gather.get(i, 0.0) for i in norm},
             cross + (bridge.alpha_s if len(plan.islands) > 1 else 0.0))
+
+
+def _zero1_gather_host_s(cfg: Any, plan: Any, ctxs) -> Dict[str, float]:
+    """Per island, seconds of the host side of ZeRO-1's parameter gather (runtime ``_exchange_params`` /
+    ``_from_owners``) for the tensors whose holders are on several islands: each stage copies every
+    such tensor its replica owns to the host once (``multiprocess.host_copy``) and places every such
+    tensor it does not own, received from the owner, on its devices (``jax.device_put``): one
+    ``DeviceCosts.host_copy_s`` per tensor, of the tensor's parameter bytes per device. The bridge
+    transfer itself is :func:`_zero1_exchange_s`."""
+    from hethub_jax.parallel.plan import zero1_owners
+    sizes = analytic.param_tensors(cfg)
+    owners = zero1_owners(sizes, tuple(plan.batch_shares()))
+    pb = analytic.dtype_bytes(cfg.param_dtype)
+    names = {k: analytic.stage_tensor_names(cfg, c.spec.first_layer, c.spec.last_layer, c.spec.is_first,
+                                            c.spec.is_last) for k, c in ctxs.items()}
+    islands_of: Dict[str, set] = {}
+    for k, ns in names.items():
+        for n in ns:
+            islands_of.setdefault(n, set()).add(ctxs[k].spec.island)
+    out: Dict[str, float] = {}
+    for k, ns in names.items():
+        c = ctxs[k]
+        total = sum(sizes[n] for n in ns)
+        per_device = c.n_params / total if total else 0.0  # TP: a device holds its share of each tensor
+        t = sum(c.costs.host_copy_s(sizes[n] * per_device * pb) for n in ns if len(islands_of[n]) > 1)
+        out[c.spec.island] = out.get(c.spec.island, 0.0) + t
+    return out
 
 
 _OWNED_CACHE: Dict[tuple, Dict[str, int]] = {}
