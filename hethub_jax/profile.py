@@ -19,6 +19,10 @@ What is measured, with the runtime's own code paths (``hethub_jax.parallel.stage
     the in-island all-reduce (``psum`` over the island's devices) and the runtime's sum of gradients
     held by several stages (tied embeddings, DP replicas; :func:`measure_shared_sum`):
     ``c0 + c1 x bytes``;
+  * the runtime's tail after the pipeline in the runtime's state (:func:`measure_shared_sum`: right
+    after a real step's pipeline): the gradient sums, each stage's part of the global norm
+    (``norm``: ``c0 + c1 x counted parameters``) and the update's extra per parameter over the same
+    call repeated at once (``update_cold``);
   * the bridge (``MPIHostBridge`` send/recv round trips, under mpiexec): ``c0 + c1 x bytes``;
   * with ``--dp``: the stages on ``(dp, 1)`` meshes; on CPU (``--corun``) the slowdown of stage calls
     while a second island of the process computes (:func:`measure_corun`); the runtime's own seconds
