@@ -19,6 +19,10 @@ What is measured, with the runtime's own code paths (``hethub_jax.parallel.stage
     the in-island all-reduce (``psum`` over the island's devices) and the runtime's sum of gradients
     held by several stages (tied embeddings, DP replicas; :func:`measure_shared_sum`):
     ``c0 + c1 x bytes``;
+  * the runtime's tail after the pipeline in the runtime's state (:func:`measure_shared_sum`: right
+    after a real step's pipeline): the gradient sums, each stage's part of the global norm
+    (``norm``: ``c0 + c1 x counted parameters``) and the update's extra per parameter over the same
+    call repeated at once (``update_cold``);
   * the bridge (``MPIHostBridge`` send/recv round trips, under mpiexec): ``c0 + c1 x bytes``;
   * with ``--dp``: the stages on ``(dp, 1)`` meshes; on CPU (``--corun``) the slowdown of stage calls
     while a second island of the process computes (:func:`measure_corun`); the runtime's own seconds
@@ -104,6 +108,24 @@ def fit_shared_sum(samples: List[dict]) -> Optional[Dict[str, float]]:
     coef = np.linalg.lstsq(a / scale, y, rcond=None)[0] / scale
     return {"c_bytes": float(max(coef[0], 0.0)), "c_tensor": float(max(coef[1], 0.0)),
             "rmse": float(np.sqrt(np.mean((a @ coef - y) ** 2)))}
+
+
+def fit_update_cold(in_step: List[dict]) -> Optional[Dict[str, Any]]:
+    """``{"per_param_s", "samples", "method"}``: the extra seconds per parameter of the optimizer update
+    as the runtime runs it (``update_in_step`` samples of :func:`measure_shared_sum`: right after the
+    step's pipeline and gradient sums) over the same call repeated at once (``warm_seconds``, back to
+    back as the ``update`` fit is timed): ``sum(seconds - warm_seconds) / sum(params)``, at least 0 (the
+    update streams parameters, gradients and moments: what the pipeline evicted from the caches is
+    fetched again, per byte). None without samples."""
+    in_step = [s for s in in_step if s.get("params", 0) > 0 and "warm_seconds" in s]
+    if not in_step:
+        return None
+    extra = sum(s["seconds"] - s["warm_seconds"] for s in in_step)
+    return {"per_param_s": float(max(0.0, extra / sum(s["params"] for s in in_step))),
+            "samples": len(in_step),
+            "method": ("update seconds right after a step's pipeline and gradient sums (PipelineRuntime._run, "
+                       "_reduce_shared, sq_norm, then _update_fn) minus the same call repeated at once, per "
+                       "parameter (profile.measure_shared_sum)")}
 
 
 def fit_compute(cfg: Any, samples: List[dict], seq_len: int, dp: int = 1) -> Dict[str, Dict[str, Dict[str, dict]]]:
@@ -264,16 +286,35 @@ def measure_allreduce(devices: Sequence[Any], sizes: Sequence[int], repeats: int
     return out
 
 
-def measure_shared_sum(cfg: Any, devices: Sequence[Any], repeats: int) -> List[dict]:
-    """Seconds of the runtime's sum of gradients held by several stages (``PipelineRuntime.
-    _reduce_shared``: host copies, float32 sums, placement back) in one process, on two plans of this
-    island: two pipeline stages sharing the tied embedding (tied models only) and two data-parallel
-    replicas of the whole model (every parameter shared). Recorded with the float32 bytes and the
-    number of tensors summed over the holders (the cost has a per-tensor part: one copy each way and
-    one placement per tensor). Empty with fewer than 2 devices."""
+def measure_shared_sum(cfg: Any, devices: Sequence[Any], repeats: int, seq_len: int = 16) -> List[dict]:
+    """The runtime's tail after the pipeline (``PipelineRuntime.train_step`` after ``_run``), call by
+    call, in the state the runtime makes them: right after a step's pipeline (``PipelineRuntime._run``
+    of a real step, which leaves its data in the CPU caches), on the gradients that pipeline
+    accumulated, in the runtime's order. One process, one island, two plans: two pipeline stages
+    sharing the tied embedding (tied models only; the layers split in half) and two data-parallel
+    replicas of the whole model (every parameter shared). Per step (``repeats`` after one untimed
+    step; each figure the :data:`STATISTIC` over steps):
+
+    - ``{"kind": "shared_sum", "bytes", "tensors", "seconds"}``: ``_reduce_shared`` (host copies,
+      float32 sums, placement back), with the float32 bytes and the number of tensors summed over
+      the holders (the cost has a per-tensor part: one copy each way and one placement per tensor);
+    - ``{"kind": "norm", "stage", "params", "seconds"}``: each stage's ``sq_norm`` of the gradients it
+      counts in the global norm (``norm_owner``: a shared parameter's first holder) and the read of
+      its scalar (``multiprocess.scalar``), ``params`` the counted parameters (a stage counting none
+      runs no call and is not recorded);
+    - ``{"kind": "update_in_step", "stage", "params", "seconds", "warm_seconds"}``: each stage's
+      optimizer update (the runtime's ``_update_fn``, blocking; ``params``: the parameters it
+      updates, under ZeRO-1 its replica's owned ones), and ``warm_seconds``: the same call repeated at
+      once (back to back, as :func:`measure_update` times the update), in the same steps.
+
+    Empty with fewer than 2 devices."""
+    import math
+
     import jax
+    import jax.numpy as jnp
 
     from hethub_jax.optim import OptimConfig
+    from hethub_jax.parallel import multiprocess as mp
     from hethub_jax.parallel.plan import Plan
     from hethub_jax.parallel.runtime import PipelineRuntime
     if len(devices) < 2:
@@ -286,15 +327,65 @@ def measure_shared_sum(cfg: Any, devices: Sequence[Any], repeats: int) -> List[d
         plans.append({"islands": isl, "global_batch_size": 1, "microbatch_size": 1, "stages": [
             {"island": "p", "first_layer": 0, "last_layer": half - 1},
             {"island": "p", "first_layer": half, "last_layer": n - 1}]})
-    out = []
+    stat = lambda xs: float(np.min(xs) if STATISTIC["name"] == "min" else np.median(xs))
+    rng, out = np.random.default_rng(0), []
     for d in plans:
-        rt = PipelineRuntime(Plan.from_dict(d), cfg, OptimConfig(), devices=list(devices[:2]))
-        acc = {k: rt.stages[k].new_grad_buffer() for k in rt.local_keys}
-        flats = {k: rt.stages[k].flat(acc[k]) for k in rt.local_keys}
+        plan = Plan.from_dict(d)
+        rt = PipelineRuntime(plan, cfg, OptimConfig(), devices=list(devices[:2]))
+        gbs = plan.global_batch_size
+        batch = {"tokens": rng.integers(0, cfg.vocab_size, (gbs, seq_len), dtype=np.int32),
+                 "targets": rng.integers(0, cfg.vocab_size, (gbs, seq_len), dtype=np.int32),
+                 "loss_mask": np.ones((gbs, seq_len), np.float32)}
+        inv = jnp.float32(1.0 / (gbs * seq_len))
+        flats = {k: rt.stages[k].flat(rt.stages[k].params) for k in rt.local_keys}
         nbytes = sum(4 * flats[k][name].size for name, hs in rt.shared.items() for k in hs)
         tensors = sum(len(hs) for hs in rt.shared.values())
-        sec = _median_time(lambda: jax.block_until_ready(rt._reduce_shared(acc)), repeats)
-        out.append({"kind": "shared_sum", "bytes": int(nbytes), "tensors": tensors, "seconds": sec})
+        times: Dict[tuple, List[float]] = {}
+        counted_params: Dict[Any, int] = {}
+        for i in range(repeats + 1):
+            acc, _, _ = rt._run(batch, train=True)  # the pipeline: the state the tail starts in
+            t0 = time.perf_counter()
+            acc = jax.block_until_ready(rt._reduce_shared(acc))
+            t = [("shared_sum", None, time.perf_counter() - t0)]
+            sq = 0.0
+            for k in rt.local_keys:
+                st = rt.stages[k]
+                counted = {m: v for m, v in st.flat(acc[k]).items() if rt.norm_owner[m] == k}
+                if counted:
+                    counted_params[k] = sum(int(v.size) for v in counted.values())
+                    t0 = time.perf_counter()
+                    sq += mp.scalar(st.sq_norm(counted, inv))
+                    t.append(("norm", k, time.perf_counter() - t0))
+            gnorm = jnp.float32(math.sqrt(sq))
+            for k in rt.local_keys:
+                st, t0 = rt.stages[k], time.perf_counter()
+                st.params, st.opt_state = rt._update_fn(k)(st.params, st.opt_state, acc[k], inv, gnorm)
+                jax.block_until_ready(st.params)
+                t.append(("update_in_step", k, time.perf_counter() - t0))
+            for k in rt.local_keys:  # the same call again at once (warm), paired with the one above
+                st, t0 = rt.stages[k], time.perf_counter()
+                st.params, st.opt_state = rt._update_fn(k)(st.params, st.opt_state, acc[k], inv, gnorm)
+                jax.block_until_ready(st.params)
+                t.append(("update_warm", k, time.perf_counter() - t0))
+            if i:
+                for kind, k, sec in t:
+                    times.setdefault((kind, k), []).append(sec)
+        for (kind, k), xs in times.items():
+            if kind == "shared_sum":
+                out.append({"kind": "shared_sum", "bytes": int(nbytes), "tensors": tensors, "seconds": stat(xs)})
+                continue
+            if kind == "update_warm":
+                continue
+            st = rt.stages[k]
+            row = {"kind": kind, "stage": f"r{k[0]}s{k[1]} layers {st.first_layer}-{st.last_layer}",
+                   "seconds": stat(xs)}
+            if kind == "norm":
+                row["params"] = counted_params[k]
+            else:  # the parameters the call updates (under ZeRO-1 the replica's owned ones) and the warm call
+                owned = rt.owned_names(k)
+                row["params"] = int(sum(v.size for m, v in st.flat().items() if m in owned))
+                row["warm_seconds"] = stat(times[("update_warm", k)])
+            out.append(row)
     return out
 
 
@@ -698,6 +789,9 @@ def build_profile(cfg: Any, args: Any, samples: List[dict], updates: List[dict],
                  "bridge_local": line([c for c in corun if c["kind"] == "bridge_local"], "bytes"),
                  "host_copy": line([c for c in copies if c["kind"] == "host_copy"], "bytes"),
                  "shared_sum": fit_shared_sum([c for c in copies if c["kind"] == "shared_sum"]),
+                 "norm": line([c for c in copies if c["kind"] == "norm"], "params"),  # no emulated wait (runtime)
+                 "update_cold": fit_update_cold([dict(c, seconds=c["seconds"] * f, warm_seconds=c["warm_seconds"] * f)
+                                                 for c in copies if c["kind"] == "update_in_step"]),
                  "allreduce": line(ar, "ring_bytes"),
                  "bridge": line(bridge or [], "bytes")},
         "bridge_note": "measured over MPIHostBridge" if bridge else "not measured (run under mpiexec -n 2)",
@@ -765,7 +859,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         corun += measure_local_bridge(sizes, args.repeats)
     copies = measure_host_copy(devices[0], sizes, args.repeats)
     allreduce = measure_allreduce(devices[:max(tps)], sizes, args.repeats)
-    copies += measure_shared_sum(cfg, devices, args.repeats)
+    copies += measure_shared_sum(cfg, devices, args.repeats, args.seq_len)
     prof = build_profile(cfg, args, samples, updates, copies, allreduce, bridge, platform_name, corun)
     prof["others_cpu_share"] = others_share(snap, cpu_snapshot())
     prof["host_allocator"] = {"allocator": alloc["allocator"], "note": alloc["reason"]}

@@ -491,6 +491,14 @@ def test_profiler_writes_dp_mesh_corun_runtime_and_local_bridge_fits(tmp_path):
     assert c.cold_extra == {
         pos: {s["phase"]: max(0.0, s["cold_cpu_s"] - s["warm_cpu_s"]) for s in cold if s["position"] == pos}
         for pos in ("first", "middle", "last")}
+    # the tail after the pipeline, measured in the runtime's state: the norm line and the update's extra
+    norms = [s for s in prof["samples"] if s["kind"] == "norm"]
+    ups = [s for s in prof["samples"] if s["kind"] == "update_in_step"]
+    assert len(norms) >= 3 and all(s["params"] > 0 and s["seconds"] > 0 for s in norms)
+    assert ups and all(s["params"] > 0 and s["seconds"] > 0 and s["warm_seconds"] > 0 for s in ups)
+    assert c.norm_fit is not None
+    from hethub_jax.profile import fit_update_cold
+    assert c.update_cold_per_param_s == pytest.approx(fit_update_cold(ups)["per_param_s"])
 
 
 def test_others_cpu_share_from_two_snapshots():

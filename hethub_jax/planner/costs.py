@@ -120,6 +120,14 @@ class DeviceCosts:
         evicted from the CPU caches); the compute fits time calls back to back, so the predictor
         adds it to a call that follows a different call (:meth:`cold_extra_s`). Empty (0 s) for the
         catalog and for profiles without the measurement.
+      norm_fit: MEASURED seconds of one stage's contribution to the global gradient norm as the runtime
+        computes it after the gradient sums (``PipelineStage.sq_norm`` of the gradients the stage
+        counts, and the read of its scalar): ``c0 + c1 x counted parameters`` (``fits.norm`` of a
+        profile, ``profile.measure_shared_sum``); None: :meth:`norm_time_s` derives it from the update.
+      update_cold_per_param_s: MEASURED extra seconds per parameter of the optimizer update as the
+        runtime runs it, right after the step's pipeline and gradient sums, over the update fit (timed
+        back to back): ``fits.update_cold.per_param_s`` of a profile (``profile.fit_update_cold``);
+        0 for the catalog and for profiles without the measurement.
     """
 
     name: str
@@ -143,6 +151,8 @@ class DeviceCosts:
     profile_path: Optional[str] = field(default=None, compare=False)
     local_bridge_link: Optional[LinkModel] = None
     cold_extra: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    norm_fit: Optional[_Linear] = None
+    update_cold_per_param_s: float = 0.0
 
     def cold_extra_s(self, is_first: bool, is_last: bool, phase: str) -> float:
         """The measured :attr:`cold_extra` seconds of a stage call (phase in :data:`PHASES`; a last
@@ -225,7 +235,8 @@ class DeviceCosts:
                    update_dp_fits={int(k): lin(v) for k, v in (fits_in.get("update_dp") or {}).items()},
                    action_overhead_s=max(0.0, float((fits_in.get("runtime") or {}).get("per_action_s", 0.0))),
                    local_bridge_link=_local_bridge(fits_in.get("bridge_local")),
-                   cold_extra=_cold(fits_in.get("cold")), profile_path=path)
+                   cold_extra=_cold(fits_in.get("cold")), profile_path=path, norm_fit=lin(fits_in.get("norm")),
+                   update_cold_per_param_s=max(0.0, float((fits_in.get("update_cold") or {}).get("per_param_s", 0.0))))
 
     # ---- DP meshes ---------------------------------------------------------------------------------
     def measured_dp_degrees(self, tp: int) -> Tuple[int, ...]:
@@ -335,21 +346,36 @@ class DeviceCosts:
 
     # ---- update and collectives ------------------------------------------------------------------
     def update_time_s(self, num_params_per_device: float, param_dtype_bytes: int = 4, dp: int = 1) -> float:
-        """Seconds of one AdamW update of ``num_params_per_device`` parameters on one device.
+        """Seconds of one AdamW update of ``num_params_per_device`` parameters on one device, as the
+        runtime runs it (after the step's pipeline and gradient sums).
 
         Catalog: memory-bound; reads parameter, gradient and two moments and writes parameter and
         two moments, 7 x ``param_dtype_bytes`` per parameter (optax.adamw keeps its moments in the
-        parameter dtype), at ``efficiency x memory_bandwidth``. Profile: fitted ``c0 + c1 x n``; for a
-        stage mesh with ``dp > 1`` the profiled mesh's update fit when there is one (on CPU every
-        replica's update runs on the same cores).
+        parameter dtype), at ``efficiency x memory_bandwidth``. Profile: fitted ``c0 + c1 x n`` (the
+        update timed back to back); for a stage mesh with ``dp > 1`` the profiled mesh's update fit
+        when there is one (on CPU every replica's update runs on the same cores); plus the measured
+        :attr:`update_cold_per_param_s` x n (what the update costs more right after a pipeline).
         """
         if self.source == "catalog":
             return 7.0 * param_dtype_bytes * num_params_per_device / (self.spec.memory_bandwidth * self.efficiency)
+        cold = self.update_cold_per_param_s * max(0.0, float(num_params_per_device))
         if dp > 1 and self.update_dp_fits.get(dp) is not None:
-            return self.update_dp_fits[dp](num_params_per_device)
+            return self.update_dp_fits[dp](num_params_per_device) + cold
         if self.update_fit is None:
             raise ValueError(f"profile {self.name!r} has no optimizer-update fit")
-        return self.update_fit(num_params_per_device)
+        return self.update_fit(num_params_per_device) + cold
+
+    def norm_time_s(self, counted_params: float, param_dtype_bytes: int = 4, dp: int = 1) -> float:
+        """Seconds of one stage's part of the global gradient norm (runtime ``_forward_backward``: the
+        jitted ``sq_norm`` of the ``counted_params`` gradient elements the stage counts, and the read
+        of its scalar); 0 for none. Profile with :attr:`norm_fit`: that measured line. Otherwise
+        derived: one read of the gradients against the update's seven accesses per parameter (see
+        :meth:`update_time_s`), ``update_time_s / 7``."""
+        if counted_params <= 0:
+            return 0.0
+        if self.source == "profile" and self.norm_fit is not None:
+            return self.norm_fit(counted_params)
+        return self.update_time_s(counted_params, param_dtype_bytes, dp) / 7
 
     def allreduce_time_s(self, nbytes: float, num_devices: int) -> float:
         """Seconds of an all-reduce of ``nbytes`` (per device) over ``num_devices`` devices of one island.

@@ -637,14 +637,68 @@ def _reduction_parts(cfg: Any, plan: Any, ctxs, bridge: LinkModel) -> Tuple[Dict
     first = {c.spec.island: c for c in ctxs.values()}
     per_island = {i: first[i].costs.shared_sum_s(b, t) for i, (b, t) in held.items()}
     norm = {}
-    for k, ctx in ctxs.items():  # under ZeRO-1 each stage reads its owned gradients only
-        norm[ctx.spec.island] = norm.get(ctx.spec.island, 0.0) + ctx.costs.update_time_s(
-            ctx.n_params * own.get(k, 1.0), pb, ctx.spec.dp) / 7
-    return ({i: per_island.get(i, 0.0) + norm.get(i, 0.0) for i in norm},
+    counted = _norm_fractions(cfg, plan)
+    for k, ctx in ctxs.items():  # each stage's sq_norm of the gradients it counts (runtime `norm_owner`)
+        norm[ctx.spec.island] = norm.get(ctx.spec.island, 0.0) + ctx.costs.norm_time_s(
+            ctx.n_params * counted[k], pb, ctx.spec.dp)
+    gather = _zero1_gather_host_s(cfg, plan, ctxs) if own else {}
+    return ({i: per_island.get(i, 0.0) + norm.get(i, 0.0) + gather.get(i, 0.0) for i in norm},
             cross + (bridge.alpha_s if len(plan.islands) > 1 else 0.0))
 
 
+def _zero1_gather_host_s(cfg: Any, plan: Any, ctxs) -> Dict[str, float]:
+    """Per island, seconds of the host side of ZeRO-1's parameter gather (runtime ``_exchange_params`` /
+    ``_from_owners``) for the tensors whose holders are on several islands: each stage copies every
+    such tensor its replica owns to the host once (``multiprocess.host_copy``) and places every such
+    tensor it does not own, received from the owner, on its devices (``jax.device_put``): one
+    ``DeviceCosts.host_copy_s`` per tensor, of the tensor's parameter bytes per device. The bridge
+    transfer itself is :func:`_zero1_exchange_s`."""
+    from hethub_jax.parallel.plan import zero1_owners
+    sizes = analytic.param_tensors(cfg)
+    owners = zero1_owners(sizes, tuple(plan.batch_shares()))
+    pb = analytic.dtype_bytes(cfg.param_dtype)
+    names = {k: analytic.stage_tensor_names(cfg, c.spec.first_layer, c.spec.last_layer, c.spec.is_first,
+                                            c.spec.is_last) for k, c in ctxs.items()}
+    islands_of: Dict[str, set] = {}
+    for k, ns in names.items():
+        for n in ns:
+            islands_of.setdefault(n, set()).add(ctxs[k].spec.island)
+    out: Dict[str, float] = {}
+    for k, ns in names.items():
+        c = ctxs[k]
+        total = sum(sizes[n] for n in ns)
+        per_device = c.n_params / total if total else 0.0  # TP: a device holds its share of each tensor
+        t = sum(c.costs.host_copy_s(sizes[n] * per_device * pb) for n in ns if len(islands_of[n]) > 1)
+        out[c.spec.island] = out.get(c.spec.island, 0.0) + t
+    return out
+
+
 _OWNED_CACHE: Dict[tuple, Dict[str, int]] = {}
+
+
+def _norm_fractions(cfg: Any, plan: Any) -> Dict[Tuple[int, int], float]:
+    """Per stage (replica, stage), the fraction of its parameters (by size, :func:`analytic.param_tensors`)
+    whose gradients it counts in the global norm, as the runtime's ``norm_owner`` picks the counting
+    holder of each parameter: its first holder in (replica, stage) order, or under the sharded update
+    (ZeRO-1) the first holder in the owning replica (:func:`hethub_jax.parallel.plan.zero1_owners`).
+    A tensor held by one stage only is counted there."""
+    sizes = analytic.param_tensors(cfg)
+    names = {(r, s): analytic.stage_tensor_names(cfg, st.first_layer, st.last_layer, st.is_first, st.is_last)
+             for r, rep in enumerate(plan.replicas) for s, st in enumerate(rep.stages)}
+    owners = None
+    if plan.sharded_update():
+        from hethub_jax.parallel.plan import zero1_owners
+        owners = zero1_owners(sizes, tuple(plan.batch_shares()))
+    counter: Dict[str, Tuple[int, int]] = {}
+    for k in sorted(names):
+        for n in names[k]:
+            if n not in counter and (owners is None or owners[n] == k[0]):
+                counter[n] = k
+    out = {}
+    for k, ns in names.items():
+        total = sum(sizes[n] for n in ns)
+        out[k] = sum(sizes[n] for n in ns if counter.get(n) == k) / total if total else 0.0
+    return out
 
 
 def _owned_fractions(cfg: Any, plan: Any) -> Dict[Tuple[int, int], float]:
