@@ -36,7 +36,9 @@
    entry at its stated efficiency instead of the profile.
    ``without_cold_mape`` (and per row ``without_cold_ape``): the same profile's prediction without its
    measured cold-call extras (``fits.cold``, the model before session 10), for a before/after in the
-   same run.
+   same run; ``without_action_costs_mape`` (``without_action_costs_ape``): without its measured SEND /
+   RECV / fused-B records, gaps and emulated-wait lateness (``fits.actions``, ``fits.emulated_wait``,
+   the model before session 11).
 
 The host allocator (``--host-allocator``, default ``steady``, ``hethub_jax.host_allocator``): glibc
 settings under which XLA:CPU's large buffers are not mmapped and unmapped on every call; the runtime
@@ -220,7 +222,9 @@ def run_profile(args) -> str:
 
 def predict_row(name: str, cfg, costs, base, bridge, args) -> tuple:
     """(plan, prediction with the profile, prediction with the catalog baseline, prediction with the
-    profile without its cold-call extras: the model before session 10) of configuration ``name``."""
+    profile without its cold-call extras: the model before session 10, prediction with the profile
+    without its measured action records and emulated-wait lateness (``fits.actions``,
+    ``fits.emulated_wait``: the model before session 11)) of configuration ``name``."""
     from dataclasses import replace
 
     from hethub_jax.parallel.plan import Plan
@@ -230,7 +234,9 @@ def predict_row(name: str, cfg, costs, base, bridge, args) -> tuple:
     pred_base = predict(cfg, plan, {i.name: base for i in plan.islands}, seq_len=args.seq, bridge=bridge)
     warm = replace(costs, cold_extra={})
     pred_warm = predict(cfg, plan, {i.name: warm for i in plan.islands}, seq_len=args.seq, bridge=bridge)
-    return plan, pred, pred_base, pred_warm
+    plain = replace(costs, action_costs={}, emulated_wait_fit=None)
+    pred_plain = predict(cfg, plan, {i.name: plain for i in plan.islands}, seq_len=args.seq, bridge=bridge)
+    return plan, pred, pred_base, pred_warm, pred_plain
 
 
 def measure_round(plan, cfg, args) -> dict:
@@ -246,7 +252,7 @@ def measure_round(plan, cfg, args) -> dict:
     return best
 
 
-def finish_row(name: str, pred, pred_base, rounds: list, args, pred_warm=None) -> dict:
+def finish_row(name: str, pred, pred_base, rounds: list, args, pred_warm=None, pred_plain=None) -> dict:
     """The configuration's row over its rounds (``rounds``: :func:`measure_round` dicts in round
     order): predicted, the rounds' figures and their spread (:func:`spread_summary`), the catalog
     baseline, and with ``--breakdown`` the breakdown of the median round's step. Prints its line."""
@@ -260,6 +266,9 @@ def finish_row(name: str, pred, pred_base, rounds: list, args, pred_warm=None) -
            # the same profile without its measured cold-call extras (the model before session 10)
            "without_cold_step_s": None if pred_warm is None else pred_warm.step_time_s,
            "without_cold_ape": None if pred_warm is None else abs(pred_warm.step_time_s - meas) / meas,
+           # the same profile without its measured action records and wait lateness (before session 11)
+           "without_action_costs_step_s": None if pred_plain is None else pred_plain.step_time_s,
+           "without_action_costs_ape": None if pred_plain is None else abs(pred_plain.step_time_s - meas) / meas,
            "rounds_steps_s": [r["steps_s"] for r in rounds],
            "rounds_trials_statistic_s": [r["trials_statistic_s"] for r in rounds],
            "faults_per_step": median([r["faults_per_step"] for r in rounds]),
@@ -270,6 +279,7 @@ def finish_row(name: str, pred, pred_base, rounds: list, args, pred_warm=None) -
           f"{meas:7.4f} / {sp['max_s']:7.4f} s (spread {sp['spread']:.2f}x)  APE {100 * sp['ape']:5.1f}%{outside}"
           f"  catalog {100 * row['baseline_ape']:5.1f}%"
           + ("" if pred_warm is None else f"  without cold calls {100 * row['without_cold_ape']:5.1f}%")
+          + ("" if pred_plain is None else f"  without action costs {100 * row['without_action_costs_ape']:5.1f}%")
           + f"  faults/step {row['faults_per_step']:.0f}"
           + ("" if row["others_cpu_share"] is None else f"  others {100 * row['others_cpu_share']:.0f}% CPU"),
           flush=True)
@@ -296,6 +306,9 @@ def summary(rows: list, names_by_round: list) -> dict:
             "baseline_catalog_mape": sum(r["baseline_ape"] for r in rows) / n,
             "without_cold_mape": (sum(r["without_cold_ape"] for r in rows) / n
                                   if all(r.get("without_cold_ape") is not None for r in rows) else None),
+            "without_action_costs_mape": (sum(r["without_action_costs_ape"] for r in rows) / n
+                                          if all(r.get("without_action_costs_ape") is not None for r in rows)
+                                          else None),
             "configurations": n, "goal_mape": 0.05, "rounds": len(names_by_round),
             "max_spread": spreads[-1], "median_spread": spreads[(n - 1) // 2],
             "within_spread": sum(bool(r["within_spread"]) for r in rows),
@@ -366,7 +379,7 @@ def main() -> None:
             measured[n].append(measure_round(preds[n][0], cfg, args))
         print(f"round {i + 1}/{len(orders)} done ({time.time() - t_start:.0f} s): "
               + ", ".join(f"{n} {measured[n][-1]['statistic_s']:.4f}" for n in order), flush=True)
-    rows = [finish_row(n, preds[n][1], preds[n][2], measured[n], args, preds[n][3]) for n in names]
+    rows = [finish_row(n, preds[n][1], preds[n][2], measured[n], args, preds[n][3], preds[n][4]) for n in names]
     figures = summary(rows, orders)
     figures.update(statistic=args.statistic, trials=args.trials, host_allocator=alloc["allocator"],
                    # CPU used by other processes during the whole run (profile included): ~0 on a quiet machine
@@ -385,6 +398,8 @@ def main() -> None:
           + f"; catalog baseline {100 * figures['baseline_catalog_mape']:.1f}%"
           + ("" if figures["without_cold_mape"] is None else
              f"; without the cold-call extras {100 * figures['without_cold_mape']:.1f}%")
+          + ("" if figures["without_action_costs_mape"] is None else
+             f"; without the action records and wait lateness {100 * figures['without_action_costs_mape']:.1f}%")
           + ("" if figures["others_cpu_share"] is None else
              f"; other processes used {100 * figures['others_cpu_share']:.0f}% of the CPUs during the run")
           + ("" if share_profile is None else f" ({100 * share_profile:.0f}% while profiling)")

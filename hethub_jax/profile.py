@@ -26,7 +26,8 @@ What is measured, with the runtime's own code paths (``hethub_jax.parallel.stage
   * the bridge (``MPIHostBridge`` send/recv round trips, under mpiexec): ``c0 + c1 x bytes``;
   * with ``--dp``: the stages on ``(dp, 1)`` meshes; on CPU (``--corun``) the slowdown of stage calls
     while a second island of the process computes (:func:`measure_corun`); the runtime's own seconds
-    per action (:func:`measure_runtime_overhead`).
+    per action (:func:`measure_runtime_overhead`), of its SEND, RECV and fused-B records and between
+    records (:func:`measure_action_costs`), and what its emulated wait takes (:func:`measure_emulated_wait`).
 Each figure is the median of ``--repeats`` timed calls after one untimed call (compilation).
 The process's host allocator is set as ``PipelineRuntime`` sets it for CPU islands
 (``hethub_jax.host_allocator``, recorded as ``host_allocator``), so that a call costs here what it
@@ -681,6 +682,103 @@ def fit_runtime_overhead(samples: List[dict]) -> Optional[Dict[str, Any]]:
             "plan": "one island, 2 stages, GPipe, 4 microbatches, one process"}
 
 
+def measure_action_costs(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int) -> List[dict]:
+    """Seconds of the runtime's pipeline actions that compute nothing, read from its own records
+    (``PipelineRuntime.train_step``): one island of this process on two devices, two stages (the
+    layers split in half), 1F1B, 4 one-sample microbatches of ``seq_len`` tokens, so that no action
+    waits on another process and the last stage's F+B run fused. Per step (after a compiling one):
+    the mean record seconds of its SENDs (the activation or gradient handed to the mailbox; a SEND to
+    another island copies to the host too, ``host_copy``), its RECVs (the message placed on the
+    stage's sharding), its fused Bs (the last stage's B record after its fused F+B: Python only) and
+    the seconds between records per action (step start to the last record's end, less every record's
+    seconds, over the actions). Returns one ``{"kind": "action_costs", "send_s", "recv_s",
+    "fused_b_s", "gap_s", "actions"}`` per timed step; empty with fewer than 2 devices."""
+    from hethub_jax.optim import OptimConfig
+    from hethub_jax.parallel.plan import Plan
+    from hethub_jax.parallel.runtime import PipelineRuntime
+    if len(devices) < 2:
+        return []
+    n, half = cfg.num_hidden_layers, cfg.num_hidden_layers // 2
+    plan = Plan.from_dict({"islands": [{"name": "p", "platform": devices[0].platform, "devices_per_process": 2}],
+                           "global_batch_size": 4, "microbatch_size": 1, "schedule": "1f1b", "stages": [
+                               {"island": "p", "first_layer": 0, "last_layer": half - 1},
+                               {"island": "p", "first_layer": half, "last_layer": n - 1}]})
+    rt = PipelineRuntime(plan, cfg, OptimConfig(), devices=list(devices[:2]))
+    rng = np.random.default_rng(0)
+    batch = {"tokens": rng.integers(0, cfg.vocab_size, (4, seq_len), dtype=np.int32),
+             "targets": rng.integers(0, cfg.vocab_size, (4, seq_len), dtype=np.int32),
+             "loss_mask": np.ones((4, seq_len), np.float32)}
+    out = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        recs = rt.train_step(batch).records
+        if not i:
+            continue
+        dur = lambda r: r.end_s - r.start_s  # noqa: E731
+        kinds: Dict[str, List[float]] = {"send": [], "recv": [], "fused_b": []}
+        last = {}  # per stage its previous record
+        for r in recs:
+            if r.action.startswith("SEND"):
+                kinds["send"].append(dur(r))
+            elif r.action.startswith("RECV"):
+                kinds["recv"].append(dur(r))
+            elif (r.action[:1] == "B" and r.stage == 1 and last.get(1) is not None
+                  and last[1].action == "F" + r.action[1:]):
+                kinds["fused_b"].append(dur(r))
+            last[r.stage] = r
+        gap = (max(r.end_s for r in recs) - t0 - sum(dur(r) for r in recs)) / len(recs)
+        out.append({"kind": "action_costs", "actions": len(recs), "gap_s": max(0.0, gap),
+                    **{f"{k}_s": float(np.mean(v)) if v else 0.0 for k, v in kinds.items()}})
+    return out
+
+
+def fit_action_costs(samples: List[dict]) -> Optional[Dict[str, Any]]:
+    """``{"send_s", "recv_s", "fused_b_s", "gap_s"}``: per figure the statistic (:data:`STATISTIC`)
+    over the steps of :func:`measure_action_costs`; None without samples."""
+    if not samples:
+        return None
+    stat = np.min if STATISTIC["name"] == "min" else np.median
+    out: Dict[str, Any] = {k: float(stat([s[k] for s in samples])) for k in ("send_s", "recv_s", "fused_b_s", "gap_s")}
+    out["plan"] = "one island, 2 stages, 1F1B, 4 microbatches, one process (PipelineRuntime records)"
+    return out
+
+
+#: seconds asked of the emulated wait by :func:`measure_emulated_wait`: a fused B's wait (0.2 ms) to a
+#: large stage call's (20 ms)
+EMULATED_WAITS_S = (0.0002, 0.001, 0.005, 0.02)
+
+
+def measure_emulated_wait(repeats: int, waits: Sequence[float] = EMULATED_WAITS_S) -> List[dict]:
+    """Seconds the runtime's emulated wait (``hethub_jax.parallel.runtime.emulated_wait``, a sleep)
+    takes when asked to wait ``x`` seconds, for each ``x`` of ``waits``: a sleep wakes late (the
+    kernel's timer slack, the wake-up's scheduling), and an EMULATED slow island waits after every
+    compute action. The median of ``repeats`` waits (the waits of a step are many: a minimum would
+    pick the luckiest wake-up). Returns ``{"kind": "emulated_wait", "requested_s", "seconds"}`` per
+    ``x``."""
+    from hethub_jax.parallel import runtime
+    out = []
+    for x in waits:
+        ts = []
+        for _ in range(max(1, repeats)):
+            t0 = time.perf_counter()
+            runtime.emulated_wait(x)
+            ts.append(time.perf_counter() - t0)
+        out.append({"kind": "emulated_wait", "requested_s": float(x), "seconds": float(np.median(ts))})
+    return out
+
+
+def fit_emulated_wait(samples: List[dict]) -> Optional[Dict[str, Any]]:
+    """``{"c0", "c1"}``: the emulated wait asked for ``x`` seconds takes ``c0 + c1 x``: ``c1 = 1`` (a
+    sleep's length is what it is asked) and ``c0`` the median over the asked sizes of (measured -
+    asked) seconds, at least 0 (a late wake-up does not grow with the sleep; a least-squares line
+    through 4 sizes follows a single late wake-up); None without samples."""
+    if not samples:
+        return None
+    late = {str(s["requested_s"]): s["seconds"] - s["requested_s"] for s in samples}
+    return {"c0": max(0.0, float(np.median(list(late.values())))), "c1": 1.0, "late_s": late,
+            "method": "median over the asked sizes of the median wait's lateness (profile.measure_emulated_wait)"}
+
+
 def _update_once(st: Any) -> None:
     """One blocking optimizer update of stage ``st`` with a zero gradient (the update's cost)."""
     import jax
@@ -786,6 +884,8 @@ def build_profile(cfg: Any, args: Any, samples: List[dict], updates: List[dict],
                  "corun": fit_corun([c for c in corun if c["kind"] == "corun"]),
                  "runtime": fit_runtime_overhead([c for c in corun if c["kind"] == "runtime_overhead"]),
                  "cold": fit_cold([c for c in corun if c["kind"] == "cold"]),
+                 "actions": fit_action_costs([c for c in corun if c["kind"] == "action_costs"]),
+                 "emulated_wait": fit_emulated_wait([c for c in corun if c["kind"] == "emulated_wait"]),
                  "bridge_local": line([c for c in corun if c["kind"] == "bridge_local"], "bytes"),
                  "host_copy": line([c for c in copies if c["kind"] == "host_copy"], "bytes"),
                  "shared_sum": fit_shared_sum([c for c in copies if c["kind"] == "shared_sum"]),
@@ -853,6 +953,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
              if args.corun == "on" or (args.corun == "auto" and platform_name == "cpu") else [])
     corun += [] if args.no_runtime else measure_runtime_overhead(cfg, devices, args.repeats)
     corun += [] if args.no_runtime else measure_cold(cfg, devices, args.seq_len, args.repeats)
+    corun += [] if args.no_runtime else measure_action_costs(cfg, devices, args.seq_len, args.repeats)
+    corun += [] if args.no_runtime else measure_emulated_wait(max(args.repeats, 20))
     act = args.seq_len * cfg.hidden_size * analytic.dtype_bytes(cfg.dtype)
     sizes = sorted({act * m for m in mbs_list} | {1 << 20, 8 << 20})
     if bridge is None and not args.no_runtime:  # not under mpiexec: the in-process bridge of islands as threads

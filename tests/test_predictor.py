@@ -499,6 +499,14 @@ def test_profiler_writes_dp_mesh_corun_runtime_and_local_bridge_fits(tmp_path):
     assert c.norm_fit is not None
     from hethub_jax.profile import fit_update_cold
     assert c.update_cold_per_param_s == pytest.approx(fit_update_cold(ups)["per_param_s"])
+    # the runtime's SEND / RECV / fused-B records and gaps, and the emulated wait's lateness, are measured
+    acts = [s for s in prof["samples"] if s["kind"] == "action_costs"]
+    assert acts and all(s["actions"] == 32 and s["recv_s"] > 0 and s["fused_b_s"] > 0 and s["send_s"] > 0
+                        for s in acts)
+    assert c.message_action_s("fused_b") > 0 and c.between_actions_s() >= 0
+    waits = [s for s in prof["samples"] if s["kind"] == "emulated_wait"]
+    assert len(waits) == 4 and all(s["seconds"] >= s["requested_s"] for s in waits)
+    assert c.emulated_wait_fit is not None and c.emulated_wait_fit.c1 == 1.0
 
 
 def test_others_cpu_share_from_two_snapshots():

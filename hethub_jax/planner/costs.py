@@ -128,6 +128,18 @@ class DeviceCosts:
         runtime runs it, right after the step's pipeline and gradient sums, over the update fit (timed
         back to back): ``fits.update_cold.per_param_s`` of a profile (``profile.fit_update_cold``);
         0 for the catalog and for profiles without the measurement.
+      action_costs: the runtime's MEASURED seconds of the pipeline actions that compute nothing
+        (``fits.actions`` of a profile, ``profile.measure_action_costs``: read from the records of a
+        one-island ``PipelineRuntime`` step): ``send_s`` (a SEND record: hand the activation to the
+        mailbox), ``recv_s`` (a RECV record: place the arrived message on the stage's sharding),
+        ``fused_b_s`` (the B record of a last stage whose B was computed with its F: Python only) and
+        ``gap_s`` (the runtime's seconds between one action's record and the next, per action).
+        Empty for the catalog and for older profiles (then :attr:`action_overhead_s` is added to
+        every action instead, :meth:`between_actions_s`).
+      emulated_wait_fit: the MEASURED seconds of the runtime's emulated wait
+        (``runtime.emulated_wait``, a sleep) asked to wait ``x`` seconds, ``c0 + c1 x``
+        (``fits.emulated_wait``, ``profile.measure_emulated_wait``: a sleep wakes late); None: a wait
+        takes exactly what it is asked (catalog, older profiles).
     """
 
     name: str
@@ -153,6 +165,40 @@ class DeviceCosts:
     cold_extra: Dict[str, Dict[str, float]] = field(default_factory=dict)
     norm_fit: Optional[_Linear] = None
     update_cold_per_param_s: float = 0.0
+    action_costs: Dict[str, float] = field(default_factory=dict)
+    emulated_wait_fit: Optional[_Linear] = None
+
+    def between_actions_s(self) -> float:
+        """Seconds the runtime spends between two actions' records, per action: the measured
+        ``action_costs["gap_s"]``; for profiles without it :attr:`action_overhead_s` (which also holds
+        the SEND and RECV records, spread over every action); 0 for the catalog."""
+        if "gap_s" in self.action_costs:
+            return max(0.0, float(self.action_costs["gap_s"]))
+        return float(self.action_overhead_s)
+
+    def message_action_s(self, kind: str) -> float:
+        """Measured seconds of a SEND (``kind="send"``) or RECV (``"recv"``) record of the runtime,
+        not counting a copy between device and host (:meth:`host_copy_s`); a last stage's B computed
+        with its F (``"fused_b"``), before any emulated slowdown; 0.0 when not measured.
+
+        Raises:
+          ValueError: for another kind."""
+        if kind not in ("send", "recv", "fused_b"):
+            raise ValueError(f"kind must be 'send', 'recv' or 'fused_b', got {kind!r}")
+        return max(0.0, float(self.action_costs.get(f"{kind}_s", 0.0)))
+
+    def emulated_action_s(self, busy_s: float, slowdown: float) -> float:
+        """Seconds of a compute action (or update) whose own time in this profile's figures is
+        ``busy_s`` on an island EMULATED ``slowdown`` x slower (DESIGN.md section 9; the runtime's
+        ``PipelineRuntime._emulate``): the action's real time ``r = busy_s / emulated_slowdown``, then,
+        when ``slowdown > 1``, the runtime's wait of ``(slowdown - 1) x r``, which takes
+        :attr:`emulated_wait_fit` of that (a sleep wakes late) or exactly that when not measured.
+        Linear in ``busy_s``; ``slowdown x r`` without a wait fit."""
+        r = float(busy_s) / self.emulated_slowdown
+        if slowdown <= 1:
+            return r
+        wait = (float(slowdown) - 1.0) * r
+        return r + (wait if self.emulated_wait_fit is None else self.emulated_wait_fit(wait))
 
     def cold_extra_s(self, is_first: bool, is_last: bool, phase: str) -> float:
         """The measured :attr:`cold_extra` seconds of a stage call (phase in :data:`PHASES`; a last
@@ -236,7 +282,9 @@ class DeviceCosts:
                    action_overhead_s=max(0.0, float((fits_in.get("runtime") or {}).get("per_action_s", 0.0))),
                    local_bridge_link=_local_bridge(fits_in.get("bridge_local")),
                    cold_extra=_cold(fits_in.get("cold")), profile_path=path, norm_fit=lin(fits_in.get("norm")),
-                   update_cold_per_param_s=max(0.0, float((fits_in.get("update_cold") or {}).get("per_param_s", 0.0))))
+                   update_cold_per_param_s=max(0.0, float((fits_in.get("update_cold") or {}).get("per_param_s", 0.0))),
+                   action_costs=_action_costs(fits_in.get("actions")),
+                   emulated_wait_fit=lin(fits_in.get("emulated_wait")))
 
     # ---- DP meshes ---------------------------------------------------------------------------------
     def measured_dp_degrees(self, tp: int) -> Tuple[int, ...]:
@@ -465,6 +513,13 @@ def _cold(d: Optional[Mapping[str, Any]]) -> Dict[str, Dict[str, float]]:
         return {}
     return {pos: {ph: float(r) for ph, r in phases.items() if ph in PHASES}
             for pos, phases in d.items() if pos in ("first", "middle", "last") and isinstance(phases, Mapping)}
+
+
+def _action_costs(d: Optional[Mapping[str, Any]]) -> Dict[str, float]:
+    """The profile's measured ``{"send_s", "recv_s", "fused_b_s", "gap_s"}`` (empty when absent)."""
+    if not d:
+        return {}
+    return {k: max(0.0, float(d[k])) for k in ("send_s", "recv_s", "fused_b_s", "gap_s") if k in d}
 
 
 def _shared_fit(d: Optional[Mapping[str, Any]]) -> Optional[Tuple[float, float]]:

@@ -7,9 +7,12 @@ How a prediction is made (DESIGN.md section 7; details and formulas in ``docs/pr
      recompute ``none`` runs F = ``forward_saving``, B = ``backward_saved``; ``full`` runs F =
      ``forward``, B = ``backward_recompute``; on the last stage a forward directly followed by the
      backward of the same microbatch runs fused as one forward + backward, the B action then costs
-     only the call), plus the profile's measured cold-call extra on every call that follows a
-     different call (:func:`_cold_calls`), times the island's emulated slowdown (the runtime waits
-     (f - 1) x each measured compute action and update, DESIGN.md section 9);
+     the runtime's measured Python of that record), plus the profile's measured cold-call extra on
+     every call that follows a different call (:func:`_cold_calls`), stretched by the island's
+     emulated slowdown f (the runtime waits (f - 1) x each compute action's own time, a wait that
+     takes what the profile measured it to take, ``DeviceCosts.emulated_action_s``; DESIGN.md
+     section 9); SEND and RECV take the runtime's measured record seconds (+ the host copies across
+     islands), and every action the runtime's measured seconds between records;
   2. the step's timeline from :func:`hethub_jax.planner.simulator.simulate` over ``plan.actions(r)``
      of every replica (the very lists the runtime executes); messages between islands take the
      sender's device-to-host copy, the bridge (``LinkModel``) and the receiver's host-to-device copy;
@@ -280,6 +283,7 @@ class _StageCtx:
     cold_b: float = 0.0
     cold_fused: float = 0.0
     warm_repeats: bool = False
+    t_fused_b: float = 0.0  # the B record after a fused F+B: the runtime's Python only (measured), emulated
 
 
 def _stage_ctx(cfg: Any, plan: Any, r: int, s: int, costs: Mapping[str, DeviceCosts], seq_len: int,
@@ -289,16 +293,23 @@ def _stage_ctx(cfg: Any, plan: Any, r: int, s: int, costs: Mapping[str, DeviceCo
     if spec.island not in costs:
         raise ValueError(f"no costs for island {spec.island!r}; costs given for {sorted(costs)}")
     c, isl = costs[spec.island], plan.island(spec.island)
-    factor = float(isl.slowdown) / c.emulated_slowdown
+    slow = float(isl.slowdown)
+    factor = slow / c.emulated_slowdown
     tokens = plan.microbatch_size // spec.dp * seq_len
     args = (cfg, c, spec.first_layer, spec.last_layer, spec.is_first, spec.is_last, tokens, seq_len, spec.tp)
     f_phase, b_phase = ("F", "B") if plan.recompute == "none" else ("F_nosave", "B_recompute")
     n = analytic.stage_params_per_device(cfg, spec.first_layer, spec.last_layer, spec.is_first, spec.is_last, spec.tp)
     dp = spec.dp
-    cold = lambda ph: factor * c.cold_extra_s(spec.is_first, spec.is_last, ph)  # noqa: E731
-    return _StageCtx((r, s), spec, isl, c, factor, tokens, factor * stage_compute_s(*args, f_phase, dp),
-                     factor * stage_compute_s(*args, b_phase, dp), factor * stage_compute_s(*args, "B_recompute", dp),
-                     n, bool(spec.is_last), cold(f_phase), cold(b_phase), cold("B_recompute"), bool(warm_repeats))
+    # an action on an EMULATED slow island: its own time, then the runtime's wait of (slowdown - 1) x that
+    # time as measured (DeviceCosts.emulated_action_s; the wait of a cold call covers its extra too)
+    em = lambda busy: c.emulated_action_s(busy, slow)  # noqa: E731
+    t_f, t_b, t_fb = (stage_compute_s(*args, ph, dp) for ph in (f_phase, b_phase, "B_recompute"))
+    cold = lambda ph, t: em(t + c.cold_extra_s(spec.is_first, spec.is_last, ph)) - em(t)  # noqa: E731
+    # the B record after a fused F+B runs the runtime's Python only, and the emulated wait after it
+    fused_b = em(c.message_action_s("fused_b")) if c.action_costs else 0.0
+    return _StageCtx((r, s), spec, isl, c, factor, tokens, em(t_f), em(t_b), em(t_fb),
+                     n, bool(spec.is_last), cold(f_phase, t_f), cold(b_phase, t_b), cold("B_recompute", t_fb),
+                     bool(warm_repeats), fused_b)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -332,14 +343,18 @@ def _stage_times(ctx: _StageCtx, arr: ScheduleArrays, s: int, host_s: float, bri
                  cross_next: bool, fused_update_s: float) -> Tuple[List[float], List[float]]:
     """``(busy, delivery)`` seconds per action of stage ``s`` of ``arr`` (local index): busy: F/B
     compute (a last stage's F directly followed by its B runs fused: the F costs ``t_fused`` (+ the fused
-    optimizer update before the stage's last B), the B 0 s); SEND: the sender's copy to the host when the
-    peer is on another island (else 0); RECV: the copy onto the stage's devices. delivery (SENDs): the
+    optimizer update before the stage's last B), the B ``t_fused_b``: the runtime's measured Python of
+    that record, 0 when not measured); SEND: the runtime's measured SEND record
+    (``DeviceCosts.message_action_s``) + the sender's copy to the host when the peer is on another
+    island; RECV: the measured RECV record + the copy onto the stage's devices. delivery (SENDs): the
     bridge when the peer is on another island, else 0.
 
     Raises:
       ValueError: if a time is negative or not finite.
     """
-    tab = [ctx.t_f, ctx.t_b, host_s if cross_next else 0.0, host_s if cross_prev else 0.0, host_s, host_s]
+    snd, rcv = ctx.costs.message_action_s("send"), ctx.costs.message_action_s("recv")
+    tab = [ctx.t_f, ctx.t_b, snd + (host_s if cross_next else 0.0), snd + (host_s if cross_prev else 0.0),
+           rcv + host_s, rcv + host_s]
     dtab = [0.0, 0.0, bridge_s if cross_next else 0.0, bridge_s if cross_prev else 0.0, 0.0, 0.0]
     fused = arr.fused_f[s] if ctx.is_last else []
     last = arr.last_fused_f[s] if ctx.is_last else -1
@@ -351,7 +366,7 @@ def _stage_times(ctx: _StageCtx, arr: ScheduleArrays, s: int, host_s: float, bri
     codes = arr.stage_codes[s]
     t = list(map(tab.__getitem__, codes))
     for i in fused:
-        t[i], t[i + 1] = ctx.t_fused + 0.0, 0.0
+        t[i], t[i + 1] = ctx.t_fused + 0.0, ctx.t_fused_b
     if last >= 0:
         t[last] = ctx.t_fused + fused_update_s
     if ctx.cold_f > 0 or ctx.cold_b > 0 or ctx.cold_fused > 0:  # the measured cost of a call after another
@@ -417,8 +432,8 @@ def _pipeline(cfg: Any, plan: Any, ctxs: Dict[Tuple[int, int], _StageCtx], bridg
     process :func:`_run_replica` per replica, else the process-level simulator
     (:func:`~hethub_jax.planner.simulator.run_processes`, as ``simulate_processes``). ``corun``: optional
     factor per ``(key, id(action))`` (actions of ``arrays[r].lists``, as in :meth:`_Pipeline.events`)
-    multiplying that action's seconds; a cost's ``action_overhead_s`` (if it has one) is added to every
-    action."""
+    multiplying that action's seconds; the runtime's measured seconds between actions
+    (``DeviceCosts.between_actions_s``) are added to every action."""
     msg_bytes = plan.microbatch_size * seq_len * cfg.hidden_size * analytic.dtype_bytes(cfg.dtype)
     bridge_s = bridge.time_s(msg_bytes)
     keys = list(ctxs)
@@ -432,8 +447,8 @@ def _pipeline(cfg: Any, plan: Any, ctxs: Dict[Tuple[int, int], _StageCtx], bridg
                              s < S - 1 and ctxs[(r, s + 1)].spec.island != isl, fused_update_s)
         if corun:
             t = [x * corun.get(((r, s), id(a)), 1.0) for x, a in zip(t, arrays[r].lists[s])]
-        over = getattr(ctx.costs, "action_overhead_s", 0.0)
-        if over:  # the runtime's own seconds per action
+        over = ctx.costs.between_actions_s()
+        if over:  # the runtime's own seconds per action, between the actions' records
             t = [x + over for x in t]
         times.append(t)
         dts.append(dt)
