@@ -29,6 +29,10 @@ steps excluded; medians):
 Costs for the planner and the prediction: ``--profile-islands``: each rank profiles its own island after
 the pinning (``python -m hethub_jax.profile`` on this benchmark's model and sequence length, one device,
 no emulated slowdown: the predictor applies the island's slowdown; both ranks at once, as they train),
+the whole model also measured as one stage (``--stage-shapes``: the shape of every one-stage replica,
+predicted from those measured seconds; a stage's seconds per layer on a CPU core rise with its layers, which
+the per-layer fits measured on 1- and 2-layer stages miss), the other rank's pid given (``--job-pids``: its
+concurrent profile is not counted as other processes' load),
 at microbatch sizes spanning every size the planner may choose (``--profile-mbs auto``: 1, 2, each power
 of two below the global batch and the global batch, so no plan is predicted by extrapolating the fitted
 lines beyond the profiled sizes), and the profiles are exchanged; else ``--profiles DIR``
@@ -171,7 +175,8 @@ def main() -> None:
         args.profile_mbs = ",".join(map(str, microbatch_sizes_to_profile(planner_microbatch_sizes(args.batch),
                                                                          every_power_of_two=True)))
     if args.profile_islands:
-        profs = world.allgather(_profile_island(args, rank))
+        pids = world.allgather(os.getpid())  # this job's ranks: not "other processes" in the profile's note
+        profs = world.allgather(_profile_island(args, rank, [p for p in pids if p != os.getpid()]))
         profiles = {"fast": profs[0], "slow": profs[1]}
         costs = cluster_costs(cluster_from_dict(spec), profiles)
         source = (f"profiles of the pinned islands, measured by each rank before the run (microbatch sizes "
@@ -210,8 +215,13 @@ def main() -> None:
         _report(args, cfg, contenders, result, costs, source, notes)
 
 
-def _profile_island(args, rank: int) -> dict:
-    """This rank's island profiled in place (pinned core, one device, no emulation, no bridge)."""
+def _profile_island(args, rank: int, job_pids=()) -> dict:
+    """This rank's island profiled in place (pinned core, one device, no emulation, no bridge), with the
+    whole model measured as one stage too (``--stage-shapes 0-(L-1)``: the shape of every one-stage
+    replica, hetero DP's and the alone plans'; predicted from these measured seconds, not from the
+    per-layer fits, whose seconds per layer a stage of 8 layers exceeds on a CPU core). ``job_pids``:
+    the other ranks of this job, profiling their own cores at the same time (not counted as other
+    processes' load in the profile's note)."""
     import json
     import tempfile
 
@@ -222,7 +232,9 @@ def _profile_island(args, rank: int) -> dict:
         json.dump(MODEL, f)
     return profile.main(["--out", os.path.join(tmp, "cpu.json"), "--model", model, "--seq-len", str(args.seq),
                          "--microbatch-sizes", args.profile_mbs, "--repeats", "3", "--corun", "off",
-                         "--no-bridge", "--no-runtime", "--no-progress"])
+                         "--no-bridge", "--no-runtime", "--no-progress",
+                         "--stage-shapes", f"0-{MODEL['num_hidden_layers'] - 1}",
+                         "--job-pids", ",".join(map(str, job_pids))])
 
 
 def _load(path):

@@ -120,6 +120,10 @@ class DeviceCosts:
         evicted from the CPU caches); the compute fits time calls back to back, so the predictor
         adds it to a call that follows a different call (:meth:`cold_extra_s`). Empty (0 s) for the
         catalog and for profiles without the measurement.
+      stage_shapes: per MEASURED whole-stage shape ``(layers, is_first, is_last, dp, tp, phase)``, the
+        ``(tokens per DP rank, seconds)`` points of the profile's ``"stage_shape"`` samples, tokens
+        ascending (``python -m hethub_jax.profile --stage-shapes``); read by :meth:`measured_stage_s`.
+        Empty for the catalog and for profiles without them.
     """
 
     name: str
@@ -143,6 +147,31 @@ class DeviceCosts:
     profile_path: Optional[str] = field(default=None, compare=False)
     local_bridge_link: Optional[LinkModel] = None
     cold_extra: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    stage_shapes: Dict[Tuple[int, bool, bool, int, int, str], Tuple[Tuple[float, float], ...]] = field(
+        default_factory=dict)
+
+    def measured_stage_s(self, layers: int, is_first: bool, is_last: bool, tokens: float, tp: int, phase: str,
+                         dp: int = 1) -> Optional[float]:
+        """Seconds of one call of phase ``phase`` of a stage of ``layers`` decoder layers (with the
+        embedding when ``is_first``, the LM head and loss when ``is_last``) on a ``(dp, tp)`` mesh for
+        ``tokens`` tokens per DP rank, from the profile's MEASURED whole stages of that shape
+        (:attr:`stage_shapes`): the measured seconds at a profiled token count, else linear between the
+        two profiled counts around ``tokens``; None when that shape, mesh and phase were not measured or
+        ``tokens`` lies outside the measured counts (the caller then uses the fitted lines: no
+        extrapolation). Every decoder layer costs the same, so the shape is the layer count and the
+        two ends, not the layer indices. No slowdown applied (the profile's own, as the fits).
+
+        Raises:
+          ValueError: for an unknown phase.
+        """
+        _check_phase(phase)
+        pts = self.stage_shapes.get((int(layers), bool(is_first), bool(is_last), int(dp), int(tp), phase))
+        if not pts or not pts[0][0] <= tokens <= pts[-1][0]:
+            return None
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            if x0 <= tokens <= x1:
+                return y0 if x1 == x0 else y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+        return pts[0][1]  # one measured count, equal to tokens
 
     def cold_extra_s(self, is_first: bool, is_last: bool, phase: str) -> float:
         """The measured :attr:`cold_extra` seconds of a stage call (phase in :data:`PHASES`; a last
@@ -225,7 +254,8 @@ class DeviceCosts:
                    update_dp_fits={int(k): lin(v) for k, v in (fits_in.get("update_dp") or {}).items()},
                    action_overhead_s=max(0.0, float((fits_in.get("runtime") or {}).get("per_action_s", 0.0))),
                    local_bridge_link=_local_bridge(fits_in.get("bridge_local")),
-                   cold_extra=_cold(fits_in.get("cold")), profile_path=path)
+                   cold_extra=_cold(fits_in.get("cold")), profile_path=path,
+                   stage_shapes=_stage_shapes(profile.get("samples") or ()))
 
     # ---- DP meshes ---------------------------------------------------------------------------------
     def measured_dp_degrees(self, tp: int) -> Tuple[int, ...]:
@@ -439,6 +469,19 @@ def _cold(d: Optional[Mapping[str, Any]]) -> Dict[str, Dict[str, float]]:
         return {}
     return {pos: {ph: float(r) for ph, r in phases.items() if ph in PHASES}
             for pos, phases in d.items() if pos in ("first", "middle", "last") and isinstance(phases, Mapping)}
+
+
+def _stage_shapes(samples: Any) -> Dict[Tuple[int, bool, bool, int, int, str], Tuple[Tuple[float, float], ...]]:
+    """``DeviceCosts.stage_shapes`` from a profile's ``"stage_shape"`` samples: per shape, mesh and
+    phase, ``(tokens, seconds)`` ascending (repeated token counts: their mean)."""
+    acc: Dict[tuple, Dict[float, list]] = {}
+    for s in samples:
+        if not isinstance(s, Mapping) or s.get("kind") != "stage_shape":
+            continue
+        key = (int(s["layers"]), bool(s["is_first"]), bool(s["is_last"]), int(s.get("dp", 1)), int(s.get("tp", 1)),
+               str(s["phase"]))
+        acc.setdefault(key, {}).setdefault(float(s["tokens"]), []).append(float(s["seconds"]))
+    return {k: tuple((t, sum(v) / len(v)) for t, v in sorted(pts.items())) for k, pts in acc.items()}
 
 
 def _shared_fit(d: Optional[Mapping[str, Any]]) -> Optional[Tuple[float, float]]:
