@@ -141,3 +141,52 @@ def test_a_concurrent_rank_of_the_job_is_not_counted_as_other_load(monkeypatch):
     after_without = (w + 10.0, b + 20.0, own_after)
     assert profile.others_share((w, b, o - 100.0), after_without) == pytest.approx(10.0 / (10.0 * cores))
     assert profile.others_share(before, after_with) == pytest.approx(0.0, abs=1e-12)
+
+
+# ---- the planner with measured shapes: its bounds must stay lower bounds of predict -----------------
+
+@pytest.mark.parametrize("scale", [(0.25, 0.25), (0.25, 1.6), (1.6, 0.25)])
+@pytest.mark.parametrize("shape", [(0, 3), (0, 2), (2, 3)])
+def test_search_with_measured_stage_shapes_equals_exhaustive(scale, shape):
+    """hetero_e2e's cluster shape (two one-device groups, one EMULATED 3x slower), a 4-layer model, every
+    microbatch size of a global batch of 8: one stage shape (the whole model, its first three layers or
+    its last two) measured at every microbatch size and phase at ``scale`` x what the fitted lines give
+    (``scale[0]`` at microbatches 1 and 2, ``scale[1]`` at 4 and 8; below the lines a bound built from
+    the lines alone exceeds predict's figure: before the search knew of measured shapes it missed the
+    best plan for the (0, 2) shape at 0.25). The search's best plan must equal exhaustive search's (every
+    plan predicted, no bounds)."""
+    import copy as _copy
+
+    from hethub_jax.planner import SearchOptions, cluster_from_dict, exhaustive_search, search
+    cfg = _cfg()
+    lines = DeviceCosts.from_profile(_fit_profile())
+    fl, ll = shape
+    n, first, last = ll - fl + 1, fl == 0, ll == cfg.num_hidden_layers - 1
+    shapes = [(n, first, last, ph, m * SEQ,
+               scale[m >= 4] * stage_compute_s(cfg, lines, fl, ll, first, last, m * SEQ, SEQ, 1, ph))
+              for m in (1, 2, 4, 8) for ph in ("F", "F_nosave", "B", "B_recompute")]
+    prof = _fit_profile()
+    prof["samples"] = _profile(shapes)["samples"]
+    costs = {g: DeviceCosts.from_profile(prof) for g in ("fast", "slow")}
+    assert costs["fast"].measured_stage_s(n, first, last, 4 * SEQ, 1, "F") is not None
+    cluster = cluster_from_dict({"groups": [{"name": "fast", "device": "cpu", "nodes": 1, "devices_per_node": 1},
+                                            {"name": "slow", "device": "cpu", "nodes": 1, "devices_per_node": 1,
+                                             "slowdown": 3.0}],
+                                 "links": [{"between": ["fast", "slow"], "bandwidth": 1e9, "latency_s": 5e-5}]})
+    opt = SearchOptions(top_k=1, tp_degrees=(1,))
+    got = search(cfg, cluster, 8, SEQ, costs=_copy.deepcopy(costs), options=opt)
+    ref = exhaustive_search(cfg, cluster, 8, SEQ, costs=_copy.deepcopy(costs), options=opt)
+    assert got.best.step_time_s == pytest.approx(ref.best.step_time_s, rel=1e-12)
+
+
+def _fit_profile():
+    """Lines with a per-token term (tests/test_dp_profile.py's shape): base 2e-4 s, a layer 1e-4 s + 2e-9 s
+    per forward FLOP, the embedding and head free; backward phases 2x; update 1e-4 s per call."""
+    zero = {"c0": 0.0, "c1": 0.0}
+    parts = lambda s: {"layer": {"c0": 1e-4 * s, "c1": 2e-9 * s}, "embed": zero, "head": {"c0": 3e-4 * s, "c1": 1e-9 * s},
+                       "base": {"c0": 2e-4 * s, "c1": 0.0}}
+    return {"format": PROFILE_FORMAT, "device_type": "cpu", "memory_bytes": 10**12, "emulated_slowdown": 1.0,
+            "seq_len": SEQ,
+            "fits": {"compute": {"1": {ph: parts(2.0 if ph.startswith("B") else 1.0)
+                                       for ph in ("F", "F_nosave", "B", "B_recompute")}},
+                     "update": {"c0": 1e-4, "c1": 0.0}, "allreduce": zero}}
