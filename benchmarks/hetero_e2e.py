@@ -29,6 +29,10 @@ steps excluded; medians):
 Costs for the planner and the prediction: ``--profile-islands``: each rank profiles its own island after
 the pinning (``python -m hethub_jax.profile`` on this benchmark's model and sequence length, one device,
 no emulated slowdown: the predictor applies the island's slowdown; both ranks at once, as they train),
+the whole model also measured as one stage (``--stage-shapes``: the shape of every one-stage replica,
+predicted from those measured seconds; a stage's seconds per layer on a CPU core rise with its layers, which
+the per-layer fits measured on 1- and 2-layer stages miss), the other rank's pid given (``--job-pids``: its
+concurrent profile is not counted as other processes' load),
 at microbatch sizes spanning every size the planner may choose (``--profile-mbs auto``: 1, 2, each power
 of two below the global batch and the global batch, so no plan is predicted by extrapolating the fitted
 lines beyond the profiled sizes), and the profiles are exchanged; else ``--profiles DIR``
@@ -171,7 +175,8 @@ def main() -> None:
         args.profile_mbs = ",".join(map(str, microbatch_sizes_to_profile(planner_microbatch_sizes(args.batch),
                                                                          every_power_of_two=True)))
     if args.profile_islands:
-        profs = world.allgather(_profile_island(args, rank))
+        pids = world.allgather(os.getpid())  # this job's ranks: not "other processes" in the profile's note
+        profs = world.allgather(_profile_island(args, rank, [p for p in pids if p != os.getpid()]))
         profiles = {"fast": profs[0], "slow": profs[1]}
         costs = cluster_costs(cluster_from_dict(spec), profiles)
         source = (f"profiles of the pinned islands, measured by each rank before the run (microbatch sizes "
@@ -210,8 +215,13 @@ def main() -> None:
         _report(args, cfg, contenders, result, costs, source, notes)
 
 
-def _profile_island(args, rank: int) -> dict:
-    """This rank's island profiled in place (pinned core, one device, no emulation, no bridge)."""
+def _profile_island(args, rank: int, job_pids=()) -> dict:
+    """This rank's island profiled in place (pinned core, one device, no emulation, no bridge), with the
+    whole model measured as one stage too (``--stage-shapes 0-(L-1)``: the shape of every one-stage
+    replica, hetero DP's and the alone plans'; predicted from these measured seconds, not from the
+    per-layer fits, whose seconds per layer a stage of 8 layers exceeds on a CPU core). ``job_pids``:
+    the other ranks of this job, profiling their own cores at the same time (not counted as other
+    processes' load in the profile's note)."""
     import json
     import tempfile
 
@@ -222,7 +232,9 @@ def _profile_island(args, rank: int) -> dict:
         json.dump(MODEL, f)
     return profile.main(["--out", os.path.join(tmp, "cpu.json"), "--model", model, "--seq-len", str(args.seq),
                          "--microbatch-sizes", args.profile_mbs, "--repeats", "3", "--corun", "off",
-                         "--no-bridge", "--no-runtime", "--no-progress"])
+                         "--no-bridge", "--no-runtime", "--no-progress",
+                         "--stage-shapes", f"0-{MODEL['num_hidden_layers'] - 1}",
+                         "--job-pids", ",".join(map(str, job_pids))])
 
 
 def _load(path):
@@ -314,7 +326,8 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
                "hetero_dp_reduce_after_backward_s_per_rank": [
                    median(x["reduce_s"].get("hetero_dp", x["reduce_s"]["planned"])) for x in g],
                "predicted_parts_s": {n: _parts(contenders[n][0], cfg, costs, args)
-                                     for n in ("planned", "hetero_dp", "hetero_dp_replicated")}}
+                                     for n in ("planned", "hetero_dp", "hetero_dp_replicated")},
+               "parts_planned_last_step": _parts_compare(args, cfg, contenders, g, costs)}
     result = {"benchmark": "hetero_e2e", "command": command_line(),
               "machine": dict(g[0]["machine"], cores_per_rank=[x["core"] for x in g],
                               loadavg_per_rank=[x["load"] for x in g]),
@@ -346,6 +359,13 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
           f"{figures['predicted_parts_s']['hetero_dp_replicated']}")
     print(f"hetero DP sharded (ZeRO-1) over replicated update: {figures['hetero_dp_over_replicated']:.3f}; "
           f"replicated fraction_of_upper_bound {figures['fraction_of_upper_bound_hetero_dp_replicated']:.3f}")
+    for isl, d in figures["parts_planned_last_step"].items():
+        m, p = d["measured"], d["PREDICTED"]
+        if m and p:
+            print(f"  planned, island {isl}, last step: {m['compute_actions']} compute actions of {m['mean_compute_s']:.3f} s "
+                  f"own compute (PREDICTED {p['compute_actions']} of {p['mean_compute_s']:.3f} s), pipeline "
+                  f"{m['pipeline_s']:.3f} s (PREDICTED {p['pipeline_s']:.3f} s), rest of step {m['rest_of_step_s']:.3f} s "
+                  f"(PREDICTED {p['rest_of_step_s']:.3f} s)")
     print(f"upper bound {upper:.1f} tokens/s; fraction_of_upper_bound {figures['fraction_of_upper_bound']:.3f}, "
           f"planned_over_uniform {figures['planned_over_uniform']:.3f}, prediction_error "
           f"{figures['prediction_error']:.3f} (predicted {pred:.3f} s from {source}) [EMULATED]")
@@ -366,6 +386,49 @@ def _parts(plan, cfg, costs, args) -> list:
     p = predict(cfg, plan, {i.name: costs[i.name] for i in plan.islands}, seq_len=args.seq,
                 bridge=bridge_for(cluster_from_dict(cluster(args.slowdown)), [("fast", "slow")]))
     return [round(p.pipeline_s, 4), round(p.allreduce_s, 4), round(p.update_s, 4)]
+
+
+def _parts_compare(args, cfg, contenders, g, costs) -> dict:
+    """Per island, the planner's plan's last timed step part by part, measured (its action records) against
+    PREDICTED (``predictor.predicted_records`` and ``predict``'s parts): the compute actions (F, B and the
+    fused F+B), their mean seconds of own compute (an EMULATED island's action is its compute and then
+    ``(f - 1)x`` that in emulated wait, DESIGN.md section 9: the duration over ``f``), the pipeline (first
+    action's start to last action's end) and the rest of the step (measured: the rank's step time less the
+    pipeline; PREDICTED: gradient reduction + norm + update). Seconds."""
+    from hethub_jax.planner import cluster_from_dict
+    from hethub_jax.planner.predictor import predict
+    from hethub_jax.planner.search import bridge_for
+    plan = contenders["planned"][0]
+    bridge = bridge_for(cluster_from_dict(cluster(args.slowdown)), [("fast", "slow")])
+    c = {i.name: costs[i.name] for i in plan.islands}
+    pred = predict(cfg, plan, c, seq_len=args.seq, bridge=bridge)
+    slow = {i.name: i.slowdown for i in plan.islands}
+    # a B action whose forward ran fused with it computes nothing of its own (PREDICTED 0 s; measured: the wait
+    # for the fused call's result): left out of the compute actions on both sides
+    fused = {(r.island, r.replica, r.stage, r.action) for r in pred.timeline
+             if r.action[:1] == "B" and r.end_s - r.start_s <= 0}
+
+    def summary(recs, isl):
+        rs = [r for r in recs if r.island == isl]
+        if not rs:
+            return None
+        comp = [r.end_s - r.start_s for r in rs if r.action[:1] in ("F", "B")
+                and (r.island, r.replica, r.stage, r.action) not in fused]
+        return {"compute_actions": len(comp), "mean_compute_s": sum(comp) / len(comp) / slow[isl] if comp else 0.0,
+                "pipeline_s": max(r.end_s for r in rs) - min(r.start_s for r in rs)}
+    out = {}
+    for x in g:
+        isl = ("fast", "slow")[x["rank"]]
+        m, p = summary(x["records"] or [], isl), summary(pred.timeline, isl)
+        step = (x["times"].get("planned") or [None])[-1]
+        if m is not None and step is not None:
+            m["rest_of_step_s"] = step - m["pipeline_s"]
+            m["step_s"] = step
+        if p is not None:
+            p["rest_of_step_s"] = pred.allreduce_s + pred.update_s
+            p["step_s"] = pred.step_time_s
+        out[isl] = {"measured": m, "PREDICTED": p}
+    return out
 
 
 def _timeline(args, cfg, contenders, g, costs) -> None:

@@ -24,6 +24,9 @@ What is measured, with the runtime's own code paths (``hethub_jax.parallel.stage
     (``norm``: ``c0 + c1 x counted parameters``) and the update's extra per parameter over the same
     call repeated at once (``update_cold``);
   * the bridge (``MPIHostBridge`` send/recv round trips, under mpiexec): ``c0 + c1 x bytes``;
+  * with ``--stage-shapes``: whole stages of the given layer ranges (e.g. the whole model, every
+    one-stage replica's shape), the same four calls, used for stages of that shape instead of the
+    fits (:func:`profile_stage_shapes`: seconds per layer rise with the layers of a call on a CPU core);
   * with ``--dp``: the stages on ``(dp, 1)`` meshes; on CPU (``--corun``) the slowdown of stage calls
     while a second island of the process computes (:func:`measure_corun`); the runtime's own seconds
     per action (:func:`measure_runtime_overhead`), of its SEND, RECV and fused-B records and between
@@ -83,6 +86,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="skip the runtime's per-action seconds and the in-process bridge (a brief profile)")
     p.add_argument("--no-bridge", action="store_true",
                    help="do not measure the MPI bridge (every rank under mpiexec profiles its own island)")
+    p.add_argument("--stage-shapes", default="",
+                   help="comma-separated layer ranges FIRST-LAST (e.g. 0-7: the whole model) also measured as whole "
+                        "stages at every microbatch size and TP degree (kind 'stage_shape'); the predictor then uses "
+                        "these measured seconds for a stage of that shape instead of the fitted lines")
+    p.add_argument("--job-pids", default="",
+                   help="comma-separated process ids of this job's other processes on this machine (e.g. MPI ranks "
+                        "profiling their own cores at the same time): their CPU time is not counted as other "
+                        "processes' load in others_cpu_share")
     return p
 
 
@@ -471,6 +482,58 @@ def profile_compute(cfg: Any, seq_len: int, mbs_list: Sequence[int], tps: Sequen
     return samples, updates
 
 
+def parse_stage_shapes(text: str, num_layers: int) -> List[tuple]:
+    """``"0-7,0-3"`` -> ``[(0, 7), (0, 3)]``: layer ranges FIRST-LAST (inclusive) of stages to measure
+    whole (:func:`profile_stage_shapes`); "" -> [].
+
+    Raises:
+      ValueError: for a malformed range, ``FIRST > LAST`` or a layer outside ``0..num_layers-1``.
+    """
+    out = []
+    for part in (x.strip() for x in text.split(",")):
+        if not part:
+            continue
+        try:
+            a, b = (int(v) for v in part.split("-"))
+        except ValueError:
+            raise ValueError(f"stage shape {part!r}: expected FIRST-LAST layer indices, e.g. 0-{num_layers - 1}") from None
+        if not 0 <= a <= b < num_layers:
+            raise ValueError(f"stage shape {part!r}: need 0 <= FIRST <= LAST <= {num_layers - 1}")
+        out.append((a, b))
+    return list(dict.fromkeys(out))
+
+
+def profile_stage_shapes(cfg: Any, seq_len: int, mbs_list: Sequence[int], tps: Sequence[int], repeats: int,
+                         devices: Sequence[Any], shapes: Sequence[tuple]) -> List[dict]:
+    """Whole-stage samples of the layer ranges ``shapes`` (``(first, last)``, inclusive) on ``(1, tp)``
+    meshes at every microbatch size of ``mbs_list``: the runtime's four calls (:func:`measure_stage`),
+    one ``{"kind": "stage_shape", "first_layer", "last_layer", "layers", "is_first", "is_last", "dp": 1,
+    "tp", "phase", "microbatch_size", "tokens", "seconds"}`` each.
+
+    Why: the compute fits (:func:`fit_compute`) add one layer's fitted seconds per layer of a stage,
+    measured on stages of one and two layers; on a CPU core a call's seconds per layer rise with the
+    layers it holds (its saved activations outgrow the core's caches: at microbatch 16 x 64 tokens of
+    the 15 M model of ``benchmarks/hetero_e2e.py`` two layers took 2.1-2.3x one layer's seconds, and
+    the whole 8-layer model's fused forward + backward 1.41 s in training against 1.26-1.31 s from the
+    fits; docs/benchmarks.md, issue 17). A stage of a measured shape is then predicted from these
+    seconds (``planner.costs.DeviceCosts.measured_stage_s``), not from the fits. Kind ``stage_shape``
+    keeps them out of the fits."""
+    from hethub_jax.optim import OptimConfig, make_optimizer
+    from hethub_jax.parallel.stage import PipelineStage
+    tx, L, out = make_optimizer(OptimConfig()), cfg.num_hidden_layers, []
+    for tp in tps:
+        if tp > len(devices):
+            raise ValueError(f"TP {tp} needs {tp} devices; the island has {len(devices)}")
+        for fl, ll in shapes:
+            st = PipelineStage(cfg, fl, ll, list(devices[:tp]), 1, tp, seed=0, recompute=False, optimizer=tx)
+            for mbs in mbs_list:
+                for phase, sec in measure_stage(st, cfg, mbs, seq_len, repeats).items():
+                    out.append({"kind": "stage_shape", "first_layer": fl, "last_layer": ll, "layers": ll - fl + 1,
+                                "is_first": fl == 0, "is_last": ll == L - 1, "dp": 1, "tp": tp, "phase": phase,
+                                "microbatch_size": mbs, "tokens": mbs * seq_len, "seconds": sec})
+    return out
+
+
 def measure_corun(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int) -> List[dict]:
     """The slowdown of this device type's stage calls while a second island of the same process
     computes on other devices: on CPU, islands run as threads (or processes) of one host share its
@@ -824,10 +887,24 @@ def fit_corun(samples: List[dict]) -> Optional[Dict[str, Any]]:
             "neighbour": "the last stage's fused forward + backward in a loop on another device of the process"}
 
 
-def cpu_snapshot():
-    """``(wall s, busy CPU seconds of the whole machine, CPU seconds of this process)`` now: the
-    machine's from ``/proc/stat`` (user + nice + system + irq + softirq + steal jiffies over
-    ``SC_CLK_TCK``; None where it cannot be read), this process's from ``os.times()``."""
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used, from ``/proc/<pid>/stat`` (fields 14 and 15
+    over ``SC_CLK_TCK``, proc(5)); 0.0 when it cannot be read (no such process, no /proc)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after "(comm)", which may hold spaces
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def cpu_snapshot(job_pids: Sequence[int] = ()):
+    """``(wall s, busy CPU seconds of the whole machine, CPU seconds of this process and of ``job_pids``)``
+    now: the machine's from ``/proc/stat`` (user + nice + system + irq + softirq + steal jiffies over
+    ``SC_CLK_TCK``; None where it cannot be read), this process's from ``os.times()``, each of
+    ``job_pids`` (the job's other processes on this machine, e.g. MPI ranks profiling their own cores
+    at the same time) from :func:`process_cpu_seconds`, so that :func:`others_share` counts only
+    processes outside the job."""
     busy = None
     try:
         with open("/proc/stat") as f:
@@ -836,14 +913,16 @@ def cpu_snapshot():
     except (OSError, ValueError, IndexError):
         pass
     t = os.times()
-    return time.time(), busy, t.user + t.system
+    peers = sum(process_cpu_seconds(p) for p in job_pids if int(p) != os.getpid())
+    return time.time(), busy, t.user + t.system + peers
 
 
 def others_share(before, after):
     """Fraction of the machine's CPU time (all cores) between two :func:`cpu_snapshot` s that OTHER
     processes used (the machine's busy seconds minus this process's, over wall x cores); None when
     ``/proc/stat`` is unreadable. On a quiet machine about 0: profiles and benchmarks assume it
-    (under ``mpiexec`` the other ranks count as other processes)."""
+    (under ``mpiexec`` the other ranks count as other processes unless the snapshots were given their
+    ids, ``cpu_snapshot(job_pids)``)."""
     if before[1] is None or after[1] is None or after[0] <= before[0]:
         return None
     others = (after[1] - before[1]) - (after[2] - before[2])  # /proc/stat sums every core of the machine
@@ -929,6 +1008,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     tps = [int(x) for x in args.tp.split(",")]
     dps = [int(x) for x in args.dp.split(",")]
     dp_mbs = [int(x) for x in args.dp_microbatch_sizes.split(",")] if args.dp_microbatch_sizes else None
+    try:
+        job_pids = [int(x) for x in args.job_pids.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--job-pids must be comma-separated process ids, got {args.job_pids!r}") from None
     if args.slowdown < 1 or args.repeats < 1 or min(mbs_list + tps + dps + (dp_mbs or [])) < 1 or args.seq_len < 1:
         raise SystemExit("--slowdown must be >= 1; --repeats, --seq-len, microbatch sizes, TP and DP degrees >= 1")
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -939,6 +1022,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     from hethub_jax.host_allocator import steady_host_allocator
     alloc = steady_host_allocator()  # as PipelineRuntime sets it for CPU islands: calls cost the same there
     cfg = _model(args.model)
+    try:
+        shapes = parse_stage_shapes(args.stage_shapes, cfg.num_hidden_layers)
+    except ValueError as e:
+        raise SystemExit(f"--stage-shapes: {e}") from None
     bridge = None if args.no_bridge else measure_bridge([1024, 64 * 1024, 1024 * 1024], args.repeats)
     if bridge is not None and bridge and _mpi_rank() != 0:
         return {}
@@ -946,9 +1033,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     platform_name = devices[0].platform
     if args.slowdown != 1 and platform_name != "cpu":
         raise SystemExit("--slowdown (emulation) applies only to cpu islands")
-    t0, snap = time.perf_counter(), cpu_snapshot()
+    t0, snap = time.perf_counter(), cpu_snapshot(job_pids)
     samples, updates = profile_compute(cfg, args.seq_len, mbs_list, tps, args.repeats, devices,
                                        not args.no_progress, dps, dp_mbs)
+    samples += profile_stage_shapes(cfg, args.seq_len, mbs_list, tps, args.repeats, devices, shapes) if shapes else []
     corun = (measure_corun(cfg, devices, args.seq_len, args.repeats)
              if args.corun == "on" or (args.corun == "auto" and platform_name == "cpu") else [])
     corun += [] if args.no_runtime else measure_runtime_overhead(cfg, devices, args.repeats)
@@ -963,7 +1051,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     allreduce = measure_allreduce(devices[:max(tps)], sizes, args.repeats)
     copies += measure_shared_sum(cfg, devices, args.repeats, args.seq_len)
     prof = build_profile(cfg, args, samples, updates, copies, allreduce, bridge, platform_name, corun)
-    prof["others_cpu_share"] = others_share(snap, cpu_snapshot())
+    prof["others_cpu_share"] = others_share(snap, cpu_snapshot(job_pids))
+    prof["others_cpu_share_excludes"] = ({"job_pids": job_pids, "note": "this job's other processes (given by "
+                                          "--job-pids) are not counted as other processes"} if job_pids else None)
     prof["host_allocator"] = {"allocator": alloc["allocator"], "note": alloc["reason"]}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
@@ -971,7 +1061,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     print(f"profile of {prof['device_type']} ({len(prof['samples'])} samples, {time.perf_counter() - t0:.0f} s) "
           f"written to {args.out}" + (f"; EMULATED slowdown {args.slowdown:g}" if args.slowdown != 1 else ""))
     if (prof["others_cpu_share"] or 0) > 0.05:
-        print(f"note: other processes used {100 * prof['others_cpu_share']:.0f}% of this machine's CPUs while "
+        print(f"note: other processes{' (outside this job)' if job_pids else ''} used "
+              f"{100 * prof['others_cpu_share']:.0f}% of this machine's CPUs while "
               f"profiling; the figures include their load (profile on an idle machine)")
     return prof
 

@@ -140,6 +140,10 @@ class DeviceCosts:
         (``runtime.emulated_wait``, a sleep) asked to wait ``x`` seconds, ``c0 + c1 x``
         (``fits.emulated_wait``, ``profile.measure_emulated_wait``: a sleep wakes late); None: a wait
         takes exactly what it is asked (catalog, older profiles).
+      stage_shapes: per MEASURED whole-stage shape ``(layers, is_first, is_last, dp, tp, phase)``, the
+        ``(tokens per DP rank, seconds)`` points of the profile's ``"stage_shape"`` samples, tokens
+        ascending (``python -m hethub_jax.profile --stage-shapes``); read by :meth:`measured_stage_s`.
+        Empty for the catalog and for profiles without them.
     """
 
     name: str
@@ -199,6 +203,32 @@ class DeviceCosts:
             return r
         wait = (float(slowdown) - 1.0) * r
         return r + (wait if self.emulated_wait_fit is None else self.emulated_wait_fit(wait))
+
+    stage_shapes: Dict[Tuple[int, bool, bool, int, int, str], Tuple[Tuple[float, float], ...]] = field(
+        default_factory=dict)
+
+    def measured_stage_s(self, layers: int, is_first: bool, is_last: bool, tokens: float, tp: int, phase: str,
+                         dp: int = 1) -> Optional[float]:
+        """Seconds of one call of phase ``phase`` of a stage of ``layers`` decoder layers (with the
+        embedding when ``is_first``, the LM head and loss when ``is_last``) on a ``(dp, tp)`` mesh for
+        ``tokens`` tokens per DP rank, from the profile's MEASURED whole stages of that shape
+        (:attr:`stage_shapes`): the measured seconds at a profiled token count, else linear between the
+        two profiled counts around ``tokens``; None when that shape, mesh and phase were not measured or
+        ``tokens`` lies outside the measured counts (the caller then uses the fitted lines: no
+        extrapolation). Every decoder layer costs the same, so the shape is the layer count and the
+        two ends, not the layer indices. No slowdown applied (the profile's own, as the fits).
+
+        Raises:
+          ValueError: for an unknown phase.
+        """
+        _check_phase(phase)
+        pts = self.stage_shapes.get((int(layers), bool(is_first), bool(is_last), int(dp), int(tp), phase))
+        if not pts or not pts[0][0] <= tokens <= pts[-1][0]:
+            return None
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            if x0 <= tokens <= x1:
+                return y0 if x1 == x0 else y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+        return pts[0][1]  # one measured count, equal to tokens
 
     def cold_extra_s(self, is_first: bool, is_last: bool, phase: str) -> float:
         """The measured :attr:`cold_extra` seconds of a stage call (phase in :data:`PHASES`; a last
@@ -284,7 +314,8 @@ class DeviceCosts:
                    cold_extra=_cold(fits_in.get("cold")), profile_path=path, norm_fit=lin(fits_in.get("norm")),
                    update_cold_per_param_s=max(0.0, float((fits_in.get("update_cold") or {}).get("per_param_s", 0.0))),
                    action_costs=_action_costs(fits_in.get("actions")),
-                   emulated_wait_fit=lin(fits_in.get("emulated_wait")))
+                   emulated_wait_fit=lin(fits_in.get("emulated_wait")),
+                   stage_shapes=_stage_shapes(profile.get("samples") or ()))
 
     # ---- DP meshes ---------------------------------------------------------------------------------
     def measured_dp_degrees(self, tp: int) -> Tuple[int, ...]:
@@ -520,6 +551,19 @@ def _action_costs(d: Optional[Mapping[str, Any]]) -> Dict[str, float]:
     if not d:
         return {}
     return {k: max(0.0, float(d[k])) for k in ("send_s", "recv_s", "fused_b_s", "gap_s") if k in d}
+
+
+def _stage_shapes(samples: Any) -> Dict[Tuple[int, bool, bool, int, int, str], Tuple[Tuple[float, float], ...]]:
+    """``DeviceCosts.stage_shapes`` from a profile's ``"stage_shape"`` samples: per shape, mesh and
+    phase, ``(tokens, seconds)`` ascending (repeated token counts: their mean)."""
+    acc: Dict[tuple, Dict[float, list]] = {}
+    for s in samples:
+        if not isinstance(s, Mapping) or s.get("kind") != "stage_shape":
+            continue
+        key = (int(s["layers"]), bool(s["is_first"]), bool(s["is_last"]), int(s.get("dp", 1)), int(s.get("tp", 1)),
+               str(s["phase"]))
+        acc.setdefault(key, {}).setdefault(float(s["tokens"]), []).append(float(s["seconds"]))
+    return {k: tuple((t, sum(v) / len(v)) for t, v in sorted(pts.items())) for k, pts in acc.items()}
 
 
 def _shared_fit(d: Optional[Mapping[str, Any]]) -> Optional[Tuple[float, float]]:

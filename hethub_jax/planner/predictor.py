@@ -188,8 +188,9 @@ def stage_compute_s(cfg: Any, costs: DeviceCosts, first_layer: int, last_layer: 
                     is_last: bool, tokens: float, seq_len: int, tp: int, phase: str, dp: int = 1) -> float:
     """Seconds of one stage action (phase ``"F"``, ``"F_nosave"``, ``"B"`` or ``"B_recompute"``, see
     ``costs.PHASES``) for one microbatch of ``tokens`` tokens per DP rank on a ``(dp, tp)`` mesh: the
-    stage's fixed call cost + layers + embedding (first stage) + LM head and loss (last stage). No
-    slowdown applied. ``"B_recompute"`` is floored, part by part, at ``B + max(F_nosave, F - F_nosave)``:
+    stage's fixed call cost + layers + embedding (first stage) + LM head and loss (last stage); a stage
+    whose shape the profile measured whole (``--stage-shapes``) takes those measured seconds instead
+    (:func:`_measured_stage_s`). No slowdown applied. ``"B_recompute"`` is floored, part by part, at ``B + max(F_nosave, F - F_nosave)``:
     recomputing costs at least the plain forward it reruns, and recompute ``full`` is never PREDICTED
     faster than ``none`` (separately fitted profile lines can say otherwise by their noise).
 
@@ -198,6 +199,10 @@ def stage_compute_s(cfg: Any, costs: DeviceCosts, first_layer: int, last_layer: 
     """
     if last_layer < first_layer:
         raise ValueError(f"empty stage: first_layer {first_layer} > last_layer {last_layer}")
+    measured = _measured_stage_s(costs, last_layer - first_layer + 1, is_first, is_last, tokens, tp, phase, dp)
+    if measured is not None:
+        return measured
+
     def parts(ph: str) -> Tuple[float, float, float, float]:  # call, one layer, embedding, head
         return (costs.stage_overhead_s(tp, ph, dp), costs.layer_time_s(cfg, tokens, seq_len, tp, ph, dp),
                 costs.embed_time_s(cfg, tokens, tp, ph, dp) if is_first else 0.0,
@@ -219,6 +224,16 @@ def stage_compute_s(cfg: Any, costs: DeviceCosts, first_layer: int, last_layer: 
     if is_last:
         t += head
     return t
+
+
+def _measured_stage_s(costs: DeviceCosts, layers: int, is_first: bool, is_last: bool, tokens: float, tp: int,
+                      phase: str, dp: int) -> Optional[float]:
+    """The profile's MEASURED seconds of a whole stage of this shape (``DeviceCosts.measured_stage_s``,
+    ``python -m hethub_jax.profile --stage-shapes``), else None: the fitted lines add one layer's
+    seconds per layer, measured on stages of one and two layers, and a call's seconds per layer rise
+    with its layers on a CPU core (docs/benchmarks.md, issue 17)."""
+    fn = getattr(costs, "measured_stage_s", None)
+    return None if fn is None else fn(layers, is_first, is_last, tokens, tp, phase, dp)
 
 
 def stage_memory_bytes(cfg: Any, first_layer: int, last_layer: int, is_first: bool, is_last: bool, *,

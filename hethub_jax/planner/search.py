@@ -394,6 +394,11 @@ class _Planner:
                        for n, g in self.groups.items()}
         self._times: Dict[tuple, List[float]] = {}
         self._lines: Dict[tuple, tuple] = {}
+        #: some group's costs hold MEASURED whole-stage shapes (``DeviceCosts.stage_shapes``, profile
+        #: ``--stage-shapes``): its stage seconds are then not a line in the layer count, which every bound
+        #: and the layer-split tables assume; the tables take each stage size's seconds from the calls
+        #: ``predict`` makes (:meth:`stage_fb`) and no bound prunes (every plan of the space is predicted)
+        self.exact = any(getattr(c, "stage_shapes", None) for c in self.costs.values())
         self._fused: Dict[tuple, str] = {}
         self._upd: Dict[tuple, float] = {}
         self._seen: set = set()
@@ -415,7 +420,10 @@ class _Planner:
 
     # ---- top k -----------------------------------------------------------------------------------
     def ub(self) -> float:
-        """The k-th best step time so far (inf until k candidates exist): the pruning threshold."""
+        """The k-th best step time so far (inf until k candidates exist): the pruning threshold; inf with
+        measured stage shapes (:attr:`exact`: the bounds assume stage seconds linear in the layer count)."""
+        if self.exact:
+            return math.inf
         return self.top[-1][0] if len(self.top) >= self.opt.top_k else math.inf
 
     def prunes(self, bound: float) -> bool:
@@ -473,12 +481,31 @@ class _Planner:
     def stage_times(self, g: str, tp: int, dp: int, mbs: int, rec: str, first: bool, last: bool,
                     fused: str = "none") -> List[float]:
         """``t[n]``, n = 0..L: seconds of F + B of one microbatch on a stage of ``n`` layers (lines of
-        :meth:`stage_lines`); ``t[0] = inf``."""
+        :meth:`stage_lines`; with measured stage shapes, :meth:`stage_fb` per ``n``); ``t[0] = inf``."""
         key = (g, tp, dp, mbs, rec, first, last, fused)
         if key not in self._times:
-            (fa, fs), (ba, bs) = self.stage_lines(*key)
-            self._times[key] = [math.inf] + [fa + ba + (n - 1) * (fs + bs) for n in range(1, self.L + 1)]
+            if self.exact:
+                self._times[key] = [math.inf] + [sum(self.stage_fb(*key, n)) for n in range(1, self.L + 1)]
+            else:
+                (fa, fs), (ba, bs) = self.stage_lines(*key)
+                self._times[key] = [math.inf] + [fa + ba + (n - 1) * (fs + bs) for n in range(1, self.L + 1)]
         return self._times[key]
+
+    def stage_fb(self, g: str, tp: int, dp: int, mbs: int, rec: str, first: bool, last: bool, fused: str,
+                 n: int) -> Tuple[float, float]:
+        """``(F, B)`` seconds of one microbatch's actions on a stage of ``n`` layers of group ``g``, each from
+        the call ``predict`` makes (``stage_compute_s`` x the island's slowdown factor: a MEASURED stage
+        shape's seconds where the profile has them), the last stage's fusion as in :meth:`stage_lines`
+        (``"some"``: F the cheaper of the unfused F and the fused F+B, B 0: a lower bound)."""
+        from hethub_jax.planner.predictor import stage_compute_s
+        c, f, tokens = self.costs[g], self.factor[g], mbs // dp * self.seq
+        sc = lambda ph: f * stage_compute_s(self.cfg, c, 0, n - 1, first, last, tokens, self.seq, tp, ph, dp)
+        fph, bph = ("F", "B") if rec == "none" else ("F_nosave", "B_recompute")
+        if last and fused == "all":
+            return sc("B_recompute"), 0.0
+        if last and fused == "some":
+            return min(sc(fph), sc("B_recompute")), 0.0
+        return sc(fph), sc(bph)
 
     def fused(self, sched: str, num_stages: int, M: int) -> str:
         """Whether the last stage's forwards run fused with their backwards (see :meth:`stage_lines`):
@@ -528,10 +555,14 @@ class _Planner:
         for s, n in enumerate(counts):
             j = sg[s]
             g, first, last = sk.groups[j], s == 0, s == S - 1
-            (fa, fs), (ba, bs) = self.stage_lines(g, sk.tp[j], sk.dp[j], sk.microbatch_size, sk.recompute,
-                                                  first, last, fu if last else "none")
-            fw.append(fa + (n - 1) * fs)
-            bw.append(ba + (n - 1) * bs)
+            args = (g, sk.tp[j], sk.dp[j], sk.microbatch_size, sk.recompute, first, last, fu if last else "none")
+            if self.exact:
+                f_s, b_s = self.stage_fb(*args, n)
+            else:
+                (fa, fs), (ba, bs) = self.stage_lines(*args)
+                f_s, b_s = fa + (n - 1) * fs, ba + (n - 1) * bs
+            fw.append(f_s)
+            bw.append(b_s)
             upd[g] = upd.get(g, 0.0) + self.update_s(g, sk.tp[j], n, first, last, sk.dp[j])
         act, grad = self.message_times(sk, counts, fw, bw)
         return fw, bw, act, grad, max(upd.values())
