@@ -702,6 +702,26 @@ def measure_local_bridge(sizes: Sequence[int], repeats: int) -> List[dict]:
     return out
 
 
+def _one_island_runtime(cfg: Any, devices: Sequence[Any], schedule: str, seq_len: int):
+    """``(runtime, batch)``: one island of this process on two devices, two stages (the layers split in
+    half), ``schedule``, 4 one-sample microbatches of ``seq_len`` random tokens (seed 0); no action
+    waits on another process. For the profiler's measurements of the runtime's own seconds."""
+    from hethub_jax.optim import OptimConfig
+    from hethub_jax.parallel.plan import Plan
+    from hethub_jax.parallel.runtime import PipelineRuntime
+    n, half = cfg.num_hidden_layers, cfg.num_hidden_layers // 2
+    plan = Plan.from_dict({"islands": [{"name": "p", "platform": devices[0].platform, "devices_per_process": 2}],
+                           "global_batch_size": 4, "microbatch_size": 1, "schedule": schedule, "stages": [
+                               {"island": "p", "first_layer": 0, "last_layer": half - 1},
+                               {"island": "p", "first_layer": half, "last_layer": n - 1}]})
+    rt = PipelineRuntime(plan, cfg, OptimConfig(), devices=list(devices[:2]))
+    rng = np.random.default_rng(0)
+    batch = {"tokens": rng.integers(0, cfg.vocab_size, (4, seq_len), dtype=np.int32),
+             "targets": rng.integers(0, cfg.vocab_size, (4, seq_len), dtype=np.int32),
+             "loss_mask": np.ones((4, seq_len), np.float32)}
+    return rt, batch
+
+
 def measure_runtime_overhead(cfg: Any, devices: Sequence[Any], repeats: int) -> List[dict]:
     """Seconds of the runtime's own work per action -- Python dispatch and bookkeeping between and
     around the compute calls, the step's start, same-island messages -- measured on the runtime
@@ -709,21 +729,9 @@ def measure_runtime_overhead(cfg: Any, devices: Sequence[Any], repeats: int) -> 
     split in half), GPipe, 4 microbatches, so that no action waits on another process. Per step (after
     a compiling one): the seconds from the step's start to its last action's end minus the summed
     durations of its F and B records, with the number of actions. Empty with fewer than 2 devices."""
-    from hethub_jax.optim import OptimConfig
-    from hethub_jax.parallel.plan import Plan
-    from hethub_jax.parallel.runtime import PipelineRuntime
     if len(devices) < 2:
         return []
-    n, half = cfg.num_hidden_layers, cfg.num_hidden_layers // 2
-    plan = Plan.from_dict({"islands": [{"name": "p", "platform": devices[0].platform, "devices_per_process": 2}],
-                           "global_batch_size": 4, "microbatch_size": 1, "schedule": "gpipe", "stages": [
-                               {"island": "p", "first_layer": 0, "last_layer": half - 1},
-                               {"island": "p", "first_layer": half, "last_layer": n - 1}]})
-    rt = PipelineRuntime(plan, cfg, OptimConfig(), devices=list(devices[:2]))
-    rng, seq = np.random.default_rng(0), 16
-    batch = {"tokens": rng.integers(0, cfg.vocab_size, (4, seq), dtype=np.int32),
-             "targets": rng.integers(0, cfg.vocab_size, (4, seq), dtype=np.int32),
-             "loss_mask": np.ones((4, seq), np.float32)}
+    rt, batch = _one_island_runtime(cfg, devices, "gpipe", 16)
     out = []
     for i in range(repeats + 1):
         t0 = time.perf_counter()
@@ -756,21 +764,9 @@ def measure_action_costs(cfg: Any, devices: Sequence[Any], seq_len: int, repeats
     the seconds between records per action (step start to the last record's end, less every record's
     seconds, over the actions). Returns one ``{"kind": "action_costs", "send_s", "recv_s",
     "fused_b_s", "gap_s", "actions"}`` per timed step; empty with fewer than 2 devices."""
-    from hethub_jax.optim import OptimConfig
-    from hethub_jax.parallel.plan import Plan
-    from hethub_jax.parallel.runtime import PipelineRuntime
     if len(devices) < 2:
         return []
-    n, half = cfg.num_hidden_layers, cfg.num_hidden_layers // 2
-    plan = Plan.from_dict({"islands": [{"name": "p", "platform": devices[0].platform, "devices_per_process": 2}],
-                           "global_batch_size": 4, "microbatch_size": 1, "schedule": "1f1b", "stages": [
-                               {"island": "p", "first_layer": 0, "last_layer": half - 1},
-                               {"island": "p", "first_layer": half, "last_layer": n - 1}]})
-    rt = PipelineRuntime(plan, cfg, OptimConfig(), devices=list(devices[:2]))
-    rng = np.random.default_rng(0)
-    batch = {"tokens": rng.integers(0, cfg.vocab_size, (4, seq_len), dtype=np.int32),
-             "targets": rng.integers(0, cfg.vocab_size, (4, seq_len), dtype=np.int32),
-             "loss_mask": np.ones((4, seq_len), np.float32)}
+    rt, batch = _one_island_runtime(cfg, devices, "1f1b", seq_len)
     out = []
     for i in range(repeats + 1):
         t0 = time.perf_counter()

@@ -61,8 +61,10 @@ def test_plan_field_default_auto_and_validation():
 
 
 # ---- host collectives -------------------------------------------------------------------------
-def _run_ranks(n, body):
-    comms = LocalCommunicator.create(n, timeout=30)
+def _run_ranks(n, body, timeout: float = 30.0):
+    """``body(comm)`` on ``n`` ranks in threads of this process (`LocalCommunicator`); rank -> result.
+    Re-raises a rank's error; fails when a rank does not finish within ``timeout + 60`` seconds."""
+    comms = LocalCommunicator.create(n, timeout=timeout)
     out, errors = {}, {}
 
     def run(c):
@@ -74,8 +76,9 @@ def _run_ranks(n, body):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
+        t.join(timeout + 60)
     assert not errors, errors
+    assert len(out) == n, "a rank did not finish"
     return out
 
 
@@ -227,22 +230,7 @@ def _stage_state(rt) -> dict:
 def _run_plan_ranks(plan: Plan, body, timeout: float = 600.0) -> dict:
     """``body(comm)`` on every rank of ``plan`` in threads of this process (`LocalCommunicator`, the
     in-process bridge; every rank sees this process's devices); rank -> its result."""
-    comms = LocalCommunicator.create(plan.world_size, timeout=timeout)
-    out, errors = {}, {}
-
-    def run(c):
-        try:
-            out[c.rank] = body(c)
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors[c.rank] = e
-    threads = [threading.Thread(target=run, args=(c,), daemon=True) for c in comms]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout + 60)
-    assert not errors, errors
-    assert len(out) == plan.world_size, "a rank did not finish"
-    return out
+    return _run_ranks(plan.world_size, body, timeout)
 
 
 def _count_calls(monkeypatch) -> dict:
