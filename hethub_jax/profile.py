@@ -612,10 +612,12 @@ def measure_launch(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int)
     stage's forward, layer 0, one sample) on a 2-device ``(1, 2)`` mesh ``devices[0:2]``, and as a
     control on one device ``devices[0]``, timed alone and while a second thread runs a long neighbour
     (a last stage's fused forward + backward, last layer, 4 samples) in a loop on the ``(1, 2)`` mesh
-    ``devices[2:4]`` -- as two islands of one process do with DP or TP stages. A launcher that runs
-    one multi-device computation at a time makes the 2-device probe wait for the neighbour's call in
-    progress (on average about half of it); shared cores alone slow it by a few times its own
-    seconds. Returns ``{"kind": "launch", "mesh": "1x2" | "1x1", "alone_s", "busy_s", "neighbour_s"}``
+    ``devices[2:4]`` -- as two islands of one process do with DP or TP stages. Each probe beside the
+    neighbour starts a tenth of the neighbour's (alone) seconds after one of its calls began, as a
+    first stage's backward starts right after the last stage began its next forward + backward in
+    a pipeline. A launcher that runs one multi-device computation at a time makes the 2-device probe
+    wait for the rest of that call (up to 0.9 of it); shared cores alone slow it by a few times its
+    own seconds. Returns ``{"kind": "launch", "mesh": "1x2" | "1x1", "alone_s", "busy_s", "neighbour_s"}``
     (medians over ``repeats`` alternating calls; ``neighbour_s``: the neighbour's call alone); empty
     with fewer than 4 devices. :func:`fit_launch` reads them."""
     import threading
@@ -637,12 +639,13 @@ def measure_launch(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int)
     placed = StageInputs(x_dev, other.place_tokens(pos), other.place_tokens(tokens), other.place_tokens(mask))
     no = np.bool_(False)
     neighbour = lambda: jax.block_until_ready(other.forward_backward(other.params, placed, other.new_grad_buffer(), no))
-    busy, stop, idle = threading.Event(), threading.Event(), threading.Event()
+    busy, stop, idle, began = threading.Event(), threading.Event(), threading.Event(), threading.Event()
 
     def loop():
         while not stop.is_set():
             if busy.wait(0.01):
                 idle.clear()
+                began.set()
                 neighbour()
             else:
                 idle.set()
@@ -657,14 +660,17 @@ def measure_launch(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int)
     th = threading.Thread(target=loop, daemon=True)
     th.start()
     times: Dict[tuple, List[float]] = {}
-    rng = np.random.default_rng(0)
+    lag = 0.1 * float(np.median(alone_n))
     try:
         for i in range(2 * repeats):
             (busy.set if i % 2 else busy.clear)()
             if not i % 2:
                 idle.wait(5.0)  # alone: the neighbour's call in progress has ended
             for name, fn in probes.items():
-                time.sleep(float(rng.uniform(0.0, 0.5)) * float(np.median(alone_n)))  # a random phase
+                if i % 2:  # a tenth of a neighbour's call after one began
+                    began.clear()
+                    began.wait(5.0)
+                time.sleep(lag)
                 t0 = time.perf_counter()
                 fn()
                 times.setdefault((name, i % 2), []).append(time.perf_counter() - t0)
@@ -677,13 +683,16 @@ def measure_launch(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int)
 
 
 def fit_launch(samples: List[dict]) -> Optional[Dict[str, Any]]:
-    """``{"serial", "wait_s", "neighbour_s", "wait_fraction", "one_device_wait_s", "method", "source"}``
-    from :func:`measure_launch`'s samples (None without the 2-device one): ``serial`` when the 2-device
-    probe's extra seconds beside the neighbour (``wait_s``, busy - alone) are at least a quarter of the
-    neighbour's call (``wait_fraction >= 0.25``): waiting for the call in progress costs half of it on
-    average at a random phase, while sharing the cores costs a few times the probe's own seconds,
-    which the measurement keeps far smaller (a one-sample forward of one layer against a four-sample
-    forward + backward with the LM head)."""
+    """``{"serial", "wait_s", "neighbour_s", "wait_fraction", "probe_fraction", "one_device_wait_s",
+    "method", "source"}`` from :func:`measure_launch`'s samples (None without the 2-device one):
+    ``serial`` when the 2-device probe's extra seconds beside the neighbour (``wait_s``, busy - alone)
+    are at least a fifth of the neighbour's call (``wait_fraction >= 0.2``): waiting for the rest of
+    the call it started beside costs up to 0.9 of it (measured 0.30 with XLA's default intra-op
+    threads and 4 devices, 1.39 with ``--xla_cpu_multi_thread_eigen=false`` and 8 devices, both on
+    this 2-core VM under load, docs/benchmarks.md issue 13), while sharing the cores costs a few times
+    the probe's own seconds, ``probe_fraction`` (probe alone / neighbour, measured 0.03-0.05) of the
+    neighbour's: a one-sample forward of one layer against a four-sample forward + backward with the
+    LM head."""
     two = [s for s in samples if s.get("mesh") == "1x2"]
     if not two:
         return None
@@ -691,7 +700,8 @@ def fit_launch(samples: List[dict]) -> Optional[Dict[str, Any]]:
     one = [x for x in samples if x.get("mesh") == "1x1"]
     wait = max(0.0, s["busy_s"] - s["alone_s"])
     frac = wait / s["neighbour_s"] if s["neighbour_s"] > 0 else 0.0
-    return {"serial": bool(frac >= 0.25), "wait_s": wait, "neighbour_s": s["neighbour_s"], "wait_fraction": frac,
+    return {"serial": bool(frac >= 0.2), "wait_s": wait, "neighbour_s": s["neighbour_s"], "wait_fraction": frac,
+            "probe_fraction": s["alone_s"] / s["neighbour_s"] if s["neighbour_s"] > 0 else None,
             "one_device_wait_s": max(0.0, one[0]["busy_s"] - one[0]["alone_s"]) if one else None,
             "method": "profile.measure_launch: a 2-device probe beside a 2-device neighbour in a loop, one process",
             "source": LAUNCH_SOURCE}
