@@ -968,6 +968,8 @@ def _critical_path(pl: _Pipeline, ctxs, pipeline_s: float, reduce_s: float, upda
     st, en, prev, code, key_of = pl.start, pl.end, pl.prev, pl.code, pl.key_of
     if not en:
         return "empty step"
+    if pl.wait is not None:  # compute seconds only: not a wait for the launch lock
+        st = list(map(operator.add, st, pl.wait))
     top = pl.pipeline_s
     last = []  # the actions that end last (each stage's end times never decrease along its list)
     for lo, hi in zip(pl.lo, pl.lo[1:] + [len(en)]):
