@@ -20,7 +20,11 @@ How a prediction is made (DESIGN.md section 7; details and formulas in ``docs/pr
      executes them one action at a time in the runtime's order
      (:func:`hethub_jax.planner.simulator.simulate_processes`); islands sharing one host's cores
      (``DeviceCosts.on_shared_host``) slow their overlapping compute by the profile's measured co-run
-     factor (a fixed point over the simulated timeline, :func:`_corun_factors`);
+     factor (a fixed point over the simulated timeline, :func:`_corun_factors`); islands that are
+     threads of one process (``DeviceCosts.in_process``) whose profile measured XLA:CPU's one-at-a-time
+     launcher of multi-device computations (``fits.launch``) run the F and B of their DP / TP stages
+     one at a time, first come first served (:func:`_launch_locks`), and their norms and updates after
+     the pipelines one after the other (:func:`_serial_tail`);
   3. after the pipelines: the sum of gradients of parameters held by several stages (tied
      embeddings, data-parallel replicas), the global norm, and every stage's optimizer update (the
      stages of one island one after the other);
@@ -528,7 +532,8 @@ def _serial_tail(cfg: Any, plan: Any, ctxs, locks: Mapping[Tuple[int, int], int]
     per stage) run one after the other, not side by side. The norm's extra is the largest over the
     locks of (sum - largest) of its stages' norms (the concurrent tail counted the largest island's);
     the updates' figure is the largest sum of a lock's stages' updates, which the caller takes when
-    it exceeds the concurrent tail's update seconds."""
+    it exceeds the concurrent tail's update seconds (an EMULATED slow island's update counts with its
+    wait, which in the runtime holds no lock: an upper bound there)."""
     pb = analytic.dtype_bytes(cfg.param_dtype)
     counted = _norm_fractions(cfg, plan)
     norms: Dict[int, List[float]] = {}
