@@ -10,7 +10,9 @@
    on one shared host, ``DeviceCosts.on_shared_host``: they are threads of this process) and measures
    at least 10 larger configurations on this machine: 2-4 pipeline stages over 2 islands, 2-8
    microbatches, fake-device DP and TP, an EMULATED slowdown, recompute on and off, GPipe and 1F1B,
-   heterogeneous DP. Measured with the real ``PipelineRuntime``, one thread per island in this
+   heterogeneous DP. The islands are threads of ONE process (``DeviceCosts.in_process``): XLA:CPU runs
+   that process's multi-device computations (the DP and TP stages) one at a time, which the profile
+   measures (``fits.launch``) and the predictor follows. Measured with the real ``PipelineRuntime``, one thread per island in this
    process, joined by ``LocalCommunicator``; a step's time is the slowest island's.
 3. **Rounds against VM drift** (``--rounds R``, default 3): the same configurations measured on this VM
    a few minutes apart differ by 7-57% (docs/benchmarks.md), more than the goal. So every
@@ -362,7 +364,8 @@ def main() -> None:
     share_profile = others_share(snap0, cpu_snapshot()) if profiled else None  # while this run profiled
     t_profile = time.time() - t_start
     # the islands are threads of this process: they share its cores (the profile's measured co-run factor)
-    costs = DeviceCosts.from_profile(prof_path).on_shared_host("this process")
+    # and its launcher of multi-device computations (DP / TP stages; the profile's measured fits.launch)
+    costs = DeviceCosts.from_profile(prof_path).in_process("this process")
     base = DeviceCosts.from_catalog("cpu")
     # in one process the bridge is LocalCommunicator: the profile's measured 2-thread all-reduce
     # (older profiles: its host-copy line)

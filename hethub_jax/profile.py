@@ -264,6 +264,14 @@ def measure_update(st: Any, repeats: int) -> float:
     return _median_time(step, repeats)
 
 
+def measure_norm(st: Any, repeats: int) -> float:
+    """Seconds of the stage's part of the global gradient norm as the runtime computes it
+    (``PipelineStage.sq_norm`` of all its gradients, then the read of the scalar), back to back."""
+    import jax.numpy as jnp
+    grads, inv = st.new_grad_buffer(), jnp.float32(1e-3)
+    return _median_time(lambda: float(st.sq_norm(grads, inv)), repeats)
+
+
 def measure_host_copy(device: Any, sizes: Sequence[int], repeats: int) -> List[dict]:
     """Seconds of one device->host plus one host->device copy of ``n`` float32 bytes, halved."""
     import jax
@@ -474,10 +482,14 @@ def profile_compute(cfg: Any, seq_len: int, mbs_list: Sequence[int], tps: Sequen
                 bar.update()
                 if bar.n == bar.total and getattr(bar, "last_print_n", bar.n) != bar.n:
                     bar.refresh()  # lines mode: the 100 % line once (leave=False: close draws nothing)
-            if tp == (tps[0] if dp == 1 else 1):
-                n = analytic.stage_params_per_device(cfg, fl, ll, fl == 0, ll == cfg.num_hidden_layers - 1, tp)
-                updates.append({"kind": "update", "stage": kind, "dp": dp, "params": n,
-                                "seconds": measure_update(st, repeats)})
+            # the update and the norm on every mesh: on fake CPU devices sharing the host's cores a
+            # (1, tp) mesh's update is not one device's at 1/tp of the parameters (docs/benchmarks.md)
+            n = analytic.stage_params_per_device(cfg, fl, ll, fl == 0, ll == cfg.num_hidden_layers - 1, tp)
+            updates.append({"kind": "update", "stage": kind, "dp": dp, "tp": tp, "params": n,
+                            "seconds": measure_update(st, repeats)})
+            if (dp, tp) != (1, 1):
+                updates.append({"kind": "norm_mesh", "stage": kind, "dp": dp, "tp": tp, "params": n,
+                                "seconds": measure_norm(st, repeats)})
     bar.close()
     return samples, updates
 
@@ -587,6 +599,112 @@ def measure_corun(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int) 
     # luckiest alignment (a call that ran while the neighbour was between calls)
     return [{"kind": "corun", "call": n, "alone_s": float(np.median(times[(n, 0)])),
              "busy_s": float(np.median(times[(n, 1)]))} for n in calls]
+
+
+#: where a one-process launcher of multi-device computations is documented (see :func:`measure_launch`)
+LAUNCH_SOURCE = ("openxla/xla xla/pjrt/cpu/cpu_client.cc, PjRtCpuLoadedExecutable::Execute: a multi-device "
+                 "execution waits for the client's previous one ('We conservatively run only one collective "
+                 "at a time'); a one-device execution runs on the calling thread")
+
+
+def measure_launch(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int) -> List[dict]:
+    """Whether this process runs its multi-device computations one at a time: a short probe (a first
+    stage's forward, layer 0, one sample) on a 2-device ``(1, 2)`` mesh ``devices[0:2]``, and as a
+    control on one device ``devices[0]``, timed alone and while a second thread runs a long neighbour
+    (a last stage's fused forward + backward, last layer, 4 samples) in a loop on the ``(1, 2)`` mesh
+    ``devices[2:4]`` -- as two islands of one process do with DP or TP stages. Each probe beside the
+    neighbour starts a tenth of the neighbour's (alone) seconds after one of its calls began, as a
+    first stage's backward starts right after the last stage began its next forward + backward in
+    a pipeline. A launcher that runs one multi-device computation at a time makes the 2-device probe
+    wait for the rest of that call (up to 0.9 of it); shared cores alone slow it by a few times its
+    own seconds. Returns ``{"kind": "launch", "mesh": "1x2" | "1x1", "alone_s", "busy_s", "neighbour_s"}``
+    (medians over ``repeats`` alternating calls; ``neighbour_s``: the neighbour's call alone); empty
+    with fewer than 4 devices. :func:`fit_launch` reads them."""
+    import threading
+
+    from hethub_jax.optim import OptimConfig, make_optimizer
+    from hethub_jax.parallel.stage import PipelineStage
+    if len(devices) < 4:
+        return []
+    import jax
+    import jax.numpy as jnp
+
+    from hethub_jax.parallel.stage import StageInputs
+    tx, L = make_optimizer(OptimConfig()), cfg.num_hidden_layers
+    mk = lambda fl, ll, ds, tp: PipelineStage(cfg, fl, ll, list(ds), 1, tp, seed=0, recompute=False, optimizer=tx)
+    probes = {"1x2": _stage_call(mk(0, 0, devices[0:2], 2), cfg, seq_len, "F"),
+              "1x1": _stage_call(mk(0, 0, devices[0:1], 1), cfg, seq_len, "F")}
+    other = mk(L - 1, L - 1, devices[2:4], 2)
+    tokens, pos, mask, x_dev = _inputs(other, cfg, 4, seq_len)
+    placed = StageInputs(x_dev, other.place_tokens(pos), other.place_tokens(tokens), other.place_tokens(mask))
+    no = np.bool_(False)
+    neighbour = lambda: jax.block_until_ready(other.forward_backward(other.params, placed, other.new_grad_buffer(), no))
+    busy, stop, idle, began = threading.Event(), threading.Event(), threading.Event(), threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            if busy.wait(0.01):
+                idle.clear()
+                began.set()
+                neighbour()
+            else:
+                idle.set()
+    for fn in probes.values():
+        fn()
+    neighbour()
+    alone_n = []
+    for _ in range(max(3, repeats // 2)):
+        t0 = time.perf_counter()
+        neighbour()
+        alone_n.append(time.perf_counter() - t0)
+    th = threading.Thread(target=loop, daemon=True)
+    th.start()
+    times: Dict[tuple, List[float]] = {}
+    lag = 0.1 * float(np.median(alone_n))
+    try:
+        for i in range(2 * repeats):
+            (busy.set if i % 2 else busy.clear)()
+            if not i % 2:
+                idle.wait(5.0)  # alone: the neighbour's call in progress has ended
+            for name, fn in probes.items():
+                if i % 2:  # a tenth of a neighbour's call after one began
+                    began.clear()
+                    began.wait(5.0)
+                time.sleep(lag)
+                t0 = time.perf_counter()
+                fn()
+                times.setdefault((name, i % 2), []).append(time.perf_counter() - t0)
+    finally:
+        stop.set()
+        busy.clear()
+        th.join()
+    return [{"kind": "launch", "mesh": n, "alone_s": float(np.median(times[(n, 0)])),
+             "busy_s": float(np.median(times[(n, 1)])), "neighbour_s": float(np.median(alone_n))} for n in probes]
+
+
+def fit_launch(samples: List[dict]) -> Optional[Dict[str, Any]]:
+    """``{"serial", "wait_s", "neighbour_s", "wait_fraction", "probe_fraction", "one_device_wait_s",
+    "method", "source"}`` from :func:`measure_launch`'s samples (None without the 2-device one):
+    ``serial`` when the 2-device probe's extra seconds beside the neighbour (``wait_s``, busy - alone)
+    are at least a fifth of the neighbour's call (``wait_fraction >= 0.2``): waiting for the rest of
+    the call it started beside costs up to 0.9 of it (measured 0.30 with XLA's default intra-op
+    threads and 4 devices, 1.39 with ``--xla_cpu_multi_thread_eigen=false`` and 8 devices, both on
+    this 2-core VM under load, docs/benchmarks.md issue 13), while sharing the cores costs a few times
+    the probe's own seconds, ``probe_fraction`` (probe alone / neighbour, measured 0.03-0.05) of the
+    neighbour's: a one-sample forward of one layer against a four-sample forward + backward with the
+    LM head."""
+    two = [s for s in samples if s.get("mesh") == "1x2"]
+    if not two:
+        return None
+    s = two[0]
+    one = [x for x in samples if x.get("mesh") == "1x1"]
+    wait = max(0.0, s["busy_s"] - s["alone_s"])
+    frac = wait / s["neighbour_s"] if s["neighbour_s"] > 0 else 0.0
+    return {"serial": bool(frac >= 0.2), "wait_s": wait, "neighbour_s": s["neighbour_s"], "wait_fraction": frac,
+            "probe_fraction": s["alone_s"] / s["neighbour_s"] if s["neighbour_s"] > 0 else None,
+            "one_device_wait_s": max(0.0, one[0]["busy_s"] - one[0]["alone_s"]) if one else None,
+            "method": "profile.measure_launch: a 2-device probe beside a 2-device neighbour in a loop, one process",
+            "source": LAUNCH_SOURCE}
 
 
 def _phase_calls(st: Any, cfg: Any, seq_len: int) -> Dict[str, Callable[[], Any]]:
@@ -935,9 +1053,12 @@ def build_profile(cfg: Any, args: Any, samples: List[dict], updates: List[dict],
     """The profile dict (format :data:`hethub_jax.planner.costs.PROFILE_FORMAT`, docs/predictor.md)."""
     import jax
     f = float(args.slowdown)
-    samples, updates = _scaled(samples, f), _scaled(updates, f)
+    # the norm is not emulated by the runtime (as fits.norm): only the update is scaled
+    samples = _scaled(samples, f)
+    updates = [dict(u, seconds=u["seconds"] * f) if u["kind"] == "update" else u for u in updates]
     line = lambda xs, key: None if not xs else fit_line([x[key] for x in xs], [x["seconds"] for x in xs])
     dps = sorted({int(x.get("dp", 1)) for x in samples} - {1})
+    ups = [u for u in updates if u["kind"] == "update"]
     ar = [dict(a, ring_bytes=a["bytes"] * 2 * (a["devices"] - 1) / a["devices"]) for a in allreduce]
     return {
         "format": PROFILE_FORMAT, "device_type": args.device_type or platform_name,
@@ -954,8 +1075,15 @@ def build_profile(cfg: Any, args: Any, samples: List[dict], updates: List[dict],
         "host_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "fits": {"compute": fit_compute(cfg, samples, args.seq_len),
                  "compute_dp": {f"{dp}x1": fit_compute(cfg, samples, args.seq_len, dp)["1"] for dp in dps},
-                 "update": line([u for u in updates if u.get("dp", 1) == 1], "params"),
-                 "update_dp": {str(dp): line([u for u in updates if u.get("dp", 1) == dp], "params") for dp in dps},
+                 "update": line([u for u in ups if u.get("dp", 1) == 1 and u.get("tp", 1) == 1], "params"),
+                 "update_dp": {str(dp): line([u for u in ups if u.get("dp", 1) == dp and u.get("tp", 1) == 1], "params")
+                               for dp in dps},
+                 "update_tp": {str(tp): line([u for u in ups if u.get("dp", 1) == 1 and u.get("tp", 1) == tp], "params")
+                               for tp in sorted({int(u.get("tp", 1)) for u in ups} - {1})},
+                 "norm_mesh": {f"{m[0]}x{m[1]}": line([u for u in updates if u["kind"] == "norm_mesh"
+                                                       and (u["dp"], u["tp"]) == m], "params")
+                               for m in sorted({(u["dp"], u["tp"]) for u in updates if u["kind"] == "norm_mesh"})},
+                 "launch": fit_launch([c for c in corun if c["kind"] == "launch"]),
                  "corun": fit_corun([c for c in corun if c["kind"] == "corun"]),
                  "runtime": fit_runtime_overhead([c for c in corun if c["kind"] == "runtime_overhead"]),
                  "cold": fit_cold([c for c in corun if c["kind"] == "cold"]),
@@ -1012,7 +1140,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         raise SystemExit("--slowdown must be >= 1; --repeats, --seq-len, microbatch sizes, TP and DP degrees >= 1")
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={max(tps + dps + [2])}").strip()
+                                   f" --xla_force_host_platform_device_count={max(tps + dps + [4])}").strip()
     import jax
 
     from hethub_jax.host_allocator import steady_host_allocator
@@ -1035,6 +1163,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     samples += profile_stage_shapes(cfg, args.seq_len, mbs_list, tps, args.repeats, devices, shapes) if shapes else []
     corun = (measure_corun(cfg, devices, args.seq_len, args.repeats)
              if args.corun == "on" or (args.corun == "auto" and platform_name == "cpu") else [])
+    corun += measure_launch(cfg, devices, args.seq_len, args.repeats)  # islands as threads: one launcher
     corun += [] if args.no_runtime else measure_runtime_overhead(cfg, devices, args.repeats)
     corun += [] if args.no_runtime else measure_cold(cfg, devices, args.seq_len, args.repeats)
     corun += [] if args.no_runtime else measure_action_costs(cfg, devices, args.seq_len, args.repeats)

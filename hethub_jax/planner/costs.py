@@ -105,6 +105,12 @@ class DeviceCosts:
         FLOPs / tokens per DP rank): on CPU the fake devices of a mesh share the same cores, so a DP
         mesh is measured, not derived from one device with fewer tokens.
       update_dp_fits: per DP degree > 1 that was profiled, the update fit on such a mesh.
+      update_tp_fits: per TP degree > 1 that was profiled, the update fit on a ``(1, tp)`` mesh (x =
+        parameters per device): MEASURED, not one device's fit at 1/tp of the parameters (fake CPU
+        devices of one process share the host's cores; ``fits.update_tp`` of a profile).
+      norm_mesh_fits: per profiled stage mesh ``(dp, tp)`` other than ``(1, 1)``, the MEASURED line of
+        the stage's ``sq_norm`` (x = parameters per device; ``fits.norm_mesh`` of a profile), used by
+        :meth:`norm_time_s` for such meshes.
       action_overhead_s: the runtime's own seconds per action (Python dispatch and bookkeeping
         around the compute calls), MEASURED on ``PipelineRuntime`` by the profiler (``fits.runtime``);
         0 for the catalog (an assumption: negligible against a large model's compute).
@@ -144,6 +150,17 @@ class DeviceCosts:
         ``(tokens per DP rank, seconds)`` points of the profile's ``"stage_shape"`` samples, tokens
         ascending (``python -m hethub_jax.profile --stage-shapes``); read by :meth:`measured_stage_s`.
         Empty for the catalog and for profiles without them.
+      serial_launch: MEASURED: one process runs its multi-device computations (a stage mesh of more
+        than one device) one at a time, first come first served, whatever devices they use
+        (``fits.launch.serial`` of a profile, ``profile.measure_launch``). XLA:CPU's PjRt client does
+        so by design: ``PjRtCpuLoadedExecutable::Execute`` in ``xla/pjrt/cpu/cpu_client.cc`` makes
+        each multi-device launch wait for the previous one ("We conservatively run only one
+        collective at a time"); a one-device computation runs on the calling thread without waiting.
+        False for the catalog and for profiles without the measurement.
+      process: name of the process whose islands given costs with the same ``process`` are threads
+        of (None: each island is a process of its own). Set with :meth:`in_process`; with
+        :attr:`serial_launch` the predictor runs those islands' multi-device compute actions one
+        at a time.
     """
 
     name: str
@@ -163,6 +180,8 @@ class DeviceCosts:
     host: Optional[str] = None
     dp_fits: Dict[Tuple[int, int], Dict[str, Dict[str, _Linear]]] = field(default_factory=dict)
     update_dp_fits: Dict[int, _Linear] = field(default_factory=dict)
+    update_tp_fits: Dict[int, _Linear] = field(default_factory=dict)
+    norm_mesh_fits: Dict[Tuple[int, int], _Linear] = field(default_factory=dict)
     action_overhead_s: float = 0.0
     profile_path: Optional[str] = field(default=None, compare=False)
     local_bridge_link: Optional[LinkModel] = None
@@ -206,6 +225,8 @@ class DeviceCosts:
 
     stage_shapes: Dict[Tuple[int, bool, bool, int, int, str], Tuple[Tuple[float, float], ...]] = field(
         default_factory=dict)
+    serial_launch: bool = False
+    process: Optional[str] = None
 
     def measured_stage_s(self, layers: int, is_first: bool, is_last: bool, tokens: float, tp: int, phase: str,
                          dp: int = 1) -> Optional[float]:
@@ -254,6 +275,19 @@ class DeviceCosts:
         if not host:
             raise ValueError("host must be a non-empty name")
         return replace(self, host=str(host))
+
+    def in_process(self, process: str = "local") -> "DeviceCosts":
+        """A copy whose islands are threads of ONE process, ``process``, with the other islands given
+        costs with the same ``process`` (``benchmarks/predictor_accuracy.py``: one thread per island):
+        they share that host's cores (:meth:`on_shared_host` with the same name) and, where the
+        profile measured :attr:`serial_launch`, its launcher of multi-device computations.
+
+        Raises:
+          ValueError: if ``process`` is empty.
+        """
+        if not process:
+            raise ValueError("process must be a non-empty name")
+        return replace(self, host=str(process), process=str(process))
 
     # ---- constructors ------------------------------------------------------------------------------
     @classmethod
@@ -309,13 +343,17 @@ class DeviceCosts:
                    host_link=link(host), bridge_link=link(br),
                    profile=dict(profile), corun_factor=_corun(fits_in.get("corun")), dp_fits=dp_fits,
                    update_dp_fits={int(k): lin(v) for k, v in (fits_in.get("update_dp") or {}).items()},
+                   update_tp_fits={int(k): lin(v) for k, v in (fits_in.get("update_tp") or {}).items() if v},
+                   norm_mesh_fits={tuple(int(x) for x in m.split("x")): lin(v)
+                                   for m, v in (fits_in.get("norm_mesh") or {}).items() if v},
                    action_overhead_s=max(0.0, float((fits_in.get("runtime") or {}).get("per_action_s", 0.0))),
                    local_bridge_link=_local_bridge(fits_in.get("bridge_local")),
                    cold_extra=_cold(fits_in.get("cold")), profile_path=path, norm_fit=lin(fits_in.get("norm")),
                    update_cold_per_param_s=max(0.0, float((fits_in.get("update_cold") or {}).get("per_param_s", 0.0))),
                    action_costs=_action_costs(fits_in.get("actions")),
                    emulated_wait_fit=lin(fits_in.get("emulated_wait")),
-                   stage_shapes=_stage_shapes(profile.get("samples") or ()))
+                   stage_shapes=_stage_shapes(profile.get("samples") or ()),
+                   serial_launch=bool((fits_in.get("launch") or {}).get("serial", False)))
 
     # ---- DP meshes ---------------------------------------------------------------------------------
     def measured_dp_degrees(self, tp: int) -> Tuple[int, ...]:
@@ -424,7 +462,8 @@ class DeviceCosts:
         return max(0.0, fit.c0)
 
     # ---- update and collectives ------------------------------------------------------------------
-    def update_time_s(self, num_params_per_device: float, param_dtype_bytes: int = 4, dp: int = 1) -> float:
+    def update_time_s(self, num_params_per_device: float, param_dtype_bytes: int = 4, dp: int = 1,
+                      tp: int = 1) -> float:
         """Seconds of one AdamW update of ``num_params_per_device`` parameters on one device, as the
         runtime runs it (after the step's pipeline and gradient sums).
 
@@ -432,29 +471,37 @@ class DeviceCosts:
         two moments, 7 x ``param_dtype_bytes`` per parameter (optax.adamw keeps its moments in the
         parameter dtype), at ``efficiency x memory_bandwidth``. Profile: fitted ``c0 + c1 x n`` (the
         update timed back to back); for a stage mesh with ``dp > 1`` the profiled mesh's update fit
-        when there is one (on CPU every replica's update runs on the same cores); plus the measured
-        :attr:`update_cold_per_param_s` x n (what the update costs more right after a pipeline).
+        when there is one (on CPU every replica's update runs on the same cores), for a ``(1, tp)``
+        mesh with ``tp > 1`` the profiled ``(1, tp)`` mesh's fit (:attr:`update_tp_fits`) when there is
+        one; plus the measured :attr:`update_cold_per_param_s` x n (what the update costs more right
+        after a pipeline).
         """
         if self.source == "catalog":
             return 7.0 * param_dtype_bytes * num_params_per_device / (self.spec.memory_bandwidth * self.efficiency)
         cold = self.update_cold_per_param_s * max(0.0, float(num_params_per_device))
         if dp > 1 and self.update_dp_fits.get(dp) is not None:
             return self.update_dp_fits[dp](num_params_per_device) + cold
+        if dp == 1 and tp > 1 and self.update_tp_fits.get(tp) is not None:
+            return self.update_tp_fits[tp](num_params_per_device) + cold
         if self.update_fit is None:
             raise ValueError(f"profile {self.name!r} has no optimizer-update fit")
         return self.update_fit(num_params_per_device) + cold
 
-    def norm_time_s(self, counted_params: float, param_dtype_bytes: int = 4, dp: int = 1) -> float:
+    def norm_time_s(self, counted_params: float, param_dtype_bytes: int = 4, dp: int = 1, tp: int = 1) -> float:
         """Seconds of one stage's part of the global gradient norm (runtime ``_forward_backward``: the
         jitted ``sq_norm`` of the ``counted_params`` gradient elements the stage counts, and the read
-        of its scalar); 0 for none. Profile with :attr:`norm_fit`: that measured line. Otherwise
-        derived: one read of the gradients against the update's seven accesses per parameter (see
-        :meth:`update_time_s`), ``update_time_s / 7``."""
+        of its scalar); 0 for none. Profile, a ``(dp, tp)`` mesh other than ``(1, 1)`` with a measured
+        :attr:`norm_mesh_fits` line: that line (timed back to back on the mesh; on fake CPU devices a
+        mesh's sq_norm is not 1/(dp tp) of one device's); profile with :attr:`norm_fit`: that measured
+        line (one device, in the runtime's step). Otherwise derived: one read of the gradients against
+        the update's seven accesses per parameter (see :meth:`update_time_s`), ``update_time_s / 7``."""
         if counted_params <= 0:
             return 0.0
+        if self.source == "profile" and (dp, tp) != (1, 1) and self.norm_mesh_fits.get((dp, tp)) is not None:
+            return max(0.0, self.norm_mesh_fits[(dp, tp)](counted_params))  # the measured mesh
         if self.source == "profile" and self.norm_fit is not None:
             return self.norm_fit(counted_params)
-        return self.update_time_s(counted_params, param_dtype_bytes, dp) / 7
+        return self.update_time_s(counted_params, param_dtype_bytes, dp, tp) / 7
 
     def allreduce_time_s(self, nbytes: float, num_devices: int) -> float:
         """Seconds of an all-reduce of ``nbytes`` (per device) over ``num_devices`` devices of one island.

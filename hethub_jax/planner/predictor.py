@@ -20,7 +20,11 @@ How a prediction is made (DESIGN.md section 7; details and formulas in ``docs/pr
      executes them one action at a time in the runtime's order
      (:func:`hethub_jax.planner.simulator.simulate_processes`); islands sharing one host's cores
      (``DeviceCosts.on_shared_host``) slow their overlapping compute by the profile's measured co-run
-     factor (a fixed point over the simulated timeline, :func:`_corun_factors`);
+     factor (a fixed point over the simulated timeline, :func:`_corun_factors`); islands that are
+     threads of one process (``DeviceCosts.in_process``) whose profile measured XLA:CPU's one-at-a-time
+     launcher of multi-device computations (``fits.launch``) run the F and B of their DP / TP stages
+     one at a time, first come first served (:func:`_launch_locks`), and their norms and updates after
+     the pipelines one after the other (:func:`_serial_tail`);
   3. after the pipelines: the sum of gradients of parameters held by several stages (tied
      embeddings, data-parallel replicas), the global norm, and every stage's optimizer update (the
      stages of one island one after the other);
@@ -416,24 +420,32 @@ class _Pipeline:
             self.key_of += [j] * (o[s + 1] - o[s])
         self.num_messages = m
 
-    def finish(self, st, en, order, prev) -> None:
+    def finish(self, st, en, order, prev, wait=None) -> None:
+        """``wait``: per flat action the seconds it waited for the launch lock (:func:`_launch_locks`)
+        at its start (None: no waits); its compute starts at ``start + wait``."""
         self.start, self.end, self.order, self.prev = st, en, order, prev
+        self.wait = wait
+        run = st if wait is None else list(map(operator.add, st, wait))  # the compute's own start
         self.busy = []  # summed action by action, in list order, from 0.0
         for (r, s), lo in zip(self.keys, self.lo):
             get, hi = self.arrays[r].compute_get[s], lo + self.arrays[r].offsets[s + 1] - self.arrays[r].offsets[s]
-            self.busy.append(reduce(operator.add, map(operator.sub, get(en[lo:hi]), get(st[lo:hi])), 0.0))
+            self.busy.append(reduce(operator.add, map(operator.sub, get(en[lo:hi]), get(run[lo:hi])), 0.0))
         self.pipeline_s = max(en, default=0.0)
 
     def events(self) -> List[Tuple[Tuple[int, int], Action, float, float]]:
         """``(key, action, start_s, end_s)`` per action in the order they ran (the Action objects of
-        ``arrays[r].lists``), as ``simulate_processes`` returns them."""
+        ``arrays[r].lists``), as ``simulate_processes`` returns them; an action that waited for the
+        launch lock starts when it got it."""
         keys, key_of, st, en, rb = self.keys, self.key_of, self.start, self.end, self.rbase
+        if self.wait is not None:
+            st = list(map(operator.add, st, self.wait))
         lists = {r: [a for acts in self.arrays[r].lists for a in acts] for r in rb}
         return [(keys[key_of[g]], lists[keys[key_of[g]][0]][g - rb[keys[key_of[g]][0]]], st[g], en[g])
                 for g in self.order]
 
     def records(self, ctxs) -> Tuple[ActionRecord, ...]:
-        """The timeline: one ActionRecord per action, in the order they ran."""
+        """The timeline: one ActionRecord per action, in the order they ran (a compute action's record
+        includes its wait for the launch lock, as the runtime's record does)."""
         keys, key_of, st, en = self.keys, self.key_of, self.start, self.end
         labels = {r: self.arrays[r].labels for r in self.rbase}
         isl = [ctxs[k].spec.island for k in keys]
@@ -470,7 +482,28 @@ def _pipeline(cfg: Any, plan: Any, ctxs: Dict[Tuple[int, int], _StageCtx], bridg
     procs: Dict[Any, List[int]] = {}
     for j, k in enumerate(keys):
         procs.setdefault(proc_of(k), []).append(j)
-    if len(procs) == len(keys):  # one stage per process: the plain schedule simulator
+    locks = _launch_locks(ctxs, proc_of)
+    wait = None
+    if locks:  # islands of one process launch their multi-device computations one at a time
+        lock, hold = [-1] * len(pl.code), [0.0] * len(pl.code)
+        for j, k in enumerate(keys):
+            if k not in locks:
+                continue
+            arr, s, lo = arrays[k[0]], k[1], pl.lo[j]
+            fused_b = {i + 1 for i in arr.fused_f[s]} if ctxs[k].is_last else set()
+            over, f = ctxs[k].costs.between_actions_s(), max(ctxs[k].factor, 1.0)
+            for i in arr.compute[s]:
+                if i not in fused_b:  # a fused pair's B record computes nothing (Python only)
+                    # held while it computes: not the runtime's seconds around it, nor an emulated wait
+                    lock[lo + i], hold[lo + i] = locks[k], max(0.0, times[j][i] - over) / f
+        hi = pl.lo[1:] + [len(pl.code)]
+        wait = [0.0] * len(pl.code)
+        st, en, order, prev, blocked, _ = run_processes(list(procs.values()), pl.lo, hi, pl.recv_msg, _send_ids(pl),
+                                                        _concat(times), _concat(dts), pl.num_messages,
+                                                        lock, hold, wait)
+        if blocked:
+            raise ScheduleDeadlock(f"schedule deadlock in the plan's pipelines (processes {blocked} wait forever)")
+    elif len(procs) == len(keys):  # one stage per process: the plain schedule simulator
         st, en, order, prev = [], [], [], []
         for r in sorted(pl.rbase):
             js = [j for j, k in enumerate(keys) if k[0] == r]
@@ -487,8 +520,50 @@ def _pipeline(cfg: Any, plan: Any, ctxs: Dict[Tuple[int, int], _StageCtx], bridg
                                                         _concat(times), _concat(dts), pl.num_messages)
         if blocked:
             raise ScheduleDeadlock(f"schedule deadlock in the plan's pipelines (processes {blocked} wait forever)")
-    pl.finish(st, en, order, prev)
+    pl.finish(st, en, order, prev, wait)
     return pl
+
+
+def _serial_tail(cfg: Any, plan: Any, ctxs, locks: Mapping[Tuple[int, int], int],
+                 upd: Mapping[Tuple[int, int], float]) -> Tuple[float, float]:
+    """(extra seconds of the global norm, seconds of the updates) after the pipelines when the
+    stages in ``locks`` (:func:`_launch_locks`) launch their multi-device computations one at a time:
+    per lock, the stages' ``sq_norm`` calls (``DeviceCosts.norm_time_s``) and their updates (``upd``,
+    per stage) run one after the other, not side by side. The norm's extra is the largest over the
+    locks of (sum - largest) of its stages' norms (the concurrent tail counted the largest island's);
+    the updates' figure is the largest sum of a lock's stages' updates, which the caller takes when
+    it exceeds the concurrent tail's update seconds (an EMULATED slow island's update counts with its
+    wait, which in the runtime holds no lock: an upper bound there)."""
+    pb = analytic.dtype_bytes(cfg.param_dtype)
+    counted = _norm_fractions(cfg, plan)
+    norms: Dict[int, List[float]] = {}
+    sums: Dict[int, float] = {}
+    for k, lock in locks.items():
+        c = ctxs[k]
+        norms.setdefault(lock, []).append(c.costs.norm_time_s(c.n_params * counted[k], pb, c.spec.dp, c.spec.tp))
+        sums[lock] = sums.get(lock, 0.0) + upd[k]
+    extra = max((sum(v) - max(v) for v in norms.values()), default=0.0)
+    return extra, max(sums.values(), default=0.0)
+
+
+def _launch_locks(ctxs, proc_of) -> Dict[Tuple[int, int], int]:
+    """Per stage key whose compute actions take a launch lock, the lock's id: stages on a mesh of
+    more than one device (``dp x tp > 1``) of islands that are threads of one process
+    (``DeviceCosts.process``) whose profile MEASURED that the process runs its multi-device
+    computations one at a time (``DeviceCosts.serial_launch``: XLA:CPU, ``xla/pjrt/cpu/cpu_client.cc``).
+    Only processes where such stages of at least two simulated processes (``proc_of``: islands under
+    the runtime's concurrency) meet get a lock: within one simulated process actions already run one
+    at a time. Empty when no lock applies."""
+    groups: Dict[str, List[Tuple[int, int]]] = {}
+    for k, c in ctxs.items():
+        if c.costs.serial_launch and c.costs.process is not None and c.spec.dp * c.spec.tp > 1:
+            groups.setdefault(c.costs.process, []).append(k)
+    out: Dict[Tuple[int, int], int] = {}
+    for ks in groups.values():
+        if len({proc_of(k) for k in ks}) > 1:
+            n = len(set(out.values()))
+            out.update({k: n for k in ks})
+    return out
 
 
 def _concat(lists: Sequence[List[float]]) -> List[float]:
@@ -670,7 +745,7 @@ def _reduction_parts(cfg: Any, plan: Any, ctxs, bridge: LinkModel) -> Tuple[Dict
     counted = _norm_fractions(cfg, plan)
     for k, ctx in ctxs.items():  # each stage's sq_norm of the gradients it counts (runtime `norm_owner`)
         norm[ctx.spec.island] = norm.get(ctx.spec.island, 0.0) + ctx.costs.norm_time_s(
-            ctx.n_params * counted[k], pb, ctx.spec.dp)
+            ctx.n_params * counted[k], pb, ctx.spec.dp, ctx.spec.tp)
     gather = _zero1_gather_host_s(cfg, plan, ctxs) if own else {}
     return ({i: per_island.get(i, 0.0) + norm.get(i, 0.0) + gather.get(i, 0.0) for i in norm},
             cross + (bridge.alpha_s if len(plan.islands) > 1 else 0.0))
@@ -819,7 +894,8 @@ def predict(cfg: Any, plan: Any, costs: Mapping[str, DeviceCosts], *, seq_len: i
     fuse = (plan.num_replicas == 1 and plan.num_stages(0) == 1  # else no Action lists are needed
             and _update_fusable(plan, cfg, {0: (arrays[0].lists,)}))
     own = _owned_fractions(cfg, plan)
-    upd = {k: c.factor * c.costs.update_time_s(c.n_params * own.get(k, 1.0), pb, c.spec.dp) for k, c in ctxs.items()}
+    upd = {k: c.factor * c.costs.update_time_s(c.n_params * own.get(k, 1.0), pb, c.spec.dp, c.spec.tp)
+           for k, c in ctxs.items()}
     fused_update_s = upd[(0, 0)] * (1 + 1 / 7) if fuse else 0.0
     proc_of = (lambda k: ctxs[k].spec.island) if concurrency == "runtime" else (lambda k: k)
     pl = _pipeline(cfg, plan, ctxs, bridge, seq_len, fused_update_s, proc_of, arrays)
@@ -835,6 +911,10 @@ def predict(cfg: Any, plan: Any, costs: Mapping[str, DeviceCosts], *, seq_len: i
     update_s = 0.0 if fuse else max(per_island.values())
     if hosts and not fuse:
         reduce_s, update_s = _corun_tail(cfg, plan, ctxs, bridge, hosts, per_island, reduce_s, update_s)
+    locks = {} if fuse else _launch_locks(ctxs, proc_of)
+    if locks:  # the islands' multi-device norms and updates run one at a time (one launcher)
+        extra_norm_s, serial_update_s = _serial_tail(cfg, plan, ctxs, locks, upd)
+        reduce_s, update_s = reduce_s + extra_norm_s, max(update_s, serial_update_s)
     step = pipeline_s + reduce_s + update_s
     stages = tuple(_stage_prediction(cfg, plan, ctxs[k], None, pl.busy[j], pipeline_s, seq_len,
                                      in_flight=_in_flight(ctxs[k], arrays[k[0]], k[1]))
@@ -893,6 +973,8 @@ def _critical_path(pl: _Pipeline, ctxs, pipeline_s: float, reduce_s: float, upda
     st, en, prev, code, key_of = pl.start, pl.end, pl.prev, pl.code, pl.key_of
     if not en:
         return "empty step"
+    if pl.wait is not None:  # compute seconds only: not a wait for the launch lock
+        st = list(map(operator.add, st, pl.wait))
     top = pl.pipeline_s
     last = []  # the actions that end last (each stage's end times never decrease along its list)
     for lo, hi in zip(pl.lo, pl.lo[1:] + [len(en)]):

@@ -601,7 +601,7 @@ class _Planner:
             from hethub_jax.planner import analytic
             nparam = analytic.stage_params_per_device(self.cfg, 0, n - 1, first, last, tp)
             self._upd[key] = self.factor[g] * self.costs[g].update_time_s(
-                nparam, analytic.dtype_bytes(self.cfg.param_dtype), dp)
+                nparam, analytic.dtype_bytes(self.cfg.param_dtype), dp, tp)
         return self._upd[key]
 
     def stage_cap(self, g: str, tp: int, dp: int, mbs: int, rec: str, first: bool, last: bool,

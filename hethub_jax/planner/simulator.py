@@ -356,7 +356,9 @@ def _earliest_delivery(keys: Sequence[int], ptr: Sequence[int], hi: Sequence[int
 
 
 def run_processes(procs: Sequence[Sequence[int]], lo: Sequence[int], hi: Sequence[int], recv_msg: Sequence[int],
-                  send_msg: Sequence[int], t: Sequence[float], dt: Sequence[float], num_messages: int):
+                  send_msg: Sequence[int], t: Sequence[float], dt: Sequence[float], num_messages: int,
+                  lock: Optional[Sequence[int]] = None, hold: Optional[Sequence[float]] = None,
+                  waits: Optional[List[float]] = None):
     """The timing of :func:`simulate_processes` over flat lists (its docstring has the model).
 
     Lists ``n`` occupy flat indices ``lo[n] .. hi[n]-1``; ``procs[p]`` names the lists process ``p``
@@ -364,6 +366,15 @@ def run_processes(procs: Sequence[Sequence[int]], lo: Sequence[int], hi: Sequenc
     number). Per flat action: ``recv_msg`` / ``send_msg`` (message id or -1, see ``_flatten``), ``t``
     seconds of process time and, for a SEND, ``dt`` seconds until delivery (all finite and >= 0;
     not checked here).
+
+    Optional launch lock (several processes sharing one launcher that runs one computation at a time,
+    first come first served: XLA:CPU's multi-device executions of one process, see
+    ``hethub_jax.planner.predictor``): ``lock`` per flat action a lock id (-1: none) and ``hold`` the
+    seconds from the action's start for which it holds that lock (its computing part, <= ``t``). An
+    action whose lock is held when its process reaches it waits until it is free (``waits[g]``, when
+    a list is given, receives the seconds; its ``start`` is when its process reached it, its ``end``
+    includes the wait), then holds it for ``hold[g]``. Processes reach actions in time order (the
+    earliest clock runs next), so the lock goes to the earliest request.
 
     Returns:
       ``(start, end, order, prev, blocked, ptr)``: per flat action its start and end (seconds), the
@@ -380,6 +391,7 @@ def run_processes(procs: Sequence[Sequence[int]], lo: Sequence[int], hi: Sequenc
     rem = [sum(hi[k] - lo[k] for k in ks) for ks in procs]
     at_sweep = list(rem)  # actions left when the current sweep began (progress: fewer left now)
     heap = [(0.0, p) for p in range(P)]
+    free = [0.0] * (max(lock) + 1 if lock else 0)  # per lock id: when it is free again
     blocked: List[int] = []
     push, pop = heapq.heappush, heapq.heappop
     while heap:
@@ -396,6 +408,13 @@ def run_processes(procs: Sequence[Sequence[int]], lo: Sequence[int], hi: Sequenc
                     if m >= 0 and dlv[m] > c:
                         break
                     st[g] = c
+                    if lock is not None and lock[g] >= 0:
+                        f = free[lock[g]]
+                        if f > c:
+                            if waits is not None:
+                                waits[g] = f - c
+                            c = f
+                        free[lock[g]] = c + hold[g]
                     c += t[g]
                     en[g] = c
                     prev[g] = lg
