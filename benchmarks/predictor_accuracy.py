@@ -5,7 +5,9 @@
 1. Profiles the smallest setting only: one island, one stage at a time (``hethub_jax.profile``: the
    tiny model's first / middle / last stages at a few microbatch sizes on ``(1, tp)`` and ``(dp, 1)``
    meshes; the co-run slowdown of a computation while a second island of the process computes; the
-   runtime's own seconds per action; the in-process bridge, ``LocalCommunicator``).
+   runtime's own seconds per action; the in-process bridge, ``LocalCommunicator``), at the microbatch
+   sizes of ``--profile-mbs`` and every size the configurations run (:func:`profile_sizes`: the
+   predictor interpolates between profiled sizes, and the seconds per token are not constant here).
 2. Predicts (``hethub_jax.planner.predictor.predict`` with that profile for every island, the islands
    on one shared host, ``DeviceCosts.on_shared_host``: they are threads of this process) and measures
    at least 10 larger configurations on this machine: 2-4 pipeline stages over 2 islands, 2-8
@@ -72,6 +74,10 @@ if "xla_force_host_platform_device_count" not in _flags:
 if "xla_cpu_multi_thread_eigen" not in _flags:
     _flags += " --xla_cpu_multi_thread_eigen=false"
 os.environ["XLA_FLAGS"] = _flags.strip()
+# the steady host allocator (one arena: M_ARENA_MAX takes effect for threads that have not allocated yet)
+# before numpy and JAX start their threads; ``--host-allocator default`` puts glibc's settings back in main()
+from hethub_jax import host_allocator as _host_allocator  # noqa: E402  (ctypes only)
+_host_allocator.steady_host_allocator()
 
 from benchmarks.common import command_line, loadavg, machine, median, write_json  # noqa: E402
 from hethub_jax.planner.accuracy import (action_breakdown, format_breakdown, round_orders,  # noqa: E402
@@ -210,13 +216,35 @@ def canary(cfg, args) -> float:
             + profile.measure_stage(last, cfg, 1, args.seq, args.repeats)["B_recompute"])
 
 
-def run_profile(args) -> str:
+def profile_sizes(names, given: str) -> tuple:
+    """``(microbatch sizes, DP microbatch sizes per rank)`` to profile, comma-separated: ``given``
+    (``--profile-mbs``) and every size the configurations ``names`` run, per DP rank (a stage on a
+    ``(dp, 1)`` mesh runs ``microbatch_size / dp`` per rank, profiled on that mesh). Why: between two
+    profiled sizes the predictor interpolates the profile's measured calls linearly
+    (``DeviceCosts.token_parts``), and on this CPU the seconds per token are not constant (microbatch 2
+    measured about 0.9x the straight line between 1 and 4; docs/benchmarks.md, issue 13, session 12)."""
+    base = {int(x) for x in given.split(",") if x.strip()}
+    mbs, dp_mbs = set(base), set(base)
+    for n in names:
+        d = configs()[n]
+        stages = d.get("stages") or [s for r in d["replicas"] for s in r["stages"]]
+        for s in stages:
+            (dp_mbs if s.get("dp", 1) > 1 else mbs).add(d["microbatch_size"] // s.get("dp", 1))
+    fmt = lambda xs: ",".join(str(x) for x in sorted(xs))
+    return fmt(mbs), fmt(dp_mbs)
+
+
+def run_profile(args, names=None) -> str:
     from hethub_jax import profile
     path = args.profile or os.path.join(tempfile.mkdtemp(prefix="hethub-profile-"), "cpu.json")
     if not (args.profile and os.path.exists(args.profile)):
+        mbs, dp_mbs = profile_sizes(names or list(configs()), args.profile_mbs)
+        if mbs != ",".join(str(x) for x in sorted(int(v) for v in args.profile_mbs.split(","))):
+            print(f"profile: microbatch sizes {mbs} (--profile-mbs {args.profile_mbs} and the configurations' own), "
+                  f"per DP rank on (dp, 1) meshes {dp_mbs}", flush=True)
         profile.main(["--out", path, "--seq-len", str(args.seq), "--tp", args.profile_tp,
-                      "--microbatch-sizes", args.profile_mbs, "--dp", args.profile_dp, "--repeats", str(args.repeats),
-                      "--statistic", args.statistic])
+                      "--microbatch-sizes", mbs, "--dp-microbatch-sizes", dp_mbs, "--dp", args.profile_dp,
+                      "--repeats", str(args.repeats), "--statistic", args.statistic])
     return path
 
 
@@ -324,7 +352,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps after the compiling one")
     ap.add_argument("--repeats", type=int, default=7, help="profiler repeats per figure")
     ap.add_argument("--profile-tp", default="1,2", help="TP degrees to profile")
-    ap.add_argument("--profile-mbs", default="1,2,4", help="microbatch sizes to profile")
+    ap.add_argument("--profile-mbs", default="1,2,4",
+                    help="microbatch sizes to profile (the configurations' own sizes are always added: the predictor "
+                         "interpolates between profiled sizes)")
     ap.add_argument("--profile-dp", default="1,2", help="DP degrees to profile ((dp, 1) stage meshes)")
     ap.add_argument("--profile", default=None, help="existing profile JSON to use (else one is made)")
     ap.add_argument("--only", default=None, help="comma-separated configuration names")
@@ -356,8 +386,10 @@ def main() -> None:
     cfg = get_preset("tiny")
     load_before, t_start, snap0 = loadavg(), time.time(), cpu_snapshot()
     profiled = not (args.profile and os.path.exists(args.profile))
+    names = list(configs())
+    names = args.only.split(",") if args.only else names[:3] if args.quick else names
     canary_profile = [canary(cfg, args)] if profiled else []
-    prof_path = run_profile(args)
+    prof_path = run_profile(args, names)
     canary_profile += [canary(cfg, args)] if profiled else []
     share_profile = others_share(snap0, cpu_snapshot()) if profiled else None  # while this run profiled
     t_profile = time.time() - t_start
@@ -367,8 +399,6 @@ def main() -> None:
     # in one process the bridge is LocalCommunicator: the profile's measured 2-thread all-reduce
     # (older profiles: its host-copy line)
     bridge = costs.local_bridge_link or costs.host_link or LinkModel(0.0, 1e12)
-    names = list(configs())
-    names = args.only.split(",") if args.only else names[:3] if args.quick else names
     preds = {n: predict_row(n, cfg, costs, base, bridge, args) for n in names}
     orders = round_orders(names, args.rounds)
     measured = {n: [] for n in names}

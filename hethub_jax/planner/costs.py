@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from hethub_jax.planner import analytic
 from hethub_jax.planner.catalog import DeviceSpec, get_device
@@ -206,6 +206,35 @@ class DeviceCosts:
 
     stage_shapes: Dict[Tuple[int, bool, bool, int, int, str], Tuple[Tuple[float, float], ...]] = field(
         default_factory=dict)
+    #: per profiled ``(dp, tp, phase)``, the MEASURED parts at each profiled token count: ``(tokens, base,
+    #: layer, embed, head)`` seconds, tokens ascending, solved exactly from the four profiled stage kinds at
+    #: that count (:func:`_token_parts`); read by :meth:`_token_part`. Empty for the catalog and for
+    #: profiles whose samples lack the stage kinds.
+    token_parts: Dict[Tuple[int, int, str], Tuple[Tuple[float, float, float, float, float], ...]] = field(
+        default_factory=dict)
+
+    def _token_part(self, tp: int, phase: str, part: str, dp: int, tokens: Optional[float]) -> Optional[float]:
+        """Seconds of ``part`` (``"base"``, ``"layer"``, ``"embed"`` or ``"head"``) for ``tokens`` tokens per
+        DP rank on a PROFILED ``(dp, tp)`` mesh, linear between the two profiled token counts around
+        ``tokens`` (:attr:`token_parts`, the profile's own samples at each count); None outside the
+        profiled counts, for an unprofiled mesh or without ``tokens`` (the caller uses the fitted line).
+
+        Why: the fitted lines are linear in FLOPs, i.e. in tokens, and a microbatch size between two
+        profiled ones was interpolated along them; on this CPU the seconds per token are not constant
+        (the last stage's logits are 8 MB per sample and outgrow the caches): the runtime's calls at
+        microbatch 2 took 0.80-1.00x (median over calls and stage kinds about 0.9x) the straight line
+        between microbatch 1 and 4 (docs/benchmarks.md, issue 13, session 12). Profiling the sizes a plan
+        uses and interpolating between them follows the measured curve."""
+        if tokens is None:
+            return None
+        pts = self.token_parts.get((int(dp), int(tp), phase))
+        if not pts or not pts[0][0] <= tokens <= pts[-1][0]:
+            return None
+        j = {"base": 1, "layer": 2, "embed": 3, "head": 4}[part]
+        for a, b in zip(pts, pts[1:]):
+            if a[0] <= tokens <= b[0]:
+                return a[j] + (b[j] - a[j]) * (tokens - a[0]) / (b[0] - a[0])
+        return pts[0][j]  # one profiled count, equal to tokens
 
     def measured_stage_s(self, layers: int, is_first: bool, is_last: bool, tokens: float, tp: int, phase: str,
                          dp: int = 1) -> Optional[float]:
@@ -315,7 +344,8 @@ class DeviceCosts:
                    update_cold_per_param_s=max(0.0, float((fits_in.get("update_cold") or {}).get("per_param_s", 0.0))),
                    action_costs=_action_costs(fits_in.get("actions")),
                    emulated_wait_fit=lin(fits_in.get("emulated_wait")),
-                   stage_shapes=_stage_shapes(profile.get("samples") or ()))
+                   stage_shapes=_stage_shapes(profile.get("samples") or ()),
+                   token_parts=_token_parts(profile.get("samples") or ()))
 
     # ---- DP meshes ---------------------------------------------------------------------------------
     def measured_dp_degrees(self, tp: int) -> Tuple[int, ...]:
@@ -390,6 +420,9 @@ class DeviceCosts:
                 nbytes = tokens * cfg.hidden_size * analytic.dtype_bytes(cfg.dtype)
                 t += _PHASE_TP_ALLREDUCES[phase] * self.allreduce_time_s(nbytes, tp)
             return t
+        measured = self._token_part(tp, phase, "layer", dp, tokens)
+        if measured is not None:
+            return max(0.0, measured)
         fit, scale = self._fit(tp, phase, "layer", dp)
         return max(0.0, fit.c0 + fit.c1 * flops * scale)
 
@@ -401,6 +434,9 @@ class DeviceCosts:
             _check_phase(phase)
             nbytes = 2 * tokens * cfg.hidden_size * analytic.dtype_bytes(cfg.dtype)
             return nbytes * _PHASE_FORWARDS[phase] / (self.spec.memory_bandwidth * self.efficiency)
+        measured = self._token_part(tp, phase, "embed", dp, tokens)
+        if measured is not None:
+            return max(0.0, measured)
         fit, scale = self._fit(tp, phase, "embed", dp)
         return max(0.0, fit.c0 + fit.c1 * tokens * scale)
 
@@ -410,16 +446,23 @@ class DeviceCosts:
         if self.source == "catalog":
             _check_phase(phase)
             return self._compute(flops, tp, phase)
+        measured = self._token_part(tp, phase, "head", dp, tokens)
+        if measured is not None:
+            return max(0.0, measured)
         fit, scale = self._fit(tp, phase, "head", dp)
         return max(0.0, fit.c0 + fit.c1 * flops * scale)
 
-    def stage_overhead_s(self, tp: int, phase: str, dp: int = 1) -> float:
+    def stage_overhead_s(self, tp: int, phase: str, dp: int = 1, tokens: Optional[float] = None) -> float:
         """Fixed seconds of one stage call (dispatch, argument handling, synchronisation), measured
-        as the intercept of the profile's stage fits; 0 for catalog costs (an assumption: negligible
-        against the compute of a large model)."""
+        as the intercept of the profile's stage fits (with ``tokens`` on a profiled mesh between two
+        profiled token counts: the measured part there, :meth:`_token_part`); 0 for catalog costs (an
+        assumption: negligible against the compute of a large model)."""
         if self.source == "catalog":
             _check_phase(phase)
             return 0.0
+        measured = self._token_part(tp, phase, "base", dp, tokens)
+        if measured is not None:
+            return max(0.0, measured)
         fit, _ = self._fit(tp, phase, "base", dp)
         return max(0.0, fit.c0)
 
@@ -564,6 +607,31 @@ def _stage_shapes(samples: Any) -> Dict[Tuple[int, bool, bool, int, int, str], T
                str(s["phase"]))
         acc.setdefault(key, {}).setdefault(float(s["tokens"]), []).append(float(s["seconds"]))
     return {k: tuple((t, sum(v) / len(v)) for t, v in sorted(pts.items())) for k, pts in acc.items()}
+
+
+def _token_parts(samples: Any) -> Dict[Tuple[int, int, str], Tuple[Tuple[float, float, float, float, float], ...]]:
+    """``DeviceCosts.token_parts`` from a profile's ``"stage"`` samples (``hethub_jax.profile.profile_compute``:
+    stage kinds ``first`` (layer 0 and the embedding), ``mid1`` (one layer), ``mid2`` (two layers) and
+    ``last`` (the last layer, LM head and loss)): per ``(dp, tp, phase)`` and token count at which all four
+    were measured, the parts that reproduce them exactly: ``layer = max(0, mid2 - mid1)``, ``base = mid1 -
+    layer``, ``embed = first - mid1``, ``head = last - mid1`` (a stage of ``n`` layers then costs ``base + n
+    layer (+ embed) (+ head)``, as the fitted lines say). A layer measured below 0 s (noise) reads 0 so that
+    stage seconds never fall with layers. Repeated samples: their mean."""
+    acc: Dict[tuple, Dict[str, List[float]]] = {}
+    for s in samples:
+        if not isinstance(s, Mapping) or s.get("kind") != "stage" or s.get("stage") not in ("first", "mid1", "mid2", "last"):
+            continue
+        key = (int(s.get("dp", 1)), int(s.get("tp", 1)), str(s["phase"]), float(s["tokens"]))
+        acc.setdefault(key, {}).setdefault(str(s["stage"]), []).append(float(s["seconds"]))
+    out: Dict[Tuple[int, int, str], List[Tuple[float, float, float, float, float]]] = {}
+    for (dp, tp, phase, tokens), kinds in sorted(acc.items()):
+        if len(kinds) < 4:
+            continue
+        m = {k: sum(v) / len(v) for k, v in kinds.items()}
+        layer = max(0.0, m["mid2"] - m["mid1"])
+        out.setdefault((dp, tp, phase), []).append(
+            (tokens, m["mid1"] - layer, layer, m["first"] - m["mid1"], m["last"] - m["mid1"]))
+    return {k: tuple(v) for k, v in out.items()}
 
 
 def _shared_fit(d: Optional[Mapping[str, Any]]) -> Optional[Tuple[float, float]]:

@@ -204,7 +204,7 @@ def stage_compute_s(cfg: Any, costs: DeviceCosts, first_layer: int, last_layer: 
         return measured
 
     def parts(ph: str) -> Tuple[float, float, float, float]:  # call, one layer, embedding, head
-        return (costs.stage_overhead_s(tp, ph, dp), costs.layer_time_s(cfg, tokens, seq_len, tp, ph, dp),
+        return (costs.stage_overhead_s(tp, ph, dp, tokens), costs.layer_time_s(cfg, tokens, seq_len, tp, ph, dp),
                 costs.embed_time_s(cfg, tokens, tp, ph, dp) if is_first else 0.0,
                 costs.head_time_s(cfg, tokens, seq_len, tp, ph, dp) if is_last else 0.0)
     o, lay, emb, head = parts(phase)
