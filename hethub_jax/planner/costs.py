@@ -98,6 +98,10 @@ class DeviceCosts:
       corun_factor: MEASURED slowdown of a computation while a second island of the same process
         computes on other devices of the same host (``fits.corun.factor`` of a CPU profile: fake CPU
         devices of one process share its cores); 1.0 when not measured (the catalog, separate hardware).
+      corun_update_factor: MEASURED slowdown of an island's optimizer update while another island of the
+        host updates at the same time (``fits.corun_update.factor``, ``profile.measure_update_pair``: after
+        the pipelines the islands start their updates together, and AdamW is bound by the memory
+        bandwidth they share); 0.0 when not measured (the predictor then uses ``corun_factor``).
       host: name of the host whose cores the islands with these costs share (None: the island has
         hardware of its own). Set with :meth:`on_shared_host`; the predictor slows the overlapping
         compute of islands with the same ``host`` by ``corun_factor``.
@@ -160,6 +164,7 @@ class DeviceCosts:
     bridge_link: Optional[LinkModel] = None
     profile: Optional[Dict[str, Any]] = None
     corun_factor: float = 1.0
+    corun_update_factor: float = 0.0
     host: Optional[str] = None
     dp_fits: Dict[Tuple[int, int], Dict[str, Dict[str, _Linear]]] = field(default_factory=dict)
     update_dp_fits: Dict[int, _Linear] = field(default_factory=dict)
@@ -336,7 +341,9 @@ class DeviceCosts:
                    fits=fits, update_fit=lin(fits_in.get("update")), allreduce_fit=lin(fits_in.get("allreduce")),
                    shared_sum_fit=_shared_fit(fits_in.get("shared_sum")),
                    host_link=link(host), bridge_link=link(br),
-                   profile=dict(profile), corun_factor=_corun(fits_in.get("corun")), dp_fits=dp_fits,
+                   profile=dict(profile), corun_factor=_corun(fits_in.get("corun")),
+                   corun_update_factor=(_corun(fits_in["corun_update"]) if fits_in.get("corun_update") else 0.0),
+                   dp_fits=dp_fits,
                    update_dp_fits={int(k): lin(v) for k, v in (fits_in.get("update_dp") or {}).items()},
                    action_overhead_s=max(0.0, float((fits_in.get("runtime") or {}).get("per_action_s", 0.0))),
                    local_bridge_link=_local_bridge(fits_in.get("bridge_local")),

@@ -617,7 +617,8 @@ def _corun_tail(cfg: Any, plan: Any, ctxs, bridge: LinkModel, hosts, upd_per_isl
                 reduce_s: float, update_s: float) -> Tuple[float, float]:
     """(gradient sums + norm, update) seconds when islands sharing a host do their sums, norms and
     updates at the same time after the pipelines: per host :func:`_shared_makespan` of each island's
-    (sums + norm + update) at the host's measured co-run factor; both figures are scaled by the
+    (sums + norm + update) at the host's measured co-run factor of two updates run together
+    (``DeviceCosts.corun_update_factor``; ``corun_factor`` when not profiled); both figures are scaled by the
     ratio of that makespan to the slowest island alone."""
     parts, fixed = _reduction_parts(cfg, plan, ctxs, bridge)
     tail = {i: parts.get(i, 0.0) + u for i, u in upd_per_island.items()}
@@ -626,7 +627,8 @@ def _corun_tail(cfg: Any, plan: Any, ctxs, bridge: LinkModel, hosts, upd_per_isl
         return reduce_s, update_s
     on_host: Dict[str, Dict[str, float]] = {}
     for k, h in hosts.items():
-        on_host.setdefault(h, {})[ctxs[k].spec.island] = ctxs[k].costs.corun_factor
+        c = ctxs[k].costs  # the updates run together: their measured pair factor when profiled
+        on_host.setdefault(h, {})[ctxs[k].spec.island] = c.corun_update_factor or c.corun_factor
     shared = set(i for isl in on_host.values() for i in isl)
     new = max([_shared_makespan([tail[i] for i in isl], max(isl.values())) for isl in on_host.values()]
               + [t for i, t in tail.items() if i not in shared])
