@@ -40,7 +40,10 @@
    measured cold-call extras (``fits.cold``, the model before session 10), for a before/after in the
    same run; ``without_action_costs_mape`` (``without_action_costs_ape``): without its measured SEND /
    RECV / fused-B records, gaps and emulated-wait lateness (``fits.actions``, ``fits.emulated_wait``,
-   the model before session 11).
+   the model before session 11). ``fitted_lines_mape`` / ``without_update_pair_mape`` (per row
+   ``fitted_lines_ape``, ``without_update_pair_ape``): without session 12's terms, one at a time (the
+   fitted lines between profiled microbatch sizes instead of the measured calls, ``DeviceCosts.token_parts``;
+   the tail's co-run at the stage-call factor instead of the measured update pair).
 
 The host allocator (``--host-allocator``, default ``steady``, ``hethub_jax.host_allocator``): glibc
 settings under which XLA:CPU's large buffers are not mmapped and unmapped on every call; the runtime
@@ -264,7 +267,13 @@ def predict_row(name: str, cfg, costs, base, bridge, args) -> tuple:
     pred_warm = predict(cfg, plan, {i.name: warm for i in plan.islands}, seq_len=args.seq, bridge=bridge)
     plain = replace(costs, action_costs={}, emulated_wait_fit=None)
     pred_plain = predict(cfg, plan, {i.name: plain for i in plan.islands}, seq_len=args.seq, bridge=bridge)
-    return plan, pred, pred_base, pred_warm, pred_plain
+    # session 12's terms, each left out alone: the measured calls between profiled microbatch sizes
+    # (the straight fitted lines instead) and the update-pair factor of the tail (the stage-call factor)
+    lines = replace(costs, token_parts={})
+    pred_lines = predict(cfg, plan, {i.name: lines for i in plan.islands}, seq_len=args.seq, bridge=bridge)
+    nopair = replace(costs, corun_update_factor=0.0)
+    pred_nopair = predict(cfg, plan, {i.name: nopair for i in plan.islands}, seq_len=args.seq, bridge=bridge)
+    return plan, pred, pred_base, pred_warm, pred_plain, {"fitted_lines": pred_lines, "without_update_pair": pred_nopair}
 
 
 def measure_round(plan, cfg, args) -> dict:
@@ -280,7 +289,8 @@ def measure_round(plan, cfg, args) -> dict:
     return best
 
 
-def finish_row(name: str, pred, pred_base, rounds: list, args, pred_warm=None, pred_plain=None) -> dict:
+def finish_row(name: str, pred, pred_base, rounds: list, args, pred_warm=None, pred_plain=None,
+               variants=None) -> dict:
     """The configuration's row over its rounds (``rounds``: :func:`measure_round` dicts in round
     order): predicted, the rounds' figures and their spread (:func:`spread_summary`), the catalog
     baseline, and with ``--breakdown`` the breakdown of the median round's step. Prints its line."""
@@ -297,6 +307,10 @@ def finish_row(name: str, pred, pred_base, rounds: list, args, pred_warm=None, p
            # the same profile without its measured action records and wait lateness (before session 11)
            "without_action_costs_step_s": None if pred_plain is None else pred_plain.step_time_s,
            "without_action_costs_ape": None if pred_plain is None else abs(pred_plain.step_time_s - meas) / meas,
+           # session 12's terms left out one at a time: "fitted_lines" (no interpolation of the measured calls
+           # between profiled microbatch sizes), "without_update_pair" (the tail at the stage-call co-run factor)
+           **{f"{k}_step_s": v.step_time_s for k, v in (variants or {}).items()},
+           **{f"{k}_ape": abs(v.step_time_s - meas) / meas for k, v in (variants or {}).items()},
            "rounds_steps_s": [r["steps_s"] for r in rounds],
            "rounds_trials_statistic_s": [r["trials_statistic_s"] for r in rounds],
            "faults_per_step": median([r["faults_per_step"] for r in rounds]),
@@ -334,6 +348,8 @@ def summary(rows: list, names_by_round: list) -> dict:
             "baseline_catalog_mape": sum(r["baseline_ape"] for r in rows) / n,
             "without_cold_mape": (sum(r["without_cold_ape"] for r in rows) / n
                                   if all(r.get("without_cold_ape") is not None for r in rows) else None),
+            **{f"{k}_mape": sum(r[f"{k}_ape"] for r in rows) / n for k in ("fitted_lines", "without_update_pair")
+               if all(f"{k}_ape" in r for r in rows)},
             "without_action_costs_mape": (sum(r["without_action_costs_ape"] for r in rows) / n
                                           if all(r.get("without_action_costs_ape") is not None for r in rows)
                                           else None),
@@ -409,7 +425,8 @@ def main() -> None:
             measured[n].append(measure_round(preds[n][0], cfg, args))
         print(f"round {i + 1}/{len(orders)} done ({time.time() - t_start:.0f} s): "
               + ", ".join(f"{n} {measured[n][-1]['statistic_s']:.4f}" for n in order), flush=True)
-    rows = [finish_row(n, preds[n][1], preds[n][2], measured[n], args, preds[n][3], preds[n][4]) for n in names]
+    rows = [finish_row(n, preds[n][1], preds[n][2], measured[n], args, preds[n][3], preds[n][4], preds[n][5])
+            for n in names]
     figures = summary(rows, orders)
     figures.update(statistic=args.statistic, trials=args.trials, host_allocator=alloc["allocator"],
                    # CPU used by other processes during the whole run (profile included): ~0 on a quiet machine
@@ -430,6 +447,10 @@ def main() -> None:
              f"; without the cold-call extras {100 * figures['without_cold_mape']:.1f}%")
           + ("" if figures["without_action_costs_mape"] is None else
              f"; without the action records and wait lateness {100 * figures['without_action_costs_mape']:.1f}%")
+          + ("" if "fitted_lines_mape" not in figures else
+             f"; with the fitted lines between profiled microbatch sizes {100 * figures['fitted_lines_mape']:.1f}%")
+          + ("" if "without_update_pair_mape" not in figures else
+             f"; without the update-pair factor {100 * figures['without_update_pair_mape']:.1f}%")
           + ("" if figures["others_cpu_share"] is None else
              f"; other processes used {100 * figures['others_cpu_share']:.0f}% of the CPUs during the run")
           + ("" if share_profile is None else f" ({100 * share_profile:.0f}% while profiling)")
