@@ -82,3 +82,23 @@ def test_profiles_without_stage_kinds_keep_the_fitted_lines():
     for s in prof["samples"]:
         s.pop("stage")
     assert DeviceCosts.from_profile(prof).token_parts == {}
+
+
+@pytest.mark.parametrize("hetero_dp", [False, True])
+def test_search_still_equals_exhaustive_with_measured_token_parts(hetero_dp):
+    """The planner's bounds (per-layer lower bounds, stage lines) read the same interpolated parts as
+    ``predict``: on the convex device profiled at microbatch 1, 2 and 4 (8: the fitted lines), the search
+    finds what exhaustive enumeration finds."""
+    from pathlib import Path
+
+    from hethub_jax.planner import SearchOptions, exhaustive_search, search
+    from tests.test_planner import small_model
+    tiny2 = Path(__file__).resolve().parents[1] / "configs" / "clusters" / "tiny_2island_cpu.yaml"
+    prof = profile([1, 2, 4])
+    costs = {"fast": DeviceCosts.from_profile(prof), "slow": DeviceCosts.from_profile(prof)}
+    cfg = small_model(layers=4)
+    opt = SearchOptions(top_k=2, max_stages_per_group=2, hetero_dp=hetero_dp)
+    got = search(cfg, tiny2, 8, SEQ, costs=costs, options=opt)
+    ref = exhaustive_search(cfg, tiny2, 8, SEQ, costs=costs, options=opt)
+    assert got.best.step_time_s == pytest.approx(ref.best.step_time_s, rel=1e-12)
+    assert got.candidates[-1].step_time_s >= ref.candidates[-1].step_time_s * (1 - 1e-12)
