@@ -28,8 +28,10 @@ arena (tests/test_host_allocator.py). In the two-island benchmark that was 1,600
 per step (e.g. 37,357 at microbatch 4, quiet run of 2026-12-02), at about 1.5 us of CPU each on this
 VM (a fresh page touched, measured), none of which the one-island profile sees. One arena serialises
 the threads' ``malloc`` calls on its lock (XLA allocates a few buffers per call: negligible here).
-``M_ARENA_MAX`` takes effect for threads that have not allocated yet: set it at the process's start
-(the benchmarks and the profiler do, before JAX starts its threads). The
+``M_ARENA_MAX`` takes effect for threads that have not allocated yet (a thread that already has an
+arena keeps it): set it at the process's start (``benchmarks/predictor_accuracy.py`` does at import,
+the profiler before JAX starts its threads; ``PipelineRuntime`` sets it when it is built, by which
+time earlier threads may hold arenas of their own). The
 process keeps its peak host memory instead of returning it to the kernel between calls: the cost.
 Only glibc has ``mallopt``; elsewhere nothing is changed (and the result says so). Set the
 environment variable ``HETHUB_HOST_ALLOCATOR=default`` to leave the C library's defaults.
