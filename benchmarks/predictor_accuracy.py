@@ -5,7 +5,9 @@
 1. Profiles the smallest setting only: one island, one stage at a time (``hethub_jax.profile``: the
    tiny model's first / middle / last stages at a few microbatch sizes on ``(1, tp)`` and ``(dp, 1)``
    meshes; the co-run slowdown of a computation while a second island of the process computes; the
-   runtime's own seconds per action; the in-process bridge, ``LocalCommunicator``).
+   runtime's own seconds per action; the in-process bridge, ``LocalCommunicator``), at the microbatch
+   sizes of ``--profile-mbs`` and every size the configurations run (:func:`profile_sizes`: the
+   predictor interpolates between profiled sizes, and the seconds per token are not constant here).
 2. Predicts (``hethub_jax.planner.predictor.predict`` with that profile for every island, the islands
    on one shared host, ``DeviceCosts.on_shared_host``: they are threads of this process) and measures
    at least 10 larger configurations on this machine: 2-4 pipeline stages over 2 islands, 2-8
@@ -40,7 +42,10 @@
    measured cold-call extras (``fits.cold``, the model before session 10), for a before/after in the
    same run; ``without_action_costs_mape`` (``without_action_costs_ape``): without its measured SEND /
    RECV / fused-B records, gaps and emulated-wait lateness (``fits.actions``, ``fits.emulated_wait``,
-   the model before session 11).
+   the model before session 11). ``fitted_lines_mape`` / ``without_update_pair_mape`` (per row
+   ``fitted_lines_ape``, ``without_update_pair_ape``): without session 12's terms, one at a time (the
+   fitted lines between profiled microbatch sizes instead of the measured calls, ``DeviceCosts.token_parts``;
+   the tail's co-run at the stage-call factor instead of the measured update pair).
 
 The host allocator (``--host-allocator``, default ``steady``, ``hethub_jax.host_allocator``): glibc
 settings under which XLA:CPU's large buffers are not mmapped and unmapped on every call; the runtime
@@ -74,6 +79,10 @@ if "xla_force_host_platform_device_count" not in _flags:
 if "xla_cpu_multi_thread_eigen" not in _flags:
     _flags += " --xla_cpu_multi_thread_eigen=false"
 os.environ["XLA_FLAGS"] = _flags.strip()
+# the steady host allocator (one arena: M_ARENA_MAX takes effect for threads that have not allocated yet)
+# before numpy and JAX start their threads; ``--host-allocator default`` puts glibc's settings back in main()
+from hethub_jax import host_allocator as _host_allocator  # noqa: E402  (ctypes only)
+_host_allocator.steady_host_allocator()
 
 from benchmarks.common import command_line, loadavg, machine, median, write_json  # noqa: E402
 from hethub_jax.planner.accuracy import (action_breakdown, format_breakdown, round_orders,  # noqa: E402
@@ -212,13 +221,35 @@ def canary(cfg, args) -> float:
             + profile.measure_stage(last, cfg, 1, args.seq, args.repeats)["B_recompute"])
 
 
-def run_profile(args) -> str:
+def profile_sizes(names, given: str) -> tuple:
+    """``(microbatch sizes, DP microbatch sizes per rank)`` to profile, comma-separated: ``given``
+    (``--profile-mbs``) and every size the configurations ``names`` run, per DP rank (a stage on a
+    ``(dp, 1)`` mesh runs ``microbatch_size / dp`` per rank, profiled on that mesh). Why: between two
+    profiled sizes the predictor interpolates the profile's measured calls linearly
+    (``DeviceCosts.token_parts``), and on this CPU the seconds per token are not constant (microbatch 2
+    measured about 0.9x the straight line between 1 and 4; docs/benchmarks.md, issue 13, session 12)."""
+    base = {int(x) for x in given.split(",") if x.strip()}
+    mbs, dp_mbs = set(base), set(base)
+    for n in names:
+        d = configs()[n]
+        stages = d.get("stages") or [s for r in d["replicas"] for s in r["stages"]]
+        for s in stages:
+            (dp_mbs if s.get("dp", 1) > 1 else mbs).add(d["microbatch_size"] // s.get("dp", 1))
+    fmt = lambda xs: ",".join(str(x) for x in sorted(xs))
+    return fmt(mbs), fmt(dp_mbs)
+
+
+def run_profile(args, names=None) -> str:
     from hethub_jax import profile
     path = args.profile or os.path.join(tempfile.mkdtemp(prefix="hethub-profile-"), "cpu.json")
     if not (args.profile and os.path.exists(args.profile)):
+        mbs, dp_mbs = profile_sizes(names or list(configs()), args.profile_mbs)
+        if mbs != ",".join(str(x) for x in sorted(int(v) for v in args.profile_mbs.split(","))):
+            print(f"profile: microbatch sizes {mbs} (--profile-mbs {args.profile_mbs} and the configurations' own), "
+                  f"per DP rank on (dp, 1) meshes {dp_mbs}", flush=True)
         profile.main(["--out", path, "--seq-len", str(args.seq), "--tp", args.profile_tp,
-                      "--microbatch-sizes", args.profile_mbs, "--dp", args.profile_dp, "--repeats", str(args.repeats),
-                      "--statistic", args.statistic])
+                      "--microbatch-sizes", mbs, "--dp-microbatch-sizes", dp_mbs, "--dp", args.profile_dp,
+                      "--repeats", str(args.repeats), "--statistic", args.statistic])
     return path
 
 
@@ -238,7 +269,13 @@ def predict_row(name: str, cfg, costs, base, bridge, args) -> tuple:
     pred_warm = predict(cfg, plan, {i.name: warm for i in plan.islands}, seq_len=args.seq, bridge=bridge)
     plain = replace(costs, action_costs={}, emulated_wait_fit=None)
     pred_plain = predict(cfg, plan, {i.name: plain for i in plan.islands}, seq_len=args.seq, bridge=bridge)
-    return plan, pred, pred_base, pred_warm, pred_plain
+    # session 12's terms, each left out alone: the measured calls between profiled microbatch sizes
+    # (the straight fitted lines instead) and the update-pair factor of the tail (the stage-call factor)
+    lines = replace(costs, token_parts={})
+    pred_lines = predict(cfg, plan, {i.name: lines for i in plan.islands}, seq_len=args.seq, bridge=bridge)
+    nopair = replace(costs, corun_update_factor=0.0)
+    pred_nopair = predict(cfg, plan, {i.name: nopair for i in plan.islands}, seq_len=args.seq, bridge=bridge)
+    return plan, pred, pred_base, pred_warm, pred_plain, {"fitted_lines": pred_lines, "without_update_pair": pred_nopair}
 
 
 def measure_round(plan, cfg, args) -> dict:
@@ -254,7 +291,8 @@ def measure_round(plan, cfg, args) -> dict:
     return best
 
 
-def finish_row(name: str, pred, pred_base, rounds: list, args, pred_warm=None, pred_plain=None) -> dict:
+def finish_row(name: str, pred, pred_base, rounds: list, args, pred_warm=None, pred_plain=None,
+               variants=None) -> dict:
     """The configuration's row over its rounds (``rounds``: :func:`measure_round` dicts in round
     order): predicted, the rounds' figures and their spread (:func:`spread_summary`), the catalog
     baseline, and with ``--breakdown`` the breakdown of the median round's step. Prints its line."""
@@ -271,6 +309,10 @@ def finish_row(name: str, pred, pred_base, rounds: list, args, pred_warm=None, p
            # the same profile without its measured action records and wait lateness (before session 11)
            "without_action_costs_step_s": None if pred_plain is None else pred_plain.step_time_s,
            "without_action_costs_ape": None if pred_plain is None else abs(pred_plain.step_time_s - meas) / meas,
+           # session 12's terms left out one at a time: "fitted_lines" (no interpolation of the measured calls
+           # between profiled microbatch sizes), "without_update_pair" (the tail at the stage-call co-run factor)
+           **{f"{k}_step_s": v.step_time_s for k, v in (variants or {}).items()},
+           **{f"{k}_ape": abs(v.step_time_s - meas) / meas for k, v in (variants or {}).items()},
            "rounds_steps_s": [r["steps_s"] for r in rounds],
            "rounds_trials_statistic_s": [r["trials_statistic_s"] for r in rounds],
            "faults_per_step": median([r["faults_per_step"] for r in rounds]),
@@ -308,6 +350,8 @@ def summary(rows: list, names_by_round: list) -> dict:
             "baseline_catalog_mape": sum(r["baseline_ape"] for r in rows) / n,
             "without_cold_mape": (sum(r["without_cold_ape"] for r in rows) / n
                                   if all(r.get("without_cold_ape") is not None for r in rows) else None),
+            **{f"{k}_mape": sum(r[f"{k}_ape"] for r in rows) / n for k in ("fitted_lines", "without_update_pair")
+               if all(f"{k}_ape" in r for r in rows)},
             "without_action_costs_mape": (sum(r["without_action_costs_ape"] for r in rows) / n
                                           if all(r.get("without_action_costs_ape") is not None for r in rows)
                                           else None),
@@ -326,7 +370,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps after the compiling one")
     ap.add_argument("--repeats", type=int, default=7, help="profiler repeats per figure")
     ap.add_argument("--profile-tp", default="1,2", help="TP degrees to profile")
-    ap.add_argument("--profile-mbs", default="1,2,4", help="microbatch sizes to profile")
+    ap.add_argument("--profile-mbs", default="1,2,4",
+                    help="microbatch sizes to profile (the configurations' own sizes are always added: the predictor "
+                         "interpolates between profiled sizes)")
     ap.add_argument("--profile-dp", default="1,2", help="DP degrees to profile ((dp, 1) stage meshes)")
     ap.add_argument("--profile", default=None, help="existing profile JSON to use (else one is made)")
     ap.add_argument("--only", default=None, help="comma-separated configuration names")
@@ -358,8 +404,10 @@ def main() -> None:
     cfg = get_preset("tiny")
     load_before, t_start, snap0 = loadavg(), time.time(), cpu_snapshot()
     profiled = not (args.profile and os.path.exists(args.profile))
+    names = list(configs())
+    names = args.only.split(",") if args.only else names[:3] if args.quick else names
     canary_profile = [canary(cfg, args)] if profiled else []
-    prof_path = run_profile(args)
+    prof_path = run_profile(args, names)
     canary_profile += [canary(cfg, args)] if profiled else []
     share_profile = others_share(snap0, cpu_snapshot()) if profiled else None  # while this run profiled
     t_profile = time.time() - t_start
@@ -370,8 +418,6 @@ def main() -> None:
     # in one process the bridge is LocalCommunicator: the profile's measured 2-thread all-reduce
     # (older profiles: its host-copy line)
     bridge = costs.local_bridge_link or costs.host_link or LinkModel(0.0, 1e12)
-    names = list(configs())
-    names = args.only.split(",") if args.only else names[:3] if args.quick else names
     preds = {n: predict_row(n, cfg, costs, base, bridge, args) for n in names}
     orders = round_orders(names, args.rounds)
     measured = {n: [] for n in names}
@@ -382,7 +428,8 @@ def main() -> None:
             measured[n].append(measure_round(preds[n][0], cfg, args))
         print(f"round {i + 1}/{len(orders)} done ({time.time() - t_start:.0f} s): "
               + ", ".join(f"{n} {measured[n][-1]['statistic_s']:.4f}" for n in order), flush=True)
-    rows = [finish_row(n, preds[n][1], preds[n][2], measured[n], args, preds[n][3], preds[n][4]) for n in names]
+    rows = [finish_row(n, preds[n][1], preds[n][2], measured[n], args, preds[n][3], preds[n][4], preds[n][5])
+            for n in names]
     figures = summary(rows, orders)
     figures.update(statistic=args.statistic, trials=args.trials, host_allocator=alloc["allocator"],
                    # CPU used by other processes during the whole run (profile included): ~0 on a quiet machine
@@ -403,6 +450,10 @@ def main() -> None:
              f"; without the cold-call extras {100 * figures['without_cold_mape']:.1f}%")
           + ("" if figures["without_action_costs_mape"] is None else
              f"; without the action records and wait lateness {100 * figures['without_action_costs_mape']:.1f}%")
+          + ("" if "fitted_lines_mape" not in figures else
+             f"; with the fitted lines between profiled microbatch sizes {100 * figures['fitted_lines_mape']:.1f}%")
+          + ("" if "without_update_pair_mape" not in figures else
+             f"; without the update-pair factor {100 * figures['without_update_pair_mape']:.1f}%")
           + ("" if figures["others_cpu_share"] is None else
              f"; other processes used {100 * figures['others_cpu_share']:.0f}% of the CPUs during the run")
           + ("" if share_profile is None else f" ({100 * share_profile:.0f}% while profiling)")

@@ -17,7 +17,21 @@ calls took 0-30 faults and 0.50-0.79x the time (one process alternating the sett
 its "default" side with a fixed 128 KiB threshold).
 
 What :func:`steady_host_allocator` sets (glibc ``mallopt(3)``): ``M_MMAP_MAX = 0`` (every block
-from the heap, none mmapped) and ``M_TRIM_THRESHOLD = 1 GiB`` (the heap's free top is kept). The
+from the heap, none mmapped), ``M_TRIM_THRESHOLD = 1 GiB`` (the heap's free top is kept) and
+``M_ARENA_MAX = 1`` (every thread allocates from the main heap). Why the last one (issue 13): islands
+run as threads (``benchmarks/predictor_accuracy.py``) and XLA:CPU computes on worker threads; glibc
+gives each new thread an arena of its own (up to 8 per core), and a secondary arena grows by separate
+64 MiB heaps, each deleted (unmapped) as soon as it is entirely free, whatever the trim threshold
+(glibc ``arena.c`` ``heap_trim``): with two threads each using two 40 MiB blocks, every page of the
+second use faulted again under the first two settings alone (20,480 of 20,480 pages), none with one
+arena (tests/test_host_allocator.py). In the two-island benchmark that was 1,600-37,000 minor faults
+per step (e.g. 37,357 at microbatch 4, quiet run of 2026-12-02), at about 1.5 us of CPU each on this
+VM (a fresh page touched, measured), none of which the one-island profile sees. One arena serialises
+the threads' ``malloc`` calls on its lock (XLA allocates a few buffers per call: negligible here).
+``M_ARENA_MAX`` takes effect for threads that have not allocated yet (a thread that already has an
+arena keeps it): set it at the process's start (``benchmarks/predictor_accuracy.py`` does at import,
+the profiler before JAX starts its threads; ``PipelineRuntime`` sets it when it is built, by which
+time earlier threads may hold arenas of their own). The
 process keeps its peak host memory instead of returning it to the kernel between calls: the cost.
 Only glibc has ``mallopt``; elsewhere nothing is changed (and the result says so). Set the
 environment variable ``HETHUB_HOST_ALLOCATOR=default`` to leave the C library's defaults.
@@ -31,12 +45,13 @@ import os
 import threading
 from typing import Dict, Optional
 
-__all__ = ["steady_host_allocator", "current", "ENV", "M_MMAP_MAX", "M_TRIM_THRESHOLD", "TRIM_THRESHOLD_BYTES"]
+__all__ = ["steady_host_allocator", "current", "ENV", "M_MMAP_MAX", "M_TRIM_THRESHOLD", "M_ARENA_MAX",
+           "TRIM_THRESHOLD_BYTES", "default_arena_max"]
 
 #: environment variable: ``default`` leaves the C library's allocator settings alone
 ENV = "HETHUB_HOST_ALLOCATOR"
 #: glibc ``mallopt`` parameter numbers (malloc.h)
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
 #: the trim threshold set (bytes): the heap's free top up to this size stays with the process
 TRIM_THRESHOLD_BYTES = 1 << 30
 
@@ -81,8 +96,10 @@ def steady_host_allocator(enable: Optional[bool] = None) -> Dict[str, object]:
         lib = _libc()
         if lib is None:
             return {"allocator": "default", "applied": False, "reason": "not glibc: mallopt unavailable"}
+        arenas = 1 if enable else default_arena_max()
         ok = (lib.mallopt(M_MMAP_MAX, 0 if enable else 65536) == 1
-              and lib.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES if enable else 128 * 1024) == 1)
+              and lib.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES if enable else 128 * 1024) == 1
+              and lib.mallopt(M_ARENA_MAX, arenas) == 1)
         if not ok:
             return {"allocator": "default", "applied": False, "reason": "mallopt refused the settings"}
         if not enable and hasattr(lib, "malloc_trim"):
@@ -90,8 +107,14 @@ def steady_host_allocator(enable: Optional[bool] = None) -> Dict[str, object]:
         lib.gnu_get_libc_version.restype = ctypes.c_char_p
         _state.update(allocator=want, reason=f"glibc {lib.gnu_get_libc_version().decode()} mallopt: M_MMAP_MAX "
                                              f"{0 if enable else 65536}, M_TRIM_THRESHOLD "
-                                             f"{TRIM_THRESHOLD_BYTES if enable else 128 * 1024}")
+                                             f"{TRIM_THRESHOLD_BYTES if enable else 128 * 1024}, M_ARENA_MAX {arenas}")
         return dict(_state, applied=True)
+
+
+def default_arena_max() -> int:
+    """glibc's own arena limit on 64-bit systems: 8 per core (``malloc/arena.c``, ``NARENAS_FROM_NCORES``),
+    which ``mallopt(M_ARENA_MAX, ...)`` cannot reset to "unset"; what the ``default`` settings put back."""
+    return 8 * (os.cpu_count() or 1)
 
 
 def current() -> str:

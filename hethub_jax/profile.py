@@ -28,7 +28,8 @@ What is measured, with the runtime's own code paths (``hethub_jax.parallel.stage
     one-stage replica's shape), the same four calls, used for stages of that shape instead of the
     fits (:func:`profile_stage_shapes`: seconds per layer rise with the layers of a call on a CPU core);
   * with ``--dp``: the stages on ``(dp, 1)`` meshes; on CPU (``--corun``) the slowdown of stage calls
-    while a second island of the process computes (:func:`measure_corun`); the runtime's own seconds
+    while a second island of the process computes (:func:`measure_corun`) and of two islands' optimizer
+    updates run at the same time, as after a step's pipeline (:func:`measure_update_pair`); the runtime's own seconds
     per action (:func:`measure_runtime_overhead`), of its SEND, RECV and fused-B records and between
     records (:func:`measure_action_costs`), and what its emulated wait takes (:func:`measure_emulated_wait`).
 Each figure is the median of ``--repeats`` timed calls after one untimed call (compilation).
@@ -707,6 +708,76 @@ def fit_launch(samples: List[dict]) -> Optional[Dict[str, Any]]:
             "source": LAUNCH_SOURCE}
 
 
+def measure_update_pair(cfg: Any, devices: Sequence[Any], repeats: int) -> List[dict]:
+    """The optimizer updates of two islands of one process run at the SAME time, against each alone:
+    after a step's pipeline every island sums its shared gradients, reads its norm, meets the others
+    in one all-reduce (``PipelineRuntime._forward_backward``) and then updates, so islands sharing a
+    host's cores start their updates together. AdamW streams parameters, gradients and both moments
+    (7 accesses per parameter): two at once share the host's memory bandwidth, a slowdown that the
+    neighbour of :func:`measure_corun` (a stage's forward + backward) does not show.
+
+    A first stage (layer 0 and the embedding) on ``devices[0]`` and a last stage (the last layer and
+    the LM head, with the tied embedding) on ``devices[1]``, as the two islands of a two-stage
+    pipeline hold them; per repetition (after a compiling update each) the first stage's update alone,
+    the last stage's alone, then both started together by a barrier (one in a second thread), each
+    timed to its own result. Returns ``{"kind": "corun_update", "alone_s", "busy_s"}``: the summed
+    medians of the two updates alone and together (median whatever ``--statistic`` says, as
+    :func:`measure_corun`). Empty with fewer than 2 devices."""
+    import threading
+
+    from hethub_jax.optim import OptimConfig, make_optimizer
+    from hethub_jax.parallel.stage import PipelineStage
+    if len(devices) < 2:
+        return []
+    tx, L = make_optimizer(OptimConfig()), cfg.num_hidden_layers
+    stages = [PipelineStage(cfg, 0, 0, [devices[0]], 1, 1, seed=0, recompute=False, optimizer=tx),
+              PipelineStage(cfg, L - 1, L - 1, [devices[1]], 1, 1, seed=0, recompute=False, optimizer=tx)]
+    for st in stages:
+        _update_once(st)
+    bar, stop, took = threading.Barrier(2), threading.Event(), {}
+
+    def other():
+        while True:
+            bar.wait()
+            if stop.is_set():
+                return
+            t0 = time.perf_counter()
+            _update_once(stages[1])
+            took["other"] = time.perf_counter() - t0
+            bar.wait()
+    th = threading.Thread(target=other, daemon=True)
+    th.start()
+    times: Dict[str, List[float]] = {"alone0": [], "alone1": [], "busy0": [], "busy1": []}
+    try:
+        for _ in range(max(1, repeats)):
+            for i, st in enumerate(stages):
+                t0 = time.perf_counter()
+                _update_once(st)
+                times[f"alone{i}"].append(time.perf_counter() - t0)
+            bar.wait()
+            t0 = time.perf_counter()
+            _update_once(stages[0])
+            times["busy0"].append(time.perf_counter() - t0)
+            bar.wait()
+            times["busy1"].append(took["other"])
+    finally:
+        stop.set()
+        bar.wait()
+        th.join()
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    return [{"kind": "corun_update", "alone_s": med["alone0"] + med["alone1"], "busy_s": med["busy0"] + med["busy1"],
+             "per_stage": med}]
+
+
+def fit_corun_update(samples: List[dict]) -> Optional[Dict[str, Any]]:
+    """``{"factor"}``: the summed busy seconds over the summed alone seconds of the paired updates
+    (:func:`measure_update_pair`); None without samples."""
+    if not samples or sum(s["alone_s"] for s in samples) <= 0:
+        return None
+    return {"factor": float(sum(s["busy_s"] for s in samples) / sum(s["alone_s"] for s in samples)),
+            "method": "two islands' optimizer updates started together over each alone (profile.measure_update_pair)"}
+
+
 def _phase_calls(st: Any, cfg: Any, seq_len: int) -> Dict[str, Callable[[], Any]]:
     """Blocking calls of stage ``st`` on one one-sample microbatch per phase the runtime runs
     (``F`` forward_saving, ``F_nosave`` forward, ``B`` backward_saved, ``B_recompute``
@@ -1085,6 +1156,7 @@ def build_profile(cfg: Any, args: Any, samples: List[dict], updates: List[dict],
                                for m in sorted({(u["dp"], u["tp"]) for u in updates if u["kind"] == "norm_mesh"})},
                  "launch": fit_launch([c for c in corun if c["kind"] == "launch"]),
                  "corun": fit_corun([c for c in corun if c["kind"] == "corun"]),
+                 "corun_update": fit_corun_update([c for c in corun if c["kind"] == "corun_update"]),
                  "runtime": fit_runtime_overhead([c for c in corun if c["kind"] == "runtime_overhead"]),
                  "cold": fit_cold([c for c in corun if c["kind"] == "cold"]),
                  "actions": fit_action_costs([c for c in corun if c["kind"] == "action_costs"]),
@@ -1161,7 +1233,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     samples, updates = profile_compute(cfg, args.seq_len, mbs_list, tps, args.repeats, devices,
                                        not args.no_progress, dps, dp_mbs)
     samples += profile_stage_shapes(cfg, args.seq_len, mbs_list, tps, args.repeats, devices, shapes) if shapes else []
-    corun = (measure_corun(cfg, devices, args.seq_len, args.repeats)
+    corun = (measure_corun(cfg, devices, args.seq_len, args.repeats) + measure_update_pair(cfg, devices, args.repeats)
              if args.corun == "on" or (args.corun == "auto" and platform_name == "cpu") else [])
     corun += measure_launch(cfg, devices, args.seq_len, args.repeats)  # islands as threads: one launcher
     corun += [] if args.no_runtime else measure_runtime_overhead(cfg, devices, args.repeats)

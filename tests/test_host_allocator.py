@@ -4,7 +4,9 @@ Checked against an independent measurement: the kernel's count of minor page fau
 when a 64 MiB block (C ``malloc``, as XLA:CPU allocates) is freed and allocated again, in fresh
 processes (glibc's own defaults apply only before any ``mallopt``). With glibc's defaults a block that large (over its 32 MiB mmap threshold
 ceiling) is mmapped afresh and every page faults again (~16,000 4-KiB pages); with the steady settings
-the second allocation reuses the heap's pages."""
+the second allocation reuses the heap's pages. With two threads (islands as threads, XLA:CPU's worker
+threads), glibc's per-thread arenas grow by separate heaps that are unmapped once free, whatever the
+trim threshold: the steady settings keep one arena, and the second use faults in almost none."""
 import json
 import os
 import subprocess
@@ -67,3 +69,54 @@ def test_idempotent_and_env_opt_out(monkeypatch):
     assert host_allocator.current() == "default"
     monkeypatch.delenv(host_allocator.ENV)
     assert host_allocator.steady_host_allocator()["allocator"] == "steady"
+
+
+_THREADS_CHILD = r"""
+import ctypes, json, resource, sys, threading
+from hethub_jax import host_allocator
+info = host_allocator.steady_host_allocator() if sys.argv[1] == "steady" else {"allocator": "untouched"}
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+n = 40 << 20
+flt = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+def use(value):  # two blocks at once, touched, freed: one call's buffers
+    ps = [libc.malloc(n) for _ in range(2)]
+    for p in ps:
+        ctypes.memset(p, value, n)
+    for p in ps:
+        libc.free(p)
+bar, out = threading.Barrier(2), {}
+
+def body(i):
+    use(1)          # first use in this thread: faults either way
+    bar.wait()
+    if i == 0:
+        out["f0"] = flt()
+    bar.wait()
+    use(2)          # second use, both threads
+    bar.wait()
+    if i == 0:
+        out["faults"] = flt() - out["f0"]
+threads = [threading.Thread(target=body, args=(i,)) for i in range(2)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(json.dumps({"faults": out["faults"], "pages": 2 * 2 * n // resource.getpagesize(), "info": info}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or host_allocator._libc() is None, reason="glibc only")
+def test_steady_allocator_two_threads_reuse_pages():
+    """Two threads each allocating two 40 MiB blocks twice: with glibc's defaults (per-thread arenas) the
+    second use faults again; with the steady settings (one arena, M_ARENA_MAX 1) almost no page does."""
+    def run(mode):
+        env = dict(os.environ, PYTHONPATH=ROOT)
+        env.pop(host_allocator.ENV, None)
+        out = subprocess.run([sys.executable, "-c", _THREADS_CHILD, mode], env=env, capture_output=True, text=True,
+                             timeout=120, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    default, steady = run("default"), run("steady")
+    assert "M_ARENA_MAX 1" in steady["info"]["reason"]
+    assert default["faults"] > 0.4 * default["pages"]  # at least one thread's blocks faulted in again
+    assert steady["faults"] < 0.05 * steady["pages"]

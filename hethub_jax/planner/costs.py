@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from hethub_jax.planner import analytic
 from hethub_jax.planner.catalog import DeviceSpec, get_device
@@ -98,6 +98,10 @@ class DeviceCosts:
       corun_factor: MEASURED slowdown of a computation while a second island of the same process
         computes on other devices of the same host (``fits.corun.factor`` of a CPU profile: fake CPU
         devices of one process share its cores); 1.0 when not measured (the catalog, separate hardware).
+      corun_update_factor: MEASURED slowdown of an island's optimizer update while another island of the
+        host updates at the same time (``fits.corun_update.factor``, ``profile.measure_update_pair``: after
+        the pipelines the islands start their updates together, and AdamW is bound by the memory
+        bandwidth they share); 0.0 when not measured (the predictor then uses ``corun_factor``).
       host: name of the host whose cores the islands with these costs share (None: the island has
         hardware of its own). Set with :meth:`on_shared_host`; the predictor slows the overlapping
         compute of islands with the same ``host`` by ``corun_factor``.
@@ -177,6 +181,7 @@ class DeviceCosts:
     bridge_link: Optional[LinkModel] = None
     profile: Optional[Dict[str, Any]] = None
     corun_factor: float = 1.0
+    corun_update_factor: float = 0.0
     host: Optional[str] = None
     dp_fits: Dict[Tuple[int, int], Dict[str, Dict[str, _Linear]]] = field(default_factory=dict)
     update_dp_fits: Dict[int, _Linear] = field(default_factory=dict)
@@ -227,6 +232,35 @@ class DeviceCosts:
         default_factory=dict)
     serial_launch: bool = False
     process: Optional[str] = None
+    #: per profiled ``(dp, tp, phase)``, the MEASURED parts at each profiled token count: ``(tokens, base,
+    #: layer, embed, head)`` seconds, tokens ascending, solved exactly from the four profiled stage kinds at
+    #: that count (:func:`_token_parts`); read by :meth:`_token_part`. Empty for the catalog and for
+    #: profiles whose samples lack the stage kinds.
+    token_parts: Dict[Tuple[int, int, str], Tuple[Tuple[float, float, float, float, float], ...]] = field(
+        default_factory=dict)
+
+    def _token_part(self, tp: int, phase: str, part: str, dp: int, tokens: Optional[float]) -> Optional[float]:
+        """Seconds of ``part`` (``"base"``, ``"layer"``, ``"embed"`` or ``"head"``) for ``tokens`` tokens per
+        DP rank on a PROFILED ``(dp, tp)`` mesh, linear between the two profiled token counts around
+        ``tokens`` (:attr:`token_parts`, the profile's own samples at each count); None outside the
+        profiled counts, for an unprofiled mesh or without ``tokens`` (the caller uses the fitted line).
+
+        Why: the fitted lines are linear in FLOPs, i.e. in tokens, and a microbatch size between two
+        profiled ones was interpolated along them; on this CPU the seconds per token are not constant
+        (the last stage's logits are 8 MB per sample and outgrow the caches): the runtime's calls at
+        microbatch 2 took 0.80-1.00x (median over calls and stage kinds about 0.9x) the straight line
+        between microbatch 1 and 4 (docs/benchmarks.md, issue 13, session 12). Profiling the sizes a plan
+        uses and interpolating between them follows the measured curve."""
+        if tokens is None:
+            return None
+        pts = self.token_parts.get((int(dp), int(tp), phase))
+        if not pts or not pts[0][0] <= tokens <= pts[-1][0]:
+            return None
+        j = {"base": 1, "layer": 2, "embed": 3, "head": 4}[part]
+        for a, b in zip(pts, pts[1:]):
+            if a[0] <= tokens <= b[0]:
+                return a[j] + (b[j] - a[j]) * (tokens - a[0]) / (b[0] - a[0])
+        return pts[0][j]  # one profiled count, equal to tokens
 
     def measured_stage_s(self, layers: int, is_first: bool, is_last: bool, tokens: float, tp: int, phase: str,
                          dp: int = 1) -> Optional[float]:
@@ -341,7 +375,9 @@ class DeviceCosts:
                    fits=fits, update_fit=lin(fits_in.get("update")), allreduce_fit=lin(fits_in.get("allreduce")),
                    shared_sum_fit=_shared_fit(fits_in.get("shared_sum")),
                    host_link=link(host), bridge_link=link(br),
-                   profile=dict(profile), corun_factor=_corun(fits_in.get("corun")), dp_fits=dp_fits,
+                   profile=dict(profile), corun_factor=_corun(fits_in.get("corun")),
+                   corun_update_factor=(_corun(fits_in["corun_update"]) if fits_in.get("corun_update") else 0.0),
+                   dp_fits=dp_fits,
                    update_dp_fits={int(k): lin(v) for k, v in (fits_in.get("update_dp") or {}).items()},
                    update_tp_fits={int(k): lin(v) for k, v in (fits_in.get("update_tp") or {}).items() if v},
                    norm_mesh_fits={tuple(int(x) for x in m.split("x")): lin(v)
@@ -353,7 +389,8 @@ class DeviceCosts:
                    action_costs=_action_costs(fits_in.get("actions")),
                    emulated_wait_fit=lin(fits_in.get("emulated_wait")),
                    stage_shapes=_stage_shapes(profile.get("samples") or ()),
-                   serial_launch=bool((fits_in.get("launch") or {}).get("serial", False)))
+                   serial_launch=bool((fits_in.get("launch") or {}).get("serial", False)),
+                   token_parts=_token_parts(profile.get("samples") or ()))
 
     # ---- DP meshes ---------------------------------------------------------------------------------
     def measured_dp_degrees(self, tp: int) -> Tuple[int, ...]:
@@ -428,6 +465,9 @@ class DeviceCosts:
                 nbytes = tokens * cfg.hidden_size * analytic.dtype_bytes(cfg.dtype)
                 t += _PHASE_TP_ALLREDUCES[phase] * self.allreduce_time_s(nbytes, tp)
             return t
+        measured = self._token_part(tp, phase, "layer", dp, tokens)
+        if measured is not None:
+            return max(0.0, measured)
         fit, scale = self._fit(tp, phase, "layer", dp)
         return max(0.0, fit.c0 + fit.c1 * flops * scale)
 
@@ -439,6 +479,9 @@ class DeviceCosts:
             _check_phase(phase)
             nbytes = 2 * tokens * cfg.hidden_size * analytic.dtype_bytes(cfg.dtype)
             return nbytes * _PHASE_FORWARDS[phase] / (self.spec.memory_bandwidth * self.efficiency)
+        measured = self._token_part(tp, phase, "embed", dp, tokens)
+        if measured is not None:
+            return max(0.0, measured)
         fit, scale = self._fit(tp, phase, "embed", dp)
         return max(0.0, fit.c0 + fit.c1 * tokens * scale)
 
@@ -448,16 +491,23 @@ class DeviceCosts:
         if self.source == "catalog":
             _check_phase(phase)
             return self._compute(flops, tp, phase)
+        measured = self._token_part(tp, phase, "head", dp, tokens)
+        if measured is not None:
+            return max(0.0, measured)
         fit, scale = self._fit(tp, phase, "head", dp)
         return max(0.0, fit.c0 + fit.c1 * flops * scale)
 
-    def stage_overhead_s(self, tp: int, phase: str, dp: int = 1) -> float:
+    def stage_overhead_s(self, tp: int, phase: str, dp: int = 1, tokens: Optional[float] = None) -> float:
         """Fixed seconds of one stage call (dispatch, argument handling, synchronisation), measured
-        as the intercept of the profile's stage fits; 0 for catalog costs (an assumption: negligible
-        against the compute of a large model)."""
+        as the intercept of the profile's stage fits (with ``tokens`` on a profiled mesh between two
+        profiled token counts: the measured part there, :meth:`_token_part`); 0 for catalog costs (an
+        assumption: negligible against the compute of a large model)."""
         if self.source == "catalog":
             _check_phase(phase)
             return 0.0
+        measured = self._token_part(tp, phase, "base", dp, tokens)
+        if measured is not None:
+            return max(0.0, measured)
         fit, _ = self._fit(tp, phase, "base", dp)
         return max(0.0, fit.c0)
 
@@ -611,6 +661,31 @@ def _stage_shapes(samples: Any) -> Dict[Tuple[int, bool, bool, int, int, str], T
                str(s["phase"]))
         acc.setdefault(key, {}).setdefault(float(s["tokens"]), []).append(float(s["seconds"]))
     return {k: tuple((t, sum(v) / len(v)) for t, v in sorted(pts.items())) for k, pts in acc.items()}
+
+
+def _token_parts(samples: Any) -> Dict[Tuple[int, int, str], Tuple[Tuple[float, float, float, float, float], ...]]:
+    """``DeviceCosts.token_parts`` from a profile's ``"stage"`` samples (``hethub_jax.profile.profile_compute``:
+    stage kinds ``first`` (layer 0 and the embedding), ``mid1`` (one layer), ``mid2`` (two layers) and
+    ``last`` (the last layer, LM head and loss)): per ``(dp, tp, phase)`` and token count at which all four
+    were measured, the parts that reproduce them exactly: ``layer = max(0, mid2 - mid1)``, ``base = mid1 -
+    layer``, ``embed = first - mid1``, ``head = last - mid1`` (a stage of ``n`` layers then costs ``base + n
+    layer (+ embed) (+ head)``, as the fitted lines say). A layer measured below 0 s (noise) reads 0 so that
+    stage seconds never fall with layers. Repeated samples: their mean."""
+    acc: Dict[tuple, Dict[str, List[float]]] = {}
+    for s in samples:
+        if not isinstance(s, Mapping) or s.get("kind") != "stage" or s.get("stage") not in ("first", "mid1", "mid2", "last"):
+            continue
+        key = (int(s.get("dp", 1)), int(s.get("tp", 1)), str(s["phase"]), float(s["tokens"]))
+        acc.setdefault(key, {}).setdefault(str(s["stage"]), []).append(float(s["seconds"]))
+    out: Dict[Tuple[int, int, str], List[Tuple[float, float, float, float, float]]] = {}
+    for (dp, tp, phase, tokens), kinds in sorted(acc.items()):
+        if len(kinds) < 4:
+            continue
+        m = {k: sum(v) / len(v) for k, v in kinds.items()}
+        layer = max(0.0, m["mid2"] - m["mid1"])
+        out.setdefault((dp, tp, phase), []).append(
+            (tokens, m["mid1"] - layer, layer, m["first"] - m["mid1"], m["last"] - m["mid1"]))
+    return {k: tuple(v) for k, v in out.items()}
 
 
 def _shared_fit(d: Optional[Mapping[str, Any]]) -> Optional[Tuple[float, float]]:

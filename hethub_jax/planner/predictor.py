@@ -208,7 +208,7 @@ def stage_compute_s(cfg: Any, costs: DeviceCosts, first_layer: int, last_layer: 
         return measured
 
     def parts(ph: str) -> Tuple[float, float, float, float]:  # call, one layer, embedding, head
-        return (costs.stage_overhead_s(tp, ph, dp), costs.layer_time_s(cfg, tokens, seq_len, tp, ph, dp),
+        return (costs.stage_overhead_s(tp, ph, dp, tokens), costs.layer_time_s(cfg, tokens, seq_len, tp, ph, dp),
                 costs.embed_time_s(cfg, tokens, tp, ph, dp) if is_first else 0.0,
                 costs.head_time_s(cfg, tokens, seq_len, tp, ph, dp) if is_last else 0.0)
     o, lay, emb, head = parts(phase)
@@ -692,7 +692,8 @@ def _corun_tail(cfg: Any, plan: Any, ctxs, bridge: LinkModel, hosts, upd_per_isl
                 reduce_s: float, update_s: float) -> Tuple[float, float]:
     """(gradient sums + norm, update) seconds when islands sharing a host do their sums, norms and
     updates at the same time after the pipelines: per host :func:`_shared_makespan` of each island's
-    (sums + norm + update) at the host's measured co-run factor; both figures are scaled by the
+    (sums + norm + update) at the host's measured co-run factor of two updates run together
+    (``DeviceCosts.corun_update_factor``; ``corun_factor`` when not profiled); both figures are scaled by the
     ratio of that makespan to the slowest island alone."""
     parts, fixed = _reduction_parts(cfg, plan, ctxs, bridge)
     tail = {i: parts.get(i, 0.0) + u for i, u in upd_per_island.items()}
@@ -701,7 +702,8 @@ def _corun_tail(cfg: Any, plan: Any, ctxs, bridge: LinkModel, hosts, upd_per_isl
         return reduce_s, update_s
     on_host: Dict[str, Dict[str, float]] = {}
     for k, h in hosts.items():
-        on_host.setdefault(h, {})[ctxs[k].spec.island] = ctxs[k].costs.corun_factor
+        c = ctxs[k].costs  # the updates run together: their measured pair factor when profiled
+        on_host.setdefault(h, {})[ctxs[k].spec.island] = c.corun_update_factor or c.corun_factor
     shared = set(i for isl in on_host.values() for i in isl)
     new = max([_shared_makespan([tail[i] for i in isl], max(isl.values())) for isl in on_host.values()]
               + [t for i, t in tail.items() if i not in shared])
