@@ -90,3 +90,80 @@ def test_planless_rank_count_error_command_plans_the_runs_problem(tmp_path):
     assert args.profiles is None  # no profile folder was made: the CLI would refuse a missing one
     want = _plan_rank0(cfg, "llama3-70b", str(cluster), 16, 4096, 1, str(tmp_path / "prof"), lambda m: None)
     assert _cli_plan(argv, tmp_path) == Plan.from_dict(want["plan"])
+
+
+# ---- 2. MI250X is modelled as the JAX device: one GCD ----------------------------------------------
+
+def test_mi250x_catalog_entry_is_one_gcd():
+    """The entry is one GCD, the device JAX on ROCm sees. References quoted here from the sources (not the
+    code): AMD Instinct MI250X datasheet per OAM package 383 TFLOPS BF16, 128 GB HBM2e at 3.2768 TB/s
+    (1.6 TB/s per GCD, ROCm MI250 microarchitecture page); OLCF Frontier user guide: 4 MI250X = 8 GCDs
+    per node, 64 GB each; 4 Infinity Fabric links of 50 GB/s between a package's GCDs; one 200 Gb/s
+    Slingshot NIC per package."""
+    from hethub_jax.planner.catalog import get_device
+    d = get_device("MI250X")
+    gcds_per_package = 2
+    assert d.peak_flops == pytest.approx(383e12 / gcds_per_package)
+    assert d.memory_bytes == 128 * 10**9 // gcds_per_package == 64 * 10**9
+    assert d.memory_bandwidth == pytest.approx(3.2768e12 / gcds_per_package)
+    assert d.devices_per_node == 4 * gcds_per_package
+    assert d.intra_node_bandwidth == pytest.approx(4 * 50e9)
+    assert d.network_bandwidth == pytest.approx(200e9 / 8 / gcds_per_package)
+    for words in ("GCD", "frontier_user_guide", "mi250x", "Slingshot"):
+        assert words.lower() in d.source.lower(), words
+
+
+def test_example_clusters_count_mi250x_gcds():
+    """The example clusters' MI250X groups have 8 devices (GCDs) per node, and a plan for the HETHUB-like
+    cluster keeps every MI250X stage within one GCD's 64 GB (the old model allowed 128 GB per device)."""
+    import yaml
+    from hethub_jax.planner import SearchOptions, load_cluster, load_model, search
+    for name in ("hethub_768.yaml", "four_types_16k.yaml"):
+        spec = yaml.safe_load((CLUSTERS / name).read_text())
+        groups = [g for g in load_cluster(CLUSTERS / name).resolved().groups if g.device == "MI250X"]
+        assert groups and all(g.devices_per_node == 8 for g in groups)
+        assert "GCD" in spec["description"]
+    res = search(load_model("llama-140b"), CLUSTERS / "hethub_768.yaml", 1536, 4096,
+                 options=SearchOptions(top_k=1, max_stages_per_group=8))
+    for sp in res.best.prediction.stages:
+        st = res.best.plan.stage(sp.replica, sp.stage)
+        if st.island.startswith("mi250x"):
+            assert sp.memory.total <= 64e9
+
+
+# ---- 4. docs/planner.md's catalog-cost examples are the commands' output ----------------------------
+
+def _doc_examples():
+    """(argv, expected output lines) of each ``python -m hethub_jax.plan`` example in docs/planner.md
+    that is followed by its output block."""
+    text = (ROOT / "docs" / "planner.md").read_text()
+    out = []
+    for m in re.finditer(r"```bash\n(python -m hethub_jax\.plan [^`]*?)\n```\n+(?:[^`]*?\n)?```\n(.*?)```", text, re.S):
+        cmd = m.group(1).replace("\\\n", " ")
+        if "--global-batch" not in cmd or "MODEL" in cmd:
+            continue
+        out.append((shlex.split(cmd)[3:], m.group(2).splitlines()))
+    return out
+
+
+def _norm(lines):
+    return [re.sub(r"search \d+\.\d+ s", "search X s", x) for x in lines]
+
+
+def test_planner_doc_examples_match_the_commands(tmp_path, monkeypatch, capsys):
+    """Catalog costs are deterministic: each documented example prints exactly the documented output
+    (apart from the search's wall time); the infeasible 768 request prints the documented error."""
+    examples = _doc_examples()
+    assert len(examples) >= 3, examples
+    monkeypatch.chdir(tmp_path)
+    for argv, want in examples:
+        argv = [str(ROOT / a) if a.startswith("configs/") else a for a in argv]
+        assert plan_main(argv) == 0
+        got = capsys.readouterr().out.splitlines()
+        assert _norm(got) == _norm(want), (argv, "\n".join(got))
+    text = (ROOT / "docs" / "planner.md").read_text()
+    err = next(x for x in text.splitlines() if x.startswith("error: infeasible: the model's 90 layers"))
+    argv = ["--model", "llama-140b", "--cluster", str(CLUSTERS / "hethub_768.yaml"), "--global-batch", "1536",
+            "--top", "1"]
+    assert plan_main(argv) == 2
+    assert capsys.readouterr().err.strip() == err
