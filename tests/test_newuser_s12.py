@@ -167,3 +167,145 @@ def test_planner_doc_examples_match_the_commands(tmp_path, monkeypatch, capsys):
             "--top", "1"]
     assert plan_main(argv) == 2
     assert capsys.readouterr().err.strip() == err
+
+
+# ---- 3. running the same command again never loses anything -------------------------------------
+
+def _train_cli(d: Path, *extra: str):
+    import contextlib
+    import io
+    from hethub_jax.train import main
+    from test_checkpoint_resume import CONFIG
+    cfg = d / "c.yaml"
+    cfg.write_text(CONFIG)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["--config", str(cfg), "--metrics-file", str(d / "m.jsonl"), "--checkpoint-dir", str(d / "ckpt"),
+                   "--no-progress", "--set", "train.checkpoint_every=0", *extra])
+    return rc, out.getvalue() + err.getvalue()
+
+
+def _step_records(path: Path):
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "step"]
+
+
+def test_running_the_same_command_again_resumes_and_loses_nothing(tmp_path):
+    """Default ``train.resume`` null (MaxText-style): the same command again resumes from the newest
+    checkpoint (here it already reaches train.steps: it says so, exit 0, files untouched); more steps
+    continue it, appending to the metrics; ``--no-resume`` starts from step 0 with the earlier metrics
+    renamed and the earlier checkpoints moved aside, never deleted or truncated."""
+    from hethub_jax import checkpoint as ckpt
+    layers = 3
+    rc, out = _train_cli(tmp_path, "--steps", "2")
+    assert rc == 0, out
+    first = (tmp_path / "m.jsonl").read_bytes()
+    assert [r["step"] for r in _step_records(tmp_path / "m.jsonl")] == [1, 2]
+    assert ckpt.complete_steps(tmp_path / "ckpt", layers) == [2]
+    # the same command again
+    rc, out = _train_cli(tmp_path, "--steps", "2")
+    assert rc == 0, out
+    assert "continuing from step 2" in out and "nothing to do" in out and "--no-resume" in out, out
+    assert (tmp_path / "m.jsonl").read_bytes() == first
+    # more steps: continues, the metrics appended
+    rc, out = _train_cli(tmp_path, "--steps", "3")
+    assert rc == 0, out
+    assert (tmp_path / "m.jsonl").read_bytes().startswith(first)
+    assert [r["step"] for r in _step_records(tmp_path / "m.jsonl")] == [1, 2, 3]
+    assert ckpt.complete_steps(tmp_path / "ckpt", layers) == [3, 2]
+    kept = (tmp_path / "m.jsonl").read_bytes()
+    # --no-resume: from step 0; the earlier run's files are kept, and said so
+    rc, out = _train_cli(tmp_path, "--steps", "1", "--no-resume")
+    assert rc == 0, out
+    assert (tmp_path / "m.jsonl.1").read_bytes() == kept
+    assert [r["step"] for r in _step_records(tmp_path / "m.jsonl")] == [1]
+    assert ckpt.complete_steps(tmp_path / "ckpt", layers) == [1]
+    assert ckpt.complete_steps(tmp_path / "ckpt" / "earlier_run_1", layers) == [3, 2]
+    assert "m.jsonl.1" in out and "earlier_run_1" in out, out
+    # no checkpoint to resume (another, empty checkpoint directory): a new run still keeps the earlier metrics
+    rc, out = _train_cli(tmp_path, "--steps", "1", "--checkpoint-dir", str(tmp_path / "other"))
+    assert rc == 0, out
+    assert [r["step"] for r in _step_records(tmp_path / "m.jsonl.2")] == [1]
+    assert "m.jsonl.2" in out
+
+
+def test_resume_flags_are_exclusive_and_map_to_train_resume():
+    from hethub_jax.train import _flags, build_parser
+    p = build_parser()
+    assert _flags(p.parse_args([]))["train.resume"] is None
+    assert _flags(p.parse_args(["--no-resume"]))["train.resume"] is False
+    assert _flags(p.parse_args(["--resume"]))["train.resume"] is True
+    with pytest.raises(SystemExit):
+        p.parse_args(["--resume", "--no-resume"])
+
+
+# ---- 5. microbatch_size is the whole stage's, split over its DP ranks ---------------------------
+
+def test_microbatch_size_is_split_over_the_stage_dp_ranks():
+    """As docs/plan_format.md says: 8 samples at dp 8 is 1 per DP rank (valid); 4 at dp 8 cannot be split."""
+    def plan(mbs):
+        return {"islands": [{"name": "a", "platform": "cpu", "num_processes": 1, "devices_per_process": 8}],
+                "stages": [{"island": "a", "first_layer": 0, "last_layer": 1, "dp": 8, "tp": 1}],
+                "global_batch_size": 64, "microbatch_size": mbs}
+    p = Plan.from_dict(plan(8)).validate()
+    assert p.num_global_microbatches == 64 // 8  # Megatron: 64 / (micro-batch 1 x DP 8)
+    with pytest.raises(ValueError, match="dp"):
+        Plan.from_dict(plan(4)).validate()
+
+
+# ---- 6. small things -------------------------------------------------------------------------------
+
+def test_plan_help_shows_the_max_stages_default(capsys):
+    with pytest.raises(SystemExit):
+        plan_main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    default = plan_parser().get_default("max_stages_per_group")
+    assert re.search(rf"--max-stages-per-group MAX_STAGES_PER_GROUP most stages one group may hold \(default {default}\)",
+                     text), text
+
+
+def test_cluster_errors_name_the_group_beside_its_index():
+    from hethub_jax.planner import cluster_from_dict
+    spec = {"groups": [{"name": "fast", "device": "cpu", "nodes": 1},
+                       {"name": "slow", "device": "cpu", "nodes": 1, "devices_per_nod": 1}],
+            "links": [{"between": ["fast", "slwo"], "bandwidth": 1e9}]}
+    with pytest.raises(ValueError) as e:
+        cluster_from_dict(spec)
+    assert "groups.1 (slow).devices_per_nod: unknown key (did you mean 'devices_per_node'?)" in str(e.value)
+    spec["groups"][1].pop("devices_per_nod")
+    with pytest.raises(ValueError) as e:
+        cluster_from_dict(spec)
+    assert "(top level): links[0].between names unknown group 'slwo'" in str(e.value), str(e.value)
+    assert "Value error" not in str(e.value)
+
+
+def test_readme_layout_lists_every_module():
+    import subprocess
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("## Layout"):]
+    block = block[block.index("```\n") + 4:]
+    block = block[:block.index("```")]
+    rows, folder = {}, None
+    for line in block.splitlines():
+        m = re.match(r"(hethub_jax/|  (\w+)/)\s+(.*)", line)
+        if m:
+            folder = "" if m.group(1) == "hethub_jax/" else m.group(2)
+            rest = m.group(3)
+        elif line.startswith("             ") and folder is not None:
+            rest = line
+        elif re.match(r"  (\S+\.py) \(", line):
+            rows.setdefault("", set()).add(line.split()[0])
+            continue
+        else:
+            continue
+        rows.setdefault(folder, set()).update(rest.split())
+    files = subprocess.run(["git", "ls-files", "hethub_jax"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    missing = []
+    for f in files:
+        parts = f.split("/")[1:]
+        if not parts[-1].endswith((".py", ".c")) or parts[-1] in ("__init__.py", "__main__.py"):
+            continue
+        folder = "" if len(parts) == 1 else parts[0]
+        if parts[-1] not in rows.get(folder, set()):
+            missing.append(f)
+    assert not missing, missing
