@@ -3,10 +3,10 @@
     PYTHONPATH=. python benchmarks/planner_scale.py --json planner_scale.json [--skip-16k] [--small N]
 
 Rows:
-  * ``768``: the HETHUB-like cluster (configs/clusters/hethub_768.yaml: 128 MI250X + 640 Ascend 910B) with
+  * ``768``: the HETHUB-like cluster (configs/clusters/hethub_768.yaml: 128 MI250X GCDs + 640 Ascend 910B) with
     the ~139 B ``llama-140b`` preset, global batch 1536 x 4096 tokens, up to 8 stages per group (90 layers
-    need more than 4 stages of at most 11 layers per group);
-  * ``16384``: configs/clusters/four_types_16k.yaml (4 x 4,096 of H100, MI300X, A100, MI250X) with the 80-layer
+    need more than 4 stages of at most 10 layers per group);
+  * ``16384``: configs/clusters/four_types_16k.yaml (4 x 4,096 of H100, MI300X, A100, MI250X GCDs) with the 80-layer
     ``llama3-70b``, global batch 4096 x 4096 tokens, up to 4 stages per group;
   * ``small-i``: random small models and 2-3 group CPU clusters (seeded), planner against
     ``exhaustive_search`` (the baseline in the same run: the same space, every split evaluated with predict).

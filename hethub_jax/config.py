@@ -66,15 +66,19 @@ class TrainSettings(StrictModel):
       log_every: print a plain text line every this many steps (0: only at evaluations); the
         progress bar is updated every step regardless.
       seed: parameter initialisation seed (the data shuffle seed is ``data.seed``).
-      metrics_file: JSON-lines metrics path (``None``: none written). Truncated at the start of a
-        run, appended to when resuming.
+      metrics_file: JSON-lines metrics path (``None``: none written). Appended to when resuming; a run
+        that starts from step 0 never truncates an earlier run's file: it renames it to
+        ``<metrics_file>.<N>`` (the first free N >= 1, said at start) and starts a new one.
       checkpoint_dir: orbax checkpoints go to ``checkpoint_dir/step_{N}/{unit}/`` (``None``: none;
         layout in ``hethub_jax.checkpoint``).
       checkpoint_every: also checkpoint every this many steps (0: only at the end).
-      resume: continue from the newest complete checkpoint in ``checkpoint_dir`` (parameters,
-        optimizer state and data position), under this run's plan (which may differ from the plan
-        the checkpoint was written under). No complete checkpoint is an error unless
-        ``resume_or_start``.
+      resume: ``None`` (default, as MaxText): continue from the newest complete checkpoint in
+        ``checkpoint_dir`` when it holds one, else start from step 0 (either way said at start).
+        ``True``: continue from it (parameters, optimizer state and data position), under this run's
+        plan (which may differ from the plan the checkpoint was written under); no complete
+        checkpoint is an error unless ``resume_or_start``. ``False``: start from step 0; the earlier
+        run's ``step_*`` directories are moved into ``checkpoint_dir/earlier_run_<N>/`` (said at
+        start) so that a later resume never picks one of them up.
       resume_or_start: with ``resume``, start from step 0 when there is no complete checkpoint.
       keep_checkpoints: complete checkpoints kept in ``checkpoint_dir`` (older ones are deleted);
         ``None``: all.
@@ -108,7 +112,7 @@ class TrainSettings(StrictModel):
     metrics_file: Optional[PathStr] = "runs/tiny/metrics.jsonl"
     checkpoint_dir: Optional[PathStr] = "runs/tiny/checkpoints"
     checkpoint_every: NonNegativeInt = 0
-    resume: bool = False
+    resume: Optional[bool] = None
     resume_or_start: bool = False
     keep_checkpoints: Optional[PositiveInt] = 3
     message_timeout_s: Annotated[float, Field(gt=0)] = 300.0

@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profiles", default=None, help="folder of measured profiles <device>.json / <group>.json")
     p.add_argument("--out", default=None, help="write the best plan (JSON) here")
     p.add_argument("--top", type=int, default=3, help="candidates to keep and print (default 3)")
-    p.add_argument("--max-stages-per-group", type=int, default=4, help="most stages one group may hold")
+    p.add_argument("--max-stages-per-group", type=int, default=4, help="most stages one group may hold (default 4)")
     p.add_argument("--microbatch-sizes", type=int, nargs="+", default=None,
                    help="candidate microbatch sizes (default: every divisor of the global batch)")
     p.add_argument("--no-hetero-dp", action="store_true", help="skip the heterogeneous data-parallel family")

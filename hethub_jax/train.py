@@ -102,12 +102,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-file", metavar="PATH", default=None, help="train.metrics_file (JSON lines)")
     p.add_argument("--checkpoint-dir", metavar="DIR", default=None, help="train.checkpoint_dir")
     p.add_argument("--no-checkpoint", action="store_true", help="set train.checkpoint_dir to null")
-    p.add_argument("--resume", action="store_true", default=None,
-                   help="train.resume: continue from the newest complete checkpoint in checkpoint_dir "
-                        "(any plan); none is an error")
-    p.add_argument("--resume-or-start", action="store_true", default=None,
-                   help="train.resume and train.resume_or_start: as --resume, but start from step 0 "
-                        "when there is no complete checkpoint")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--resume", action="store_true", default=None,
+                     help="train.resume true: continue from the newest complete checkpoint in checkpoint_dir "
+                          "(any plan); none is an error (default, train.resume null: resume when there is "
+                          "one, else start from step 0)")
+    how.add_argument("--resume-or-start", action="store_true", default=None,
+                     help="train.resume and train.resume_or_start: as --resume, but start from step 0 "
+                          "when there is no complete checkpoint")
+    how.add_argument("--no-resume", action="store_true", default=None,
+                     help="train.resume false: start from step 0 even when checkpoint_dir holds checkpoints "
+                          "(they move to checkpoint_dir/earlier_run_<N>/; the metrics file to "
+                          "<metrics_file>.<N>)")
     p.add_argument("--plan", metavar="PLAN.json", default=None,
                    help="train.plan: parallel plan JSON (default: one island, one stage, one device)")
     p.add_argument("--trace-file", metavar="PATH", default=None,
@@ -145,7 +151,7 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
         "optim.learning_rate": args.lr, "train.seed": args.seed, "train.eval_every": args.eval_every,
         "train.checkpoint_every": args.checkpoint_every,
         "train.metrics_file": args.metrics_file, "train.checkpoint_dir": args.checkpoint_dir,
-        "train.resume": True if args.resume_or_start else args.resume,
+        "train.resume": True if args.resume_or_start else False if args.no_resume else args.resume,
         "train.resume_or_start": args.resume_or_start, "train.plan": args.plan,
         "train.trace_file": args.trace_file,
     }
@@ -449,6 +455,8 @@ class _Run:
       emulation: the runtime's EMULATED lines (empty without emulated slowdowns).
       share_source: where the heterogeneous-DP batch shares came from (``"plan"`` or the warm-up).
       start_step: steps already done (resume), 0 otherwise.
+      resuming: whether this run resumes: ``train.resume``, or with ``train.resume`` null whether
+        ``checkpoint_dir`` holds a complete checkpoint (:func:`_resolve_resume`).
     """
 
     args: argparse.Namespace
@@ -471,6 +479,7 @@ class _Run:
     locks: list = dataclasses.field(default_factory=list)
     saver: Any = None
     resumed_from: dict | None = None
+    resuming: bool = False  # train.resume, with null resolved (``_resolve_resume``)
 
 
 def _load_config(args: argparse.Namespace):
@@ -590,17 +599,63 @@ def _check_outputs(run: _Run) -> None:
                 run.locks.append(ckpt.DirLock(lock))
         except (OSError, ckpt.CheckpointError) as e:
             raise _ConfigError(f"{field}: {e}") from None
-    steps = ckpt.complete_steps(t.checkpoint_dir, run.cfg.model.num_hidden_layers) if t.resume else []
+    steps = _resolve_resume(run)
     if t.resume and not t.resume_or_start and not steps:
         raise _ConfigError(f"train.resume: no complete checkpoint in {t.checkpoint_dir} to resume from "
                            f"(use --resume-or-start / train.resume_or_start to start from step 0 then)")
     try:
-        if steps:
+        if steps and run.resuming:
             where = f"checkpoint {ckpt.step_dir(t.checkpoint_dir, steps[0])}"
             ckpt.check_compatible(ckpt.read_meta(t.checkpoint_dir, steps[0]), run.cfg.to_dict(),
                                   run.plan.global_batch_size, where=where)
     except (ckpt.CheckpointMismatch, ckpt.CheckpointError) as e:
-        raise _ConfigError(f"train.resume: {e}") from None
+        hint = ("" if t.resume else f" (train.resume is null: a run resumes from the checkpoints in "
+                f"{t.checkpoint_dir} when there are any; --no-resume starts from step 0 and moves them aside, "
+                f"or give another --checkpoint-dir)")
+        raise _ConfigError(f"train.resume: {e}{hint}") from None
+
+
+def _resolve_resume(run: _Run) -> list[int]:
+    """Sets ``run.resuming`` and returns the complete checkpoint steps in ``train.checkpoint_dir`` (newest
+    first). ``train.resume`` null (the default): resume when there is one. False with checkpoints
+    there: rank 0 moves every ``step_*`` directory into ``checkpoint_dir/earlier_run_<N>/`` (said at
+    start; nothing is deleted) so that this run's saves never mix with them. Under MPI the ranks must see
+    the same checkpoints (a shared file system).
+
+    Raises:
+      _ConfigError: the ranks of an MPI job see different checkpoints."""
+    import re
+    from pathlib import Path
+
+    from hethub_jax import checkpoint as ckpt
+
+    t = run.cfg.train
+    steps = ckpt.complete_steps(t.checkpoint_dir, run.cfg.model.num_hidden_layers) if t.checkpoint_dir else []
+    if run.comm is not None and run.world_size > 1:
+        import numpy as np
+        seen = int(run.comm.allreduce(np.asarray([1 if steps else 0], np.int64), "sum")[0])
+        if 0 < seen < run.world_size:
+            raise _ConfigError(f"train.checkpoint_dir: {seen} of {run.world_size} ranks see a complete checkpoint in "
+                               f"{t.checkpoint_dir}: the ranks need one shared directory (or give --no-resume)")
+    run.resuming = bool(t.resume) or (t.resume is None and bool(steps))
+    say = (lambda m: print(m, flush=True)) if run.rank == 0 else (lambda m: None)
+    if t.resume is None and steps:
+        say(f"resume: {t.checkpoint_dir} holds complete checkpoint step(s) {', '.join(map(str, steps))}: "
+            f"continuing from step {steps[0]} (train.resume null resumes when there is one; --no-resume "
+            f"starts from step 0)")
+    elif t.resume is False and steps and run.rank == 0:
+        root = Path(t.checkpoint_dir)
+        n = 1
+        while (root / f"earlier_run_{n}").exists():
+            n += 1
+        aside = root / f"earlier_run_{n}"
+        aside.mkdir()
+        for p in sorted(root.iterdir()):
+            if p.is_dir() and re.fullmatch(r"step_\d+", p.name):
+                p.rename(aside / p.name)
+        say(f"--no-resume: starting from step 0; the earlier run's checkpoint step(s) "
+            f"{', '.join(map(str, steps))} moved to {aside}")
+    return steps
 
 
 def _set_up(args: argparse.Namespace) -> _Run:
@@ -896,9 +951,16 @@ def _open_metrics(run: _Run) -> MetricsWriter:
     """The metrics file (the logging rank's; appended to when resuming), its ``run`` record written."""
     t = run.cfg.train
     path = t.metrics_file if run.log else None
-    if path is not None and t.resume and os.path.exists(path):
+    if path is not None and run.resuming and os.path.exists(path):
         _supersede_metrics(path, run.start_step)
-    metrics = MetricsWriter(path, append=bool(t.resume))
+    if path is not None and not run.resuming and os.path.exists(path) and os.path.getsize(path) > 0:
+        n = 1
+        while os.path.exists(f"{path}.{n}"):
+            n += 1
+        os.replace(path, f"{path}.{n}")
+        print(f"metrics: this run starts from step 0 in a new {path}; the earlier run's records are kept in "
+              f"{path}.{n}", flush=True)
+    metrics = MetricsWriter(path, append=run.resuming)
     metrics.write(_run_record(run))
     return metrics
 
@@ -1062,12 +1124,13 @@ def _main(run: _Run, args: argparse.Namespace) -> int:
     """Warm-up, resume, banner, hooks and the loop of ``main``."""
     _warm_up_batch_shares(run)
     t = run.cfg.train
-    if t.resume:
+    if run.resuming:
         _resume(run)
         if run.start_step >= t.steps:
             if run.log:
-                print(f"checkpoint step {run.start_step} already reaches train.steps={t.steps}; "
-                      "nothing to do")
+                print(f"checkpoint step {run.start_step} already reaches train.steps={t.steps}; nothing to do "
+                      f"(raise --steps to train further; --no-resume starts again from step 0; the outputs "
+                      f"are kept: metrics {t.metrics_file}, checkpoints {t.checkpoint_dir})", flush=True)
             return 0
     if run.log:
         print("\n".join(_banner(run)), flush=True)

@@ -30,7 +30,7 @@ from hethub_jax.planner.costs import cost_source_text
 __all__ = ["RunPrediction", "predict_run", "plan_from_cluster", "profile_device", "measured_bubble",
            "PROFILE_SETTINGS", "planner_microbatch_sizes", "microbatch_sizes_to_profile", "tp_degrees_to_profile",
            "profiled_tp_degrees", "dp_degrees_to_profile", "dp_microbatch_sizes_to_profile", "profiled_dp_degrees",
-           "profiled_microbatch_sizes", "extrapolation_note"]
+           "profiled_microbatch_sizes", "extrapolation_note", "plan_command"]
 
 #: the brief profile of plan-less training (``python -m hethub_jax.profile`` flags): the fastest of 2
 #: timed calls (the machine may be shared); no co-run slowdown, runtime per-action seconds or in-process
@@ -407,7 +407,7 @@ def _profiles(cluster: Any, model: str, seq_len: int, profiles_dir: str, log,
     without ``planner_sizes``: none)."""
     users: Dict[str, List[Any]] = {}  # profile path -> the groups using it, in cluster order
     for g in cluster.resolved().groups:
-        users.setdefault(g.profile or os.path.join(profiles_dir, f"{g.device or g.name}.json"), []).append(g)
+        users.setdefault(g.profile or _profile_path(profiles_dir, g), []).append(g)
     out: Dict[str, Any] = {}
     notes: List[str] = []
     for path, groups in users.items():
@@ -426,6 +426,15 @@ def _profiles(cluster: Any, model: str, seq_len: int, profiles_dir: str, log,
                               f"profiled: its figures include their load, and so does the PREDICTED step)")
         out.update({g.name: prof for g in groups})
     return out, notes
+
+
+def _profile_path(profiles_dir: str, g: Any) -> str:
+    """The profile file of group ``g`` in ``profiles_dir``, looked up as the plan CLI's ``--profiles``
+    does (``planner.search.group_costs``): ``<device>.json``, else ``<group name>.json`` when only that
+    exists; a profile measured here goes to ``<device>.json``."""
+    own = os.path.join(profiles_dir, f"{g.device or g.name}.json")
+    by_name = os.path.join(profiles_dir, f"{g.name}.json")
+    return by_name if not os.path.exists(own) and os.path.exists(by_name) else own
 
 
 def _groups_text(groups: List[Any]) -> str:
@@ -474,22 +483,79 @@ def cluster_costs(cluster: Any, profiles: Mapping[str, Any]) -> Dict[str, Any]:
     return costs
 
 
+def _search_options(mbs: Optional[int]):
+    """The ``SearchOptions`` of plan-less training: the planner's defaults, the run's microbatch size when
+    its config fixes one (``train.microbatch_size``), top 1."""
+    from hethub_jax.planner.search import SearchOptions
+    return SearchOptions(top_k=1, microbatch_sizes=(mbs,) if mbs else None)
+
+
 def _search(cfg: Any, cluster: Any, gbs: int, seq_len: int, mbs: Optional[int], profiles: Mapping[str, Any]):
     """The planner's best plan (top 1) as ``python -m hethub_jax.plan`` emits it: a multi-node group
     holding several stages split into one island per stage and predicted again
     (``planner.runnable.runnable_result``), so that today's runtime runs it; unchanged otherwise. A
     ``SearchResult`` of ``RunnableCandidate`` s (``island_groups``: island -> node group)."""
     from hethub_jax.planner.runnable import runnable_result
-    from hethub_jax.planner.search import SearchOptions, search
-    opts = SearchOptions(top_k=1, microbatch_sizes=(mbs,) if mbs else None)
+    from hethub_jax.planner.search import search
+    opts = _search_options(mbs)
     costs = cluster_costs(cluster, profiles)
     res = search(cfg, cluster, gbs, seq_len, costs=costs, options=opts)
     return runnable_result(res, cfg, cluster, seq_len, costs=costs, options=opts)
 
 
-def _check_ranks(c: Any, cluster_path: str, world_size: int, model: str = "MODEL", gbs: Any = "N") -> None:
+def plan_command(model: str, cluster_path: str, gbs: Any, seq_len: Any, mbs: Optional[int] = None,
+                 profiles_dir: Optional[str] = None, out: Optional[str] = None) -> str:
+    """The ``python -m hethub_jax.plan`` command line (shell-quoted) that plans the problem plan-less
+    training planned: same model, cluster, global batch, ``--seq-len`` (always given: the plan CLI's
+    default differs from training's ``data.seq_len``), ``--profiles`` (the folder the run's profiles
+    came from, when it exists: the CLI refuses a missing folder) and every search option of
+    :func:`_search_options` that differs from the CLI's default (``--microbatch-sizes``,
+    ``--max-stages-per-group``, ``--memory-headroom``, ``--no-hetero-dp``); ``out``: ``--out`` path.
+    ``model``: a preset name or a model file (:func:`_model_arg`)."""
+    import shlex
+
+    from hethub_jax.plan import _parser
+    opts, cli = _search_options(mbs), _parser()
+    argv = ["--model", model, "--cluster", cluster_path, "--global-batch", str(gbs), "--seq-len", str(seq_len)]
+    if profiles_dir and os.path.isdir(profiles_dir):
+        argv += ["--profiles", profiles_dir]
+    if opts.microbatch_sizes:
+        argv += ["--microbatch-sizes", *map(str, opts.microbatch_sizes)]
+    if opts.max_stages_per_group != cli.get_default("max_stages_per_group"):
+        argv += ["--max-stages-per-group", str(opts.max_stages_per_group)]
+    from hethub_jax.planner.search import DEFAULT_MEMORY_HEADROOM
+    if opts.memory_headroom != DEFAULT_MEMORY_HEADROOM:  # the CLI's default (its --help)
+        argv += ["--memory-headroom", repr(opts.memory_headroom)]
+    if not opts.hetero_dp:
+        argv += ["--no-hetero-dp"]
+    if out:
+        argv += ["--out", out]
+    return shlex.join(["python", "-m", "hethub_jax.plan", *argv])
+
+
+def _model_arg(cfg: Any, preset: str, out_dir: Optional[str]) -> str:
+    """What ``--model`` of a suggested plan command must say to plan ``cfg``: the preset name when ``cfg``
+    is that preset unchanged, else a JSON file of every model field written to ``<out_dir>/model.json``
+    (a training config's model overrides, e.g. ``--set model.num_hidden_layers=4``)."""
+    from hethub_jax.models.config import get_preset
+    try:
+        if get_preset(preset) == cfg:
+            return preset
+    except ValueError:
+        pass
+    if not hasattr(cfg, "to_dict") or not out_dir:
+        return preset
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "model.json")
+    with open(path, "w") as f:
+        json.dump(cfg.to_dict(), f, indent=1)
+    return path
+
+
+def _check_ranks(c: Any, world_size: int, command: str = "python -m hethub_jax.plan ... --out plan.json") -> None:
     """Refuse a split plan whose rank count differs from the job's (the split leaves out processes that
     hold no stage): the job was started with one rank per node, and its ranks cannot be renumbered.
+    ``command``: the plan command of the run's problem (:func:`plan_command` with ``--out plan.json``).
 
     Raises:
       ValueError: naming the plan's and the job's rank counts and the commands that run the plan.
@@ -504,17 +570,15 @@ def _check_ranks(c: Any, cluster_path: str, world_size: int, model: str = "MODEL
     raise ValueError(
         f"the planner's best plan runs a multi-node group's stages as one island per stage ({split}) and "
         f"leaves out the processes that hold no stage: it needs {n} MPI ranks, this job has {world_size}. "
-        f"Plan it first and train that plan with its rank count: `python -m hethub_jax.plan --model {model} "
-        f"--cluster {cluster_path} --global-batch {gbs} --out plan.json`, then `mpiexec -n {n} python -m "
+        f"Plan it first and train that plan with its rank count: `{command}`, then `mpiexec -n {n} python -m "
         f"hethub_jax.train --plan plan.json ...` (or start this job with {n} ranks)")
 
 
-def upper_bound_skipped_note(model: str, cluster_path: str, gbs: Any, profiles_dir: Optional[str]) -> str:
+def upper_bound_skipped_note(command: str) -> str:
     """Why plan-less training prints no fraction of the cluster's upper bound, and the command that
-    computes it (the per-group homogeneous searches are skipped to keep start-up short)."""
-    return (f"upper bound skipped in plan-less training (it needs one more search per group); `python -m "
-            f"hethub_jax.plan --model {model} --cluster {cluster_path} --global-batch {gbs}"
-            + (f" --profiles {profiles_dir}" if profiles_dir else "") + "` computes it")
+    computes it (:func:`plan_command`; the per-group homogeneous searches are skipped to keep start-up
+    short)."""
+    return f"upper bound skipped in plan-less training (it needs one more search per group); `{command}` computes it"
 
 
 def _plan_lines(res: Any, cluster: Any, costs: Mapping[str, Any], ub_note: Optional[str] = None) -> List[str]:
@@ -532,8 +596,10 @@ def _plan_lines(res: Any, cluster: Any, costs: Mapping[str, Any], ub_note: Optio
 
 
 def _plan_rank0(cfg: Any, model: str, cluster_path: str, gbs: int, seq_len: int, mbs: Optional[int],
-                profiles_dir: str, log, world_size: int = 1) -> Dict[str, Any]:
-    """Rank 0's work: profiles, search, lines. Returns the message sent to every rank."""
+                profiles_dir: str, log, world_size: int = 1, out_dir: Optional[str] = None) -> Dict[str, Any]:
+    """Rank 0's work: profiles, search, lines. Returns the message sent to every rank. ``out_dir``: where
+    a model file for the suggested plan commands goes when ``cfg`` is not the preset ``model`` unchanged
+    (default: the parent of ``profiles_dir``)."""
     from hethub_jax.planner.cluster import load_cluster
     cluster = load_cluster(cluster_path)
     planner_sizes = tuple(planner_microbatch_sizes(gbs, mbs))
@@ -541,11 +607,12 @@ def _plan_rank0(cfg: Any, model: str, cluster_path: str, gbs: int, seq_len: int,
     profiles, notes = _profiles(cluster, model, seq_len, profiles_dir, log, sizes, cfg=cfg, planner_sizes=planner_sizes)
     t0 = time.perf_counter()
     res = _search(cfg, cluster, gbs, seq_len, mbs, profiles)
-    _check_ranks(res.best, cluster_path, world_size, model, gbs)
+    model_arg = _model_arg(cfg, model, out_dir or os.path.dirname(os.path.abspath(profiles_dir)))
+    command = lambda out=None: plan_command(model_arg, cluster_path, gbs, seq_len, mbs, profiles_dir, out)
+    _check_ranks(res.best, world_size, command("plan.json"))
     lines = [f"planner ({time.perf_counter() - t0:.1f} s, {res.evaluated} plans predicted): chosen plan for "
              f"cluster {cluster.name}, every figure PREDICTED", *_plan_lines(
-                 res, cluster, cluster_costs(cluster, profiles),
-                 upper_bound_skipped_note(model, cluster_path, gbs, profiles_dir))]
+                 res, cluster, cluster_costs(cluster, profiles), upper_bound_skipped_note(command()))]
     note = extrapolation_note(res.best.plan, profiles)  # e.g. a saved profile of other sizes, reused
     lines += [note] if note else []
     return {"plan": res.best.plan.to_dict(), "profiles": profiles, "notes": notes, "lines": lines,
@@ -609,7 +676,7 @@ def plan_from_cluster(cfg: Any, model: str, cluster_path: str, *, global_batch: 
     from hethub_jax.planner.search import bridge_for
     profiles_dir = profiles_dir or os.path.join(out_dir, "profiles")
     msg = _share(lambda: _plan_rank0(cfg, model, cluster_path, global_batch, seq_len, microbatch_size,
-                                     profiles_dir, log, world_size), rank, world_size)
+                                     profiles_dir, log, world_size, out_dir), rank, world_size)
     if "error" in msg:
         raise ValueError(f"--cluster {cluster_path}: {msg['error']}")
     plan = Plan.from_dict(msg["plan"])

@@ -192,11 +192,11 @@ def test_planless_plan_lines_say_why_the_upper_bound_is_missing():
     profiles = {g.name: fixed_profile() for g in cluster.resolved().groups}
     res = tp._search(load_model("tiny"), cluster, 8, 16, None, profiles)
     assert res.upper_bound_tokens_per_s is None
-    note = tp.upper_bound_skipped_note("tiny", str(TINY2), 8, "runs/x/profiles")
+    note = tp.upper_bound_skipped_note(tp.plan_command("tiny", str(TINY2), 8, 16, None, str(ROOT)))
     head = tp._plan_lines(res, cluster, tp.cluster_costs(cluster, profiles), note)[0]
     assert "upper bound not computed" not in head and "skipped in plan-less training" in head, head
-    assert f"python -m hethub_jax.plan --model tiny --cluster {TINY2} --global-batch 8 --profiles runs/x/profiles" \
-        in head, head
+    assert f"`python -m hethub_jax.plan --model tiny --cluster {TINY2} --global-batch 8 --seq-len 16 " \
+           f"--profiles {ROOT}` computes it" in head, head
 
 
 def test_plan_cli_says_the_upper_bound_was_skipped_by_the_flag(capsys):

@@ -279,8 +279,8 @@ def test_example_clusters_load_and_map_to_islands():
 
 
 @pytest.mark.parametrize("groups,match", [
-    ([{"name": "a", "device": "cpu", "nodes": 1, "colour": 2}], "groups.0.colour: unknown key"),
-    ([{"name": "a", "device": "cpu", "nodes": 0}], "groups.0.nodes"),
+    ([{"name": "a", "device": "cpu", "nodes": 1, "colour": 2}], r"groups\.0 \(a\)\.colour: unknown key"),
+    ([{"name": "a", "device": "cpu", "nodes": 0}], r"groups\.0 \(a\)\.nodes"),
     ([{"name": "a", "nodes": 1}], "exactly one of 'device'"),
     ([{"name": "a", "device": "cpu", "nodes": 1}, {"name": "a", "device": "cpu", "nodes": 1}], "unique"),
 ])

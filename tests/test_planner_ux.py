@@ -178,8 +178,8 @@ def test_missing_cluster_file_names_the_file_and_the_flag(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("spec, key, hint", [
-    ({"groups": [{"name": "a", "device": "cpu", "node": 1}]}, "groups.0.node", "nodes"),
-    ({"groups": [{"name": "a", "devise": "cpu", "nodes": 1}]}, "groups.0.devise", "device"),
+    ({"groups": [{"name": "a", "device": "cpu", "node": 1}]}, "groups.0 (a).node", "nodes"),
+    ({"groups": [{"name": "a", "devise": "cpu", "nodes": 1}]}, "groups.0 (a).devise", "device"),
     ({"group": [{"name": "a", "device": "cpu", "nodes": 1}]}, "group", "groups"),
 ])
 def test_misspelled_cluster_key_is_reported_alone_with_a_suggestion(spec, key, hint, tmp_path):

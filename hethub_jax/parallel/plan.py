@@ -264,7 +264,9 @@ class Plan(StrictModel):
       islands: the islands, in MPI rank order.
       replicas: the data-parallel replicas (one for plain pipeline parallelism).
       global_batch_size: samples per optimizer step, over all replicas.
-      microbatch_size: samples per microbatch (every replica, every stage).
+      microbatch_size: samples per microbatch of a whole stage (every replica, every stage), split over
+        the stage's DP ranks (``microbatch_size / dp`` samples each; unlike Megatron-LM's per-rank
+        ``--micro-batch-size``: ``microbatch_size`` 8 at ``dp`` 8 is Megatron's 1 at DP 8).
       schedule: pipeline schedule name, one of :data:`SCHEDULE_NAMES` (``hethub_jax.parallel.schedule``).
       recompute: activation recompute policy, ``"none"`` (backward applies saved ``jax.vjp`` residuals)
         or ``"full"`` (backward recomputes the stage forward from the saved stage input).

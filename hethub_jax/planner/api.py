@@ -27,6 +27,16 @@ _MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_l
                  "max_position_embeddings", "tie_word_embeddings", "initializer_range", "dtype", "param_dtype")
 
 
+def _read_config_file(path: Union[str, os.PathLike]) -> Any:
+    """A ``.json`` file read as JSON (YAML 1.1 would read JSON's ``1e-05`` as a string), anything else as
+    YAML."""
+    with open(path) as f:
+        if str(path).lower().endswith(".json"):
+            return json.load(f)
+        import yaml
+        return yaml.safe_load(f)
+
+
 def load_model(model: Any):
     """A ``LlamaConfig`` from a preset name (``hethub_jax.models.config.PRESETS``), a YAML/JSON file (a
     training config's ``model`` section, or the model mapping itself: ``{preset: NAME, field: value}``
@@ -42,9 +52,7 @@ def load_model(model: Any):
                              f"YAML/JSON file)")
         return get_preset(model)
     if isinstance(model, (str, os.PathLike)):
-        import yaml
-        with open(model) as f:
-            data = yaml.safe_load(f)  # JSON is YAML
+        data = _read_config_file(model)
         if isinstance(data, Mapping) and "model" in data:
             data = data["model"]
         return load_model(data)
@@ -84,9 +92,7 @@ def config_seq_len(model: Any) -> Optional[int]:
     preset name, a model mapping or a file holding only the model."""
     if not isinstance(model, (str, os.PathLike)) or not os.path.isfile(model):
         return None
-    import yaml
-    with open(model) as f:
-        data = yaml.safe_load(f)
+    data = _read_config_file(model)
     if not (isinstance(data, Mapping) and "model" in data):
         return None
     from hethub_jax.data.config import DataConfig

@@ -1,5 +1,9 @@
 """Device catalog: datasheet figures of accelerator types (pure Python, no JAX).
 
+One entry is one device as JAX sees it (one ``jax.devices()`` entry): for a package of several dies
+that the runtime exposes as separate GPUs, the entry is one die (``MI250X``: one GCD, half an OAM
+package, 8 per node).
+
 Used by :meth:`hethub_jax.planner.costs.DeviceCosts.from_catalog` when no profile of a device type
 exists (DESIGN.md section 7). Every figure is the vendor's peak (dense, no sparsity), per device,
 in SI units: FLOP/s, bytes, bytes/s (1 TB/s = 1e12 bytes/s; GB = 1e9 bytes; Gb/s network links are
@@ -69,11 +73,21 @@ CATALOG: Dict[str, DeviceSpec] = {d.name: d for d in [
                "NVIDIA DGX B200 datasheet / HGX B200 (1,000 W): BF16 4.5 PFLOPS with sparsity = 2.25 dense "
                "per GPU, 1,440 GB HBM3e per 8 GPUs = 180 GB at 8 TB/s, NVLink 5 1.8 TB/s bidirectional; "
                "network: one 400 Gb/s ConnectX-7 per GPU. https://www.nvidia.com/en-us/data-center/dgx-b200/"),
-    DeviceSpec("MI250X", "AMD", 383 * _T, 128 * 10**9, 3.2768 * _T, 400 * _G, 25 * _G, 4,
-               "AMD Instinct MI250X datasheet (OAM, both GCDs: BF16 383 TFLOPS, HBM2e 128 GB at 3.2 TB/s, "
-               "8 Infinity Fabric links at 100 GB/s peak = 800 GB/s, taken as 400 GB/s per direction); "
-               "network: HPE Cray EX235a (Frontier) node, one 200 Gb/s Slingshot NIC per MI250X. "
-               "https://www.amd.com/en/products/accelerators/instinct/mi200/mi250x.html"),
+    DeviceSpec("MI250X", "AMD", 191.5 * _T, 64 * 10**9, 1.6384 * _T, 200 * _G, 12.5 * _G, 8,
+               "ONE GCD (graphics compute die) of an AMD Instinct MI250X, the device JAX on ROCm sees: the OAM "
+               "package holds two GCDs, each its own GPU (OLCF Frontier User Guide: 'the 8 GCDs contained in "
+               "the 4 MI250X will show as 8 separate GPUs', each with 64 GB HBM2E, "
+               "https://docs.olcf.ornl.gov/systems/frontier_user_guide.html). Per GCD, half the package's "
+               "datasheet figures (AMD Instinct MI250X datasheet: BF16 383 TFLOPS dense, HBM2e 128 GB at "
+               "3.2768 TB/s per OAM, https://www.amd.com/en/products/accelerators/instinct/mi200/mi250x.html): "
+               "BF16 191.5 TFLOPS, 64 GB at 1.6384 TB/s ('1.6 TB/sec per GCD', ROCm docs, AMD Instinct MI250 "
+               "microarchitecture, https://rocm.docs.amd.com/en/latest/conceptual/gpu-arch/mi250.html). "
+               "Scale-up: the two GCDs of a package are linked by 4 Infinity Fabric links of 50 GB/s, 200 GB/s "
+               "per direction (ROCm docs, same page; Frontier guide: 200 GB/s); links to GCDs of other "
+               "packages are 50-100 GB/s (1-2 links), so a ring over more than the 2 GCDs of one package is "
+               "slower than this figure (optimistic there; a cluster spec may set intra_node_bandwidth). "
+               "8 GCDs per node (HPE Cray EX235a, Frontier: 4 MI250X). Network: one 200 Gb/s Slingshot NIC "
+               "per MI250X package (4 per Frontier node) = 25 GB/s per package = 12.5 GB/s per GCD."),
     DeviceSpec("MI300X", "AMD", 1307.4 * _T, 192 * 10**9, 5.3 * _T, 448 * _G, 50 * _G, 8,
                "AMD Instinct MI300X datasheet (BF16 1,307.4 TFLOPS dense, HBM3 192 GB at 5.3 TB/s, 7 "
                "Infinity Fabric links, 896 GB/s aggregate peak, taken as 448 GB/s per direction); network: "

@@ -196,8 +196,21 @@ def _resolve_group(g: NodeGroup) -> NodeGroup:
     return out
 
 
-def _format_errors(e: ValidationError, where: str) -> str:
-    """One line per error, ``key.path: what``. An unknown key is reported with the closest known key
+def _loc_text(loc: Tuple[Any, ...], data: Any) -> str:
+    """``groups.1 (slow).nodes``: the key path, a group's index followed by its ``name`` in ``data`` (the
+    spec as given) when it has one; ``(top level)`` for an empty path."""
+    parts, node = [], data
+    for key in loc:
+        node = (node[key] if isinstance(node, (list, tuple)) and isinstance(key, int) and 0 <= key < len(node)
+                else node.get(key) if isinstance(node, Mapping) else None)
+        name = node.get("name") if isinstance(key, int) and isinstance(node, Mapping) else None
+        parts.append(f"{key} ({name})" if isinstance(name, str) and name else str(key))
+    return ".".join(parts) or "(top level)"
+
+
+def _format_errors(e: ValidationError, where: str, data: Any = None) -> str:
+    """One line per error, ``key.path: what``, a group named beside its index (``groups.1 (slow).nodes``;
+    pydantic's ``Value error, `` prefix of a cross-field check left out). An unknown key is reported with the closest known key
     (``groups.0.devise: unknown key (did you mean 'device'?)``), and the errors that follow from it
     are left out: a required key missing from the same mapping (most likely the misspelled one) and
     a list's "at least 1 item" when the list has items (pydantic counts the items that validated)."""
@@ -206,8 +219,8 @@ def _format_errors(e: ValidationError, where: str) -> str:
     lines = []
     for err in errs:
         loc_t = tuple(err["loc"])
-        loc = ".".join(str(x) for x in loc_t) or "(top level)"
-        msg = err["msg"]
+        loc = _loc_text(loc_t, data)
+        msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "missing" and loc_t[:-1] in unknown_in:
             continue
         if err["type"] == "too_short" and isinstance(err.get("input"), (list, tuple)):
@@ -247,7 +260,7 @@ def cluster_from_dict(d: Mapping[str, Any], where: str = "") -> ClusterSpec:
     try:
         return ClusterSpec.model_validate(dict(d))
     except ValidationError as e:
-        raise ValueError(_format_errors(e, where or "(dict)")) from None
+        raise ValueError(_format_errors(e, where or "(dict)", d)) from None
 
 
 def load_cluster(source: Union[str, os.PathLike, Mapping[str, Any], ClusterSpec]) -> ClusterSpec:
