@@ -116,3 +116,26 @@ def test_two_equal_replicas_take_the_relation_at_size_ratio_one():
     shared = rel.on_shared_host("h")
     both = predict(Cfg, plan, {"a": shared, "b": shared}, seq_len=8)
     assert both.pipeline_s == pytest.approx(1.6 * alone.pipeline_s, rel=1e-9)
+
+
+def test_measure_corun_times_each_call_beside_a_large_and_a_small_neighbour():
+    """The profiler's samples on this machine's XLA:CPU (2 fake devices): every call beside the large
+    neighbour (another last stage's fused F+B), the last stage's fused F+B also beside the small one
+    (another first stage's F then B), each with its neighbour's seconds alone; the fit's relation
+    has one point per stage-call sample at ``alone_s / neighbour_s`` (no timing asserted: shared cores)."""
+    import jax
+
+    from hethub_jax.models.config import get_preset
+    from hethub_jax.profile import fit_corun, measure_corun
+    devs = jax.devices()
+    if len(devs) < 2 or devs[0].platform != "cpu":
+        pytest.skip("needs 2 CPU devices")
+    s = measure_corun(get_preset("tiny"), devs[:2], 16, 1)
+    assert [(x["call"], x["neighbour"]) for x in s] == [
+        ("first_F", "large"), ("first_B", "large"), ("last_FB", "large"), ("last_update", "large"), ("last_FB", "small")]
+    assert all(x["alone_s"] > 0 and x["busy_s"] > 0 and x["neighbour_s"] > 0 for x in s)
+    fit = fit_corun(s)
+    want = sorted(x["alone_s"] / x["neighbour_s"] for x in s if x["call"] != "last_update")
+    assert [r for r, _ in fit["relation"]] == pytest.approx(want)
+    assert all(e >= 0 for _, e in fit["relation"])
+    assert measure_corun(get_preset("tiny"), devs[:1], 16, 1) == []
