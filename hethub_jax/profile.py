@@ -557,10 +557,14 @@ def measure_corun(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int) 
     about as fast as alone beside the first stage's small calls, which lost 1.4-3.8x).
 
     A first stage (layer 0) and a last stage (last layer) on ``devices[0]``. Two neighbours on
-    ``devices[1]``, each run in a loop by a second thread while "busy": a LARGE one (another last
-    stage's fused forward + backward), beside which the first stage's F and B, the last stage's fused
-    F+B and its update are timed; and a SMALL one (another first stage's F then B), beside which the
-    last stage's fused F+B is timed. Each call is timed alternately alone and beside the busy
+    ``devices[1]``, run by a second thread: a LARGE one (another last stage's fused forward + backward),
+    started together with each timed call (as a pipeline's first stage starts its next F, or its B,
+    when the last stage starts its fused F+B: a call beside a looping neighbour at a random phase was
+    hardly slowed, 0.92 / 1.10x on the quiet machine, against 1.4-3.2x in the pipeline; beside one
+    started with it 1.15-1.8x F and 1.8-2.6x B under load (3 interleaved runs), docs/benchmarks.md issue 13), beside
+    which the first stage's F and B, the last stage's fused F+B and its update are timed; and a SMALL
+    one (another first stage's F then B) in a loop, beside which the last stage's fused F+B is timed
+    (covered by the loop from start to end). Each call is timed alternately alone and beside the busy
     neighbour, ``repeats`` times each (after a compiling call), and the neighbour's calls alone in
     the same alternation (the main thread, while the loop is idle). Returns one ``{"kind": "corun", "call",
     "alone_s", "busy_s", "neighbour", "neighbour_s"}`` per (call, neighbour): medians of each;
@@ -593,11 +597,18 @@ def measure_corun(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int) 
         for f in nb:
             f()
         alone_n: Dict[int, List[float]] = {}
-        busy, stop = threading.Event(), threading.Event()
+        busy, stop, go, done = threading.Event(), threading.Event(), threading.Event(), threading.Event()
+        aligned = kind == "large"  # the large neighbour starts when the timed call starts, as in a pipeline
 
-        def loop(nb=nb, busy=busy, stop=stop):
+        def loop(nb=nb, busy=busy, stop=stop, go=go, done=done, aligned=aligned):
             while not stop.is_set():
-                if busy.wait(0.01):
+                if aligned:
+                    if go.wait(0.01):
+                        go.clear()
+                        for f in nb:
+                            f()
+                        done.set()
+                elif busy.wait(0.01):
                     for f in nb:
                         f()
         th = threading.Thread(target=loop, daemon=True)
@@ -605,12 +616,17 @@ def measure_corun(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int) 
         times: Dict[tuple, List[float]] = {}
         try:
             for i in range(2 * repeats):
-                (busy.set if i % 2 else busy.clear)()
+                (busy.set if i % 2 and not aligned else busy.clear)()
                 time.sleep(0.005)
                 for name, fn in timed.items():
+                    if aligned and i % 2:
+                        done.clear()
+                        go.set()
                     t0 = time.perf_counter()
                     fn()
                     times.setdefault((name, i % 2), []).append(time.perf_counter() - t0)
+                    if aligned and i % 2:
+                        done.wait(5.0)  # the neighbour's call has ended: the next starts with the next call
                 for j, f in enumerate(nb if not i % 2 else ()):  # the neighbour's calls alone, interleaved
                     t0 = time.perf_counter()
                     f()
@@ -618,9 +634,10 @@ def measure_corun(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int) 
         finally:
             stop.set()
             busy.clear()
+            go.set()
             th.join()
-        # the median whatever --statistic says: the neighbour's phase is random, a minimum picks the
-        # luckiest alignment (a call that ran while the neighbour was between calls)
+        # the median whatever --statistic says: beside the looping small neighbour the phase is random, a
+        # minimum picks the luckiest alignment (a call that ran while the neighbour was between calls)
         out += [{"kind": "corun", "call": n, "alone_s": float(np.median(times[(n, 0)])),
                  "busy_s": float(np.median(times[(n, 1)])), "neighbour": kind,
                  "neighbour_s": float(np.mean([np.median(v) for v in alone_n.values()]))} for n in timed]
