@@ -279,8 +279,8 @@ def predict_row(name: str, cfg, costs, base, bridge, args) -> tuple:
     pred_nopair = predict(cfg, plan, {i.name: nopair for i in plan.islands}, seq_len=args.seq, bridge=bridge)
     sym = replace(costs, corun_relation=())  # the pipelines' co-run at the one symmetric factor
     pred_sym = predict(cfg, plan, {i.name: sym for i in plan.islands}, seq_len=args.seq, bridge=bridge)
-    return plan, pred, pred_base, pred_warm, pred_plain, {"fitted_lines": pred_lines, "without_update_pair": pred_nopair,
-                                                          "symmetric_corun": pred_sym}
+    variants = {"fitted_lines": pred_lines, "without_update_pair": pred_nopair, "symmetric_corun": pred_sym}
+    return plan, pred, pred_base, pred_warm, pred_plain, variants
 
 
 def measure_round(plan, cfg, args) -> dict:

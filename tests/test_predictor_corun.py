@@ -131,8 +131,8 @@ def test_measure_corun_times_each_call_beside_a_large_and_a_small_neighbour():
     if len(devs) < 2 or devs[0].platform != "cpu":
         pytest.skip("needs 2 CPU devices")
     s = measure_corun(get_preset("tiny"), devs[:2], 16, 1)
-    assert [(x["call"], x["neighbour"]) for x in s] == [
-        ("first_F", "large"), ("first_B", "large"), ("last_FB", "large"), ("last_update", "large"), ("last_FB", "small")]
+    assert [(x["call"], x["neighbour"]) for x in s] == [("first_F", "large"), ("first_B", "large"), ("last_FB", "large"),
+                                                       ("last_update", "large"), ("last_FB", "small")]
     assert all(x["alone_s"] > 0 and x["busy_s"] > 0 and x["neighbour_s"] > 0 for x in s)
     fit = fit_corun(s)
     want = sorted(x["alone_s"] / x["neighbour_s"] for x in s if x["call"] != "last_update")
