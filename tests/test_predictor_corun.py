@@ -92,6 +92,11 @@ def test_corun_factors_by_hand_small_call_beside_a_large_one():
     rel = _relation_costs([[0.1, 1.0], [10.0, 0.0]])
     f = _corun_factors(events, {(0, 0): _ctx("a", rel), (1, 0): _ctx("b", rel)}, hosts)
     assert f[((0, 0), id(fa))] == pytest.approx(2.0) and f[((1, 0), id(fb))] == pytest.approx(1.0)
+    # a later call of a inside b's long one (b started 5 s before it) and one after it: 2x and untouched
+    fa2, fa3 = act(), act()
+    f = _corun_factors(events + [((0, 0), fa2, 5.0, 6.0), ((0, 0), fa3, 10.0, 11.0)],
+                       {(0, 0): _ctx("a", rel), (1, 0): _ctx("b", rel)}, hosts)
+    assert f[((0, 0), id(fa2))] == pytest.approx(2.0) and f[((0, 0), id(fa3))] == 1.0
     sym = _relation_costs([])
     f = _corun_factors(events, {(0, 0): _ctx("a", sym), (1, 0): _ctx("b", sym)}, hosts)
     assert f[((0, 0), id(fa))] == pytest.approx(1.5) and f[((1, 0), id(fb))] == pytest.approx(1.05)

@@ -661,7 +661,7 @@ def _corun_factors(events, ctxs, hosts, prev: Optional[Mapping[Any, float]] = No
     (several stages of one island in processes of their own), the sum is scaled to the seconds
     overlapped by any. An emulated slow island's action computes for its first ``1 / factor`` and then
     waits (DESIGN.md section 9): the wait slows no one, and is itself proportional to the slowed compute."""
-    from bisect import bisect_right
+    from bisect import bisect_left, bisect_right
     prev = prev or {}
     busy: Dict[Tuple[str, str], List[Tuple[float, float, float]]] = {}
     computing = lambda k, t0, t1: (t0, t0 + (t1 - t0) / max(ctxs[k].factor, 1.0))
@@ -678,7 +678,7 @@ def _corun_factors(events, ctxs, hosts, prev: Optional[Mapping[Any, float]] = No
                 out[-1][1] = max(out[-1][1], a1)
             else:
                 out.append([a0, a1])
-        others[(host, isl)] = (ivs, [x[0] for x in ivs], max((x[1] for x in ivs), default=0.0))
+        others[(host, isl)] = (ivs, [x[0] for x in ivs], max((x[1] - x[0] for x in ivs), default=0.0))
         merged[(host, isl)] = ([x[0] for x in out], [x[1] for x in out])
     factors = {}
     for k, a, t0, t1 in events:
@@ -690,10 +690,10 @@ def _corun_factors(events, ctxs, hosts, prev: Optional[Mapping[Any, float]] = No
         if union <= 0:
             factors[(k, id(a))] = 1.0
             continue
-        ivs, starts, _ = others[key]
+        ivs, starts, longest = others[key]
         t_alone = (c1 - c0) / prev.get((k, id(a)), 1.0)
         costs, total, extra = ctxs[k].costs, 0.0, 0.0
-        for n0, n1, n_alone in ivs[:bisect_right(starts, c1)]:
+        for n0, n1, n_alone in ivs[bisect_left(starts, c0 - longest):bisect_right(starts, c1)]:
             ov = min(c1, n1) - max(c0, n0)
             if ov > 0 and n_alone > 0:
                 total += ov
