@@ -28,7 +28,8 @@ What is measured, with the runtime's own code paths (``hethub_jax.parallel.stage
     one-stage replica's shape), the same four calls, used for stages of that shape instead of the
     fits (:func:`profile_stage_shapes`: seconds per layer rise with the layers of a call on a CPU core);
   * with ``--dp``: the stages on ``(dp, 1)`` meshes; on CPU (``--corun``) the slowdown of stage calls
-    while a second island of the process computes (:func:`measure_corun`) and of two islands' optimizer
+    while a second island of the process computes, beside a larger and a smaller neighbour call
+    (:func:`measure_corun`) and of two islands' optimizer
     updates run at the same time, as after a step's pipeline (:func:`measure_update_pair`); the runtime's own seconds
     per action (:func:`measure_runtime_overhead`), of its SEND, RECV and fused-B records and between
     records (:func:`measure_action_costs`), and what its emulated wait takes (:func:`measure_emulated_wait`).
@@ -549,15 +550,27 @@ def profile_stage_shapes(cfg: Any, seq_len: int, mbs_list: Sequence[int], tps: S
 
 def measure_corun(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int) -> List[dict]:
     """The slowdown of this device type's stage calls while a second island of the same process
-    computes on other devices: on CPU, islands run as threads (or processes) of one host share its
-    cores, memory bandwidth and XLA's thread pool, which a one-island profile does not see.
+    computes on other devices, per pair of call sizes: on CPU, islands run as threads (or processes)
+    of one host share its cores, memory bandwidth and XLA's thread pool, which a one-island profile
+    does not see, and a call beside a much larger one is slowed differently from a call beside a
+    smaller one (docs/benchmarks.md issue 13: in a two-island pipeline the last stage's fused F+B ran
+    about as fast as alone beside the first stage's small calls, which lost 1.4-3.8x).
 
-    A first stage (layer 0) and a last stage (last layer) on ``devices[0]``; a neighbour last stage on
-    ``devices[1]``, run in a loop by a second thread (fused forward + backward) while "busy". Each call
-    (first stage F and B, last stage fused F+B, the last stage's update) is timed alternately alone and
-    with the neighbour busy, ``repeats`` times each (after a compiling call); returns one
-    ``{"kind": "corun", "call", "alone_s", "busy_s"}`` per call (the median of each). Empty with
-    fewer than 2 devices."""
+    A first stage (layer 0) and a last stage (last layer) on ``devices[0]``. Two neighbours on
+    ``devices[1]``, run by a second thread: a LARGE one (another last stage's fused forward + backward),
+    started together with each timed call (as a pipeline's first stage starts its next F, or its B,
+    when the last stage starts its fused F+B: a call beside a looping neighbour at a random phase was
+    hardly slowed, 0.92 / 1.10x on the quiet machine, against 1.4-3.2x in the pipeline; beside one
+    started with it 1.15-1.8x F and 1.8-2.6x B under load (3 interleaved runs), docs/benchmarks.md issue 13), beside
+    which the first stage's F and B, the last stage's fused F+B and its update are timed; and a SMALL
+    one (another first stage's F then B) in a loop, beside which the last stage's fused F+B is timed
+    (covered by the loop from start to end). Each call is timed alternately alone and beside the busy
+    neighbour, ``repeats`` times each (after a compiling call), and the neighbour's calls alone in
+    the same alternation (the main thread, while the loop is idle). Returns one ``{"kind": "corun", "call",
+    "alone_s", "busy_s", "neighbour", "neighbour_s"}`` per (call, neighbour): medians of each;
+    ``neighbour`` ``"large"`` or ``"small"``, ``neighbour_s`` the neighbour's seconds per call alone
+    (the median; the small neighbour's F and B averaged), so that ``alone_s / neighbour_s`` is the
+    pair's size ratio (:func:`fit_corun`). Empty with fewer than 2 devices."""
     import threading
 
     import jax
@@ -568,38 +581,67 @@ def measure_corun(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int) 
         return []
     tx, L = make_optimizer(OptimConfig()), cfg.num_hidden_layers
     mk = lambda fl, ll, d: PipelineStage(cfg, fl, ll, [d], 1, 1, seed=0, recompute=False, optimizer=tx)
-    first, last, other = mk(0, 0, devices[0]), mk(L - 1, L - 1, devices[0]), mk(L - 1, L - 1, devices[1])
+    first, last = mk(0, 0, devices[0]), mk(L - 1, L - 1, devices[0])
+    other_last, other_first = mk(L - 1, L - 1, devices[1]), mk(0, 0, devices[1])
     calls = {"first_F": _stage_call(first, cfg, seq_len, "F"), "first_B": _stage_call(first, cfg, seq_len, "B"),
              "last_FB": _stage_call(last, cfg, seq_len, "B_recompute"),
              "last_update": lambda: _update_once(last)}
-    neighbour = _stage_call(other, cfg, seq_len, "B_recompute", placed_once=True)
-    busy, stop = threading.Event(), threading.Event()
+    small_f = _stage_call(other_first, cfg, seq_len, "F", placed_once=True)
+    small_b = _stage_call(other_first, cfg, seq_len, "B", placed_once=True)
+    neighbours = {"large": ([_stage_call(other_last, cfg, seq_len, "B_recompute", placed_once=True)], calls),
+                  "small": ([small_f, small_b], {"last_FB": calls["last_FB"]})}
+    out: List[dict] = []
+    for fn in calls.values():
+        fn()
+    for kind, (nb, timed) in neighbours.items():
+        for f in nb:
+            f()
+        alone_n: Dict[int, List[float]] = {}
+        busy, stop, go, done = threading.Event(), threading.Event(), threading.Event(), threading.Event()
+        aligned = kind == "large"  # the large neighbour starts when the timed call starts, as in a pipeline
 
-    def loop():
-        while not stop.is_set():
-            neighbour() if busy.wait(0.01) else None
-    th = threading.Thread(target=loop, daemon=True)
-    th.start()
-    times: Dict[tuple, List[float]] = {}
-    try:
-        for fn in calls.values():
-            fn()
-        neighbour()
-        for i in range(2 * repeats):
-            (busy.set if i % 2 else busy.clear)()
-            time.sleep(0.005)
-            for name, fn in calls.items():
-                t0 = time.perf_counter()
-                fn()
-                times.setdefault((name, i % 2), []).append(time.perf_counter() - t0)
-    finally:
-        stop.set()
-        busy.clear()
-        th.join()
-    # the median whatever --statistic says: the neighbour's phase is random, a minimum picks the
-    # luckiest alignment (a call that ran while the neighbour was between calls)
-    return [{"kind": "corun", "call": n, "alone_s": float(np.median(times[(n, 0)])),
-             "busy_s": float(np.median(times[(n, 1)]))} for n in calls]
+        def loop(nb=nb, busy=busy, stop=stop, go=go, done=done, aligned=aligned):
+            while not stop.is_set():
+                if aligned:
+                    if go.wait(0.01):
+                        go.clear()
+                        for f in nb:
+                            f()
+                        done.set()
+                elif busy.wait(0.01):
+                    for f in nb:
+                        f()
+        th = threading.Thread(target=loop, daemon=True)
+        th.start()
+        times: Dict[tuple, List[float]] = {}
+        try:
+            for i in range(2 * repeats):
+                (busy.set if i % 2 and not aligned else busy.clear)()
+                time.sleep(0.005)
+                for name, fn in timed.items():
+                    if aligned and i % 2:
+                        done.clear()
+                        go.set()
+                    t0 = time.perf_counter()
+                    fn()
+                    times.setdefault((name, i % 2), []).append(time.perf_counter() - t0)
+                    if aligned and i % 2:
+                        done.wait(5.0)  # the neighbour's call has ended: the next starts with the next call
+                for j, f in enumerate(nb if not i % 2 else ()):  # the neighbour's calls alone, interleaved
+                    t0 = time.perf_counter()
+                    f()
+                    alone_n.setdefault(j, []).append(time.perf_counter() - t0)
+        finally:
+            stop.set()
+            busy.clear()
+            go.set()
+            th.join()
+        # the median whatever --statistic says: beside the looping small neighbour the phase is random, a
+        # minimum picks the luckiest alignment (a call that ran while the neighbour was between calls)
+        out += [{"kind": "corun", "call": n, "alone_s": float(np.median(times[(n, 0)])),
+                 "busy_s": float(np.median(times[(n, 1)])), "neighbour": kind,
+                 "neighbour_s": float(np.mean([np.median(v) for v in alone_n.values()]))} for n in timed]
+    return out
 
 
 #: where a one-process launcher of multi-device computations is documented (see :func:`measure_launch`)
@@ -1061,15 +1103,32 @@ def _stage_call(st: Any, cfg: Any, seq_len: int, phase: str, placed_once: bool =
 
 
 def fit_corun(samples: List[dict]) -> Optional[Dict[str, Any]]:
-    """``{"factor", "ratios"}``: the summed busy seconds over the summed alone seconds of the measured
-    calls (time-weighted, as a step's time is), and each call's ratio (a factor below 1 is noise and
-    reads as 1 in the predictor); None without samples."""
-    if not samples or sum(s["alone_s"] for s in samples) <= 0:
+    """``{"factor", "ratios", "neighbour", "relation"}`` from :func:`measure_corun`'s samples; None
+    without samples.
+
+    ``factor``: the summed busy seconds over the summed alone seconds of the calls timed beside the
+    LARGE neighbour (time-weighted, as a step's time is; every sample in profiles without a
+    ``neighbour`` field); ``ratios``: each of those calls' busy / alone. ``relation``: the co-run
+    slowdown as a function of the pair's size, ``[[size_ratio, extra], ...]`` sorted by
+    ``size_ratio`` = the call's alone seconds / its neighbour's alone seconds per call, ``extra`` =
+    busy / alone - 1 (at least 0: a call faster beside a neighbour is noise), one point per sample
+    that has ``neighbour_s``, stage calls only (not the update; points of equal ratio averaged); empty
+    for older samples. The predictor interpolates it (``DeviceCosts.corun_extra``)."""
+    if not samples:
         return None
-    ratios = {s["call"]: s["busy_s"] / s["alone_s"] for s in samples if s["alone_s"] > 0}
-    factor = sum(s["busy_s"] for s in samples) / sum(s["alone_s"] for s in samples)
-    return {"factor": float(factor), "ratios": ratios,
-            "neighbour": "the last stage's fused forward + backward in a loop on another device of the process"}
+    large = [s for s in samples if s.get("neighbour", "large") == "large" and s["alone_s"] > 0]
+    if not large or sum(s["alone_s"] for s in large) <= 0:
+        return None
+    ratios = {s["call"]: s["busy_s"] / s["alone_s"] for s in large}
+    factor = sum(s["busy_s"] for s in large) / sum(s["alone_s"] for s in large)
+    pts: Dict[float, List[float]] = {}
+    for s in samples:
+        if s.get("neighbour_s", 0) > 0 and s["alone_s"] > 0 and s["call"] != "last_update":
+            pts.setdefault(s["alone_s"] / s["neighbour_s"], []).append(max(0.0, s["busy_s"] / s["alone_s"] - 1.0))
+    relation = [[float(r), float(np.mean(e))] for r, e in sorted(pts.items())]
+    return {"factor": float(factor), "ratios": ratios, "relation": relation,
+            "neighbour": "the last stage's fused forward + backward in a loop on another device of the process",
+            "small_neighbour": "the first stage's forward then backward in a loop on another device of the process"}
 
 
 def process_cpu_seconds(pid: int) -> float:

@@ -481,6 +481,7 @@ def test_profiler_writes_dp_mesh_corun_runtime_and_local_bridge_fits(tmp_path):
     assert prof["others_cpu_share"] is None or 0.0 <= prof["others_cpu_share"] <= 1.0
     c = DeviceCosts.from_profile(prof)
     assert c.corun_factor >= 1.0 and c.action_overhead_s > 0 and c.local_bridge_link is not None
+    assert len(c.corun_relation) == 4  # first_F, first_B, last_FB beside the large neighbour; last_FB beside the small
     assert c.corun_update_factor > 0 and [s["kind"] for s in prof["samples"]].count("corun_update") == 1
     assert (2, 1) in c.dp_fits and c.update_dp_fits[2] is not None
     # the cold-call extras are measured: one sample per stage position and phase, read as their difference

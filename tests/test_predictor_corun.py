@@ -37,3 +37,110 @@ def test_fit_corun_update_is_the_summed_ratio():
                             {"kind": "corun_update", "alone_s": 2.0, "busy_s": 5.0}])
     assert fit["factor"] == pytest.approx(2.0)
     assert fit_corun_update([]) is None
+
+
+# ---- the co-run slowdown by the size of the pair (fits.corun.relation) -----------------------------
+import math
+from types import SimpleNamespace
+
+from hethub_jax.planner.predictor import _corun_factors
+
+
+def _relation_costs(relation, factor=1.5):
+    prof = _prof(factor)
+    prof["fits"]["corun"]["relation"] = relation
+    return DeviceCosts.from_profile(prof)
+
+
+def test_corun_extra_interpolates_the_measured_points_in_log_ratio():
+    c = _relation_costs([[10.0, 0.0], [0.1, 1.0], [1.0, 0.5]])  # unsorted on purpose
+    assert c.corun_relation == ((0.1, 1.0), (1.0, 0.5), (10.0, 0.0))
+    assert c.corun_extra(0.1) == pytest.approx(1.0)
+    assert c.corun_extra(math.sqrt(0.1)) == pytest.approx(0.75)  # halfway in log between 0.1 and 1
+    assert c.corun_extra(math.sqrt(10.0)) == pytest.approx(0.25)
+    assert c.corun_extra(0.001) == 1.0 and c.corun_extra(1e4) == 0.0  # held at the end points
+    assert _relation_costs([]).corun_extra(3.0) == pytest.approx(0.5)  # no relation: factor - 1
+    with pytest.raises(ValueError, match="size_ratio"):
+        c.corun_extra(0.0)
+
+
+def test_fit_corun_relation_is_each_pairs_size_ratio_and_extra():
+    from hethub_jax.profile import fit_corun
+    fit = fit_corun([
+        {"call": "first_F", "alone_s": 1.0, "busy_s": 3.0, "neighbour": "large", "neighbour_s": 10.0},
+        {"call": "first_B", "alone_s": 2.0, "busy_s": 1.8, "neighbour": "large", "neighbour_s": 10.0},  # faster: 0
+        {"call": "last_update", "alone_s": 4.0, "busy_s": 8.0, "neighbour": "large", "neighbour_s": 10.0},
+        {"call": "last_FB", "alone_s": 10.0, "busy_s": 11.0, "neighbour": "small", "neighbour_s": 2.0}])
+    assert fit["relation"] == [[0.1, pytest.approx(2.0)], [0.2, 0.0], [5.0, pytest.approx(0.1)]]
+    assert fit["factor"] == pytest.approx((3.0 + 1.8 + 8.0) / (1.0 + 2.0 + 4.0))  # the large neighbour's calls
+    old = fit_corun([{"call": "x", "alone_s": 1.0, "busy_s": 2.0}])  # profiles before the pairs: no relation
+    assert old["relation"] == [] and old["factor"] == 2.0
+
+
+def _ctx(island, costs, factor=1.0):
+    return SimpleNamespace(spec=SimpleNamespace(island=island), costs=costs, factor=factor)
+
+
+def test_corun_factors_by_hand_small_call_beside_a_large_one():
+    """a computes 1 s at t = 0..1, b 10 s at t = 0..10 on one host. With the relation (0.1: +100%,
+    10: +0%) a's call (size ratio 0.1) is slowed to 2x, b's (ratio 10) not at all; the symmetric
+    factor 1.5 would slow a 1.5x and b by 1 + 0.5 x 1/10."""
+    act = lambda: SimpleNamespace(is_compute=True)
+    fa, fb = act(), act()
+    events = [((0, 0), fa, 0.0, 1.0), ((1, 0), fb, 0.0, 10.0)]
+    hosts = {(0, 0): "h", (1, 0): "h"}
+    rel = _relation_costs([[0.1, 1.0], [10.0, 0.0]])
+    f = _corun_factors(events, {(0, 0): _ctx("a", rel), (1, 0): _ctx("b", rel)}, hosts)
+    assert f[((0, 0), id(fa))] == pytest.approx(2.0) and f[((1, 0), id(fb))] == pytest.approx(1.0)
+    # a later call of a inside b's long one (b started 5 s before it) and one after it: 2x and untouched
+    fa2, fa3 = act(), act()
+    f = _corun_factors(events + [((0, 0), fa2, 5.0, 6.0), ((0, 0), fa3, 10.0, 11.0)],
+                       {(0, 0): _ctx("a", rel), (1, 0): _ctx("b", rel)}, hosts)
+    assert f[((0, 0), id(fa2))] == pytest.approx(2.0) and f[((0, 0), id(fa3))] == 1.0
+    sym = _relation_costs([])
+    f = _corun_factors(events, {(0, 0): _ctx("a", sym), (1, 0): _ctx("b", sym)}, hosts)
+    assert f[((0, 0), id(fa))] == pytest.approx(1.5) and f[((1, 0), id(fb))] == pytest.approx(1.05)
+    # the ratio is of seconds alone: a's 1 s in the timeline at the previous round's factor 2 is 0.5 s
+    # alone (ratio 0.05, held at +100%); b's 10 s at factor 1.25 is 8 s alone (ratio 16: +0%)
+    f = _corun_factors(events, {(0, 0): _ctx("a", rel), (1, 0): _ctx("b", rel)}, hosts,
+                       {((0, 0), id(fa)): 2.0, ((1, 0), id(fb)): 1.25})
+    assert f[((0, 0), id(fa))] == pytest.approx(2.0) and f[((1, 0), id(fb))] == pytest.approx(1.0)
+
+
+def test_two_equal_replicas_take_the_relation_at_size_ratio_one():
+    """Two equal replicas on two islands of one host compute the same actions at the same times:
+    every action beside an equal one (size ratio 1), so the pipeline takes (1 + extra(1)) x alone,
+    extra(1) = 0.6 halfway in log between the measured (0.5, 0.2) and (2, 1.0); on hardware of
+    their own the relation changes nothing."""
+    from tests.test_predictor import _two_replicas
+    rel = _relation_costs([[0.5, 0.2], [2.0, 1.0]], factor=3.0)
+    plan = _two_replicas(3)
+    alone = predict(Cfg, plan, {"a": rel, "b": rel}, seq_len=8)
+    no_rel = predict(Cfg, plan, {"a": _relation_costs([], 3.0), "b": _relation_costs([], 3.0)}, seq_len=8)
+    assert alone.step_time_s == pytest.approx(no_rel.step_time_s, rel=1e-12)
+    shared = rel.on_shared_host("h")
+    both = predict(Cfg, plan, {"a": shared, "b": shared}, seq_len=8)
+    assert both.pipeline_s == pytest.approx(1.6 * alone.pipeline_s, rel=1e-9)
+
+
+def test_measure_corun_times_each_call_beside_a_large_and_a_small_neighbour():
+    """The profiler's samples on this machine's XLA:CPU (2 fake devices): every call beside the large
+    neighbour (another last stage's fused F+B), the last stage's fused F+B also beside the small one
+    (another first stage's F then B), each with its neighbour's seconds alone; the fit's relation
+    has one point per stage-call sample at ``alone_s / neighbour_s`` (no timing asserted: shared cores)."""
+    import jax
+
+    from hethub_jax.models.config import get_preset
+    from hethub_jax.profile import fit_corun, measure_corun
+    devs = jax.devices()
+    if len(devs) < 2 or devs[0].platform != "cpu":
+        pytest.skip("needs 2 CPU devices")
+    s = measure_corun(get_preset("tiny"), devs[:2], 16, 1)
+    assert [(x["call"], x["neighbour"]) for x in s] == [("first_F", "large"), ("first_B", "large"), ("last_FB", "large"),
+                                                       ("last_update", "large"), ("last_FB", "small")]
+    assert all(x["alone_s"] > 0 and x["busy_s"] > 0 and x["neighbour_s"] > 0 for x in s)
+    fit = fit_corun(s)
+    want = sorted(x["alone_s"] / x["neighbour_s"] for x in s if x["call"] != "last_update")
+    assert [r for r, _ in fit["relation"]] == pytest.approx(want)
+    assert all(e >= 0 for _, e in fit["relation"])
+    assert measure_corun(get_preset("tiny"), devs[:1], 16, 1) == []

@@ -16,6 +16,7 @@ Phases (what one pipeline action computes, ``hethub_jax.parallel.stage``):
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
@@ -98,13 +99,19 @@ class DeviceCosts:
       corun_factor: MEASURED slowdown of a computation while a second island of the same process
         computes on other devices of the same host (``fits.corun.factor`` of a CPU profile: fake CPU
         devices of one process share its cores); 1.0 when not measured (the catalog, separate hardware).
+      corun_relation: MEASURED co-run slowdown by the size of the pair (``fits.corun.relation``,
+        ``profile.measure_corun``): ``((size_ratio, extra), ...)`` sorted by ``size_ratio`` = a call's
+        alone seconds / its neighbour's alone seconds per call, ``extra`` = busy / alone - 1 beside
+        that neighbour (>= 0); empty when not measured (then ``corun_factor - 1`` at every ratio,
+        :meth:`corun_extra`).
       corun_update_factor: MEASURED slowdown of an island's optimizer update while another island of the
         host updates at the same time (``fits.corun_update.factor``, ``profile.measure_update_pair``: after
         the pipelines the islands start their updates together, and AdamW is bound by the memory
         bandwidth they share); 0.0 when not measured (the predictor then uses ``corun_factor``).
       host: name of the host whose cores the islands with these costs share (None: the island has
         hardware of its own). Set with :meth:`on_shared_host`; the predictor slows the overlapping
-        compute of islands with the same ``host`` by ``corun_factor``.
+        compute of islands with the same ``host`` by :meth:`corun_extra` (``corun_relation``, else
+        ``corun_factor``).
       dp_fits: per ``(dp, tp)`` mesh with ``dp > 1`` that was profiled, fits like ``fits`` (x = the
         FLOPs / tokens per DP rank): on CPU the fake devices of a mesh share the same cores, so a DP
         mesh is measured, not derived from one device with fewer tokens.
@@ -182,6 +189,7 @@ class DeviceCosts:
     profile: Optional[Dict[str, Any]] = None
     corun_factor: float = 1.0
     corun_update_factor: float = 0.0
+    corun_relation: Tuple[Tuple[float, float], ...] = ()
     host: Optional[str] = None
     dp_fits: Dict[Tuple[int, int], Dict[str, Dict[str, _Linear]]] = field(default_factory=dict)
     update_dp_fits: Dict[int, _Linear] = field(default_factory=dict)
@@ -297,11 +305,38 @@ class DeviceCosts:
         pos = "last" if is_last else "first" if is_first else "middle"
         return max(0.0, float(self.cold_extra.get(pos, {}).get(phase, 0.0)))
 
+    def corun_extra(self, size_ratio: float) -> float:
+        """Fraction by which a computation of these costs is slowed while another island of its host
+        computes a call ``size_ratio`` times shorter than it (its alone seconds / the neighbour's
+        alone seconds, > 0): the MEASURED :attr:`corun_relation` interpolated linearly in
+        ``log(size_ratio)`` between its points and held at its end points beyond them (the measured
+        pairs span the pipeline's: a first stage's small calls beside a last stage's fused F+B and
+        the reverse); ``corun_factor - 1`` at every ratio when the relation was not measured.
+
+        Raises:
+          ValueError: if ``size_ratio <= 0``.
+        """
+        if not size_ratio > 0:
+            raise ValueError(f"size_ratio must be > 0, got {size_ratio}")
+        pts = self.corun_relation
+        if not pts:
+            return max(0.0, self.corun_factor - 1.0)
+        if size_ratio <= pts[0][0]:
+            return pts[0][1]
+        if size_ratio >= pts[-1][0]:
+            return pts[-1][1]
+        x = math.log(size_ratio)
+        for (r0, e0), (r1, e1) in zip(pts, pts[1:]):
+            if size_ratio <= r1:
+                w = (x - math.log(r0)) / (math.log(r1) - math.log(r0))
+                return e0 + w * (e1 - e0)
+        return pts[-1][1]
+
     def on_shared_host(self, host: str = "local") -> "DeviceCosts":
         """A copy whose islands share the cores of host ``host`` with the other islands given costs
         with the same ``host`` (islands as threads or processes of one machine, as in
         ``benchmarks/predictor_accuracy.py``); their overlapping compute is slowed by the MEASURED
-        ``corun_factor``.
+        co-run slowdown (:meth:`corun_extra`).
 
         Raises:
           ValueError: if ``host`` is empty.
@@ -376,6 +411,7 @@ class DeviceCosts:
                    shared_sum_fit=_shared_fit(fits_in.get("shared_sum")),
                    host_link=link(host), bridge_link=link(br),
                    profile=dict(profile), corun_factor=_corun(fits_in.get("corun")),
+                   corun_relation=_corun_relation(fits_in.get("corun")),
                    corun_update_factor=(_corun(fits_in["corun_update"]) if fits_in.get("corun_update") else 0.0),
                    dp_fits=dp_fits,
                    update_dp_fits={int(k): lin(v) for k, v in (fits_in.get("update_dp") or {}).items()},
@@ -633,6 +669,13 @@ def _local_bridge(d: Optional[Mapping[str, Any]]) -> Optional[LinkModel]:
 def _corun(d: Optional[Mapping[str, Any]]) -> float:
     """The profile's measured co-run factor (>= 1; 1.0 when absent)."""
     return 1.0 if not d else max(1.0, float(d["factor"]))
+
+
+def _corun_relation(d: Optional[Mapping[str, Any]]) -> Tuple[Tuple[float, float], ...]:
+    """The profile's measured ``fits.corun.relation`` as ``((size_ratio, extra >= 0), ...)`` sorted by
+    ratio (empty when absent or from a profile made before it was measured)."""
+    pts = [(float(r), max(0.0, float(e))) for r, e in ((d or {}).get("relation") or []) if float(r) > 0]
+    return tuple(sorted(pts))
 
 
 def _cold(d: Optional[Mapping[str, Any]]) -> Dict[str, Dict[str, float]]:

@@ -20,7 +20,8 @@ How a prediction is made (DESIGN.md section 7; details and formulas in ``docs/pr
      executes them one action at a time in the runtime's order
      (:func:`hethub_jax.planner.simulator.simulate_processes`); islands sharing one host's cores
      (``DeviceCosts.on_shared_host``) slow their overlapping compute by the profile's measured co-run
-     factor (a fixed point over the simulated timeline, :func:`_corun_factors`); islands that are
+     slowdown by the pair's size ratio (``DeviceCosts.corun_extra``; the one measured factor for older
+     profiles; a fixed point over the simulated timeline, :func:`_corun_factors`); islands that are
      threads of one process (``DeviceCosts.in_process``) whose profile measured XLA:CPU's one-at-a-time
      launcher of multi-device computations (``fits.launch``) run the F and B of their DP / TP stages
      one at a time, first come first served (:func:`_launch_locks`), and their norms and updates after
@@ -627,11 +628,11 @@ CORUN_ROUNDS = 4
 
 def _shared_hosts(ctxs) -> Dict[Tuple[int, int], str]:
     """Per stage key, the host whose cores its island shares with at least one other island
-    (``DeviceCosts.host`` set and a measured ``corun_factor > 1``); stages on hardware of their own
+    (``DeviceCosts.host`` set and a measured ``corun_factor > 1`` or co-run relation); stages on hardware of their own
     are absent."""
     islands: Dict[str, set] = {}
     for c in ctxs.values():
-        if c.costs.host is not None and c.costs.corun_factor > 1:
+        if c.costs.host is not None and (c.costs.corun_factor > 1 or any(e > 0 for _, e in c.costs.corun_relation)):
             islands.setdefault(c.costs.host, set()).add(c.spec.island)
     return {k: c.costs.host for k, c in ctxs.items()
             if c.costs.host in islands and len(islands[c.costs.host]) > 1}
@@ -647,34 +648,57 @@ def _overlap(t0: float, t1: float, starts: List[float], ends: List[float]) -> fl
     return out
 
 
-def _corun_factors(events, ctxs, hosts) -> Dict[Tuple[Tuple[int, int], int], float]:
-    """Per ``(key, id(action))`` of a compute action on a shared host: ``1 + (corun_factor - 1) x``
-    the fraction of the action's computing part overlapped by the computing parts of OTHER islands'
-    actions on the same host (the profile's measured co-run slowdown, applied for the time both
-    compute). An emulated slow island's action computes for its first ``1 / factor`` and then waits
-    (DESIGN.md section 9): the wait slows no one, and is itself proportional to the slowed compute."""
-    busy: Dict[Tuple[str, str], List[Tuple[float, float]]] = {}
+def _corun_factors(events, ctxs, hosts, prev: Optional[Mapping[Any, float]] = None
+                   ) -> Dict[Tuple[Tuple[int, int], int], float]:
+    """Per ``(key, id(action))`` of a compute action on a shared host: ``1 + extra / t``, ``t`` the
+    seconds of the action's computing part and ``extra`` the sum over the computing parts of OTHER
+    islands' actions on the same host that overlap it of ``overlap_s x corun_extra(t / t_n)``
+    (``DeviceCosts.corun_extra`` of the action's costs: the profile's MEASURED slowdown of a call beside
+    a neighbour call ``t_n`` seconds long, by the pair's size ratio; the symmetric ``corun_factor - 1``
+    for profiles without the relation, which makes this ``1 + (corun_factor - 1) x`` the overlapped
+    fraction). Both ``t`` and ``t_n`` are taken alone: the timeline's seconds over the previous
+    round's factor ``prev``. When an action is overlapped by several intervals that overlap each other
+    (several stages of one island in processes of their own), the sum is scaled to the seconds
+    overlapped by any. An emulated slow island's action computes for its first ``1 / factor`` and then
+    waits (DESIGN.md section 9): the wait slows no one, and is itself proportional to the slowed compute."""
+    from bisect import bisect_left, bisect_right
+    prev = prev or {}
+    busy: Dict[Tuple[str, str], List[Tuple[float, float, float]]] = {}
     computing = lambda k, t0, t1: (t0, t0 + (t1 - t0) / max(ctxs[k].factor, 1.0))
     for k, a, t0, t1 in events:
         if k in hosts and a.is_compute and t1 > t0:
-            busy.setdefault((hosts[k], ctxs[k].spec.island), []).append(computing(k, t0, t1))
-    merged = {}
+            c0, c1 = computing(k, t0, t1)
+            busy.setdefault((hosts[k], ctxs[k].spec.island), []).append((c0, c1, (c1 - c0) / prev.get((k, id(a)), 1.0)))
+    others, merged = {}, {}
     for host, isl in busy:
         ivs = sorted(iv for (h, i), v in busy.items() if h == host and i != isl for iv in v)
         out: List[List[float]] = []
-        for a0, a1 in ivs:
+        for a0, a1, _ in ivs:
             if out and a0 <= out[-1][1]:
                 out[-1][1] = max(out[-1][1], a1)
             else:
                 out.append([a0, a1])
+        others[(host, isl)] = (ivs, [x[0] for x in ivs], max((x[1] - x[0] for x in ivs), default=0.0))
         merged[(host, isl)] = ([x[0] for x in out], [x[1] for x in out])
     factors = {}
     for k, a, t0, t1 in events:
         key = (hosts.get(k), ctxs[k].spec.island)
-        if key in merged and a.is_compute and t1 > t0:
-            c0, c1 = computing(k, t0, t1)
-            frac = _overlap(c0, c1, *merged[key]) / (c1 - c0)
-            factors[(k, id(a))] = 1.0 + (ctxs[k].costs.corun_factor - 1.0) * frac
+        if key not in merged or not a.is_compute or t1 <= t0:
+            continue
+        c0, c1 = computing(k, t0, t1)
+        union = _overlap(c0, c1, *merged[key])
+        if union <= 0:
+            factors[(k, id(a))] = 1.0
+            continue
+        ivs, starts, longest = others[key]
+        t_alone = (c1 - c0) / prev.get((k, id(a)), 1.0)
+        costs, total, extra = ctxs[k].costs, 0.0, 0.0
+        for n0, n1, n_alone in ivs[bisect_left(starts, c0 - longest):bisect_right(starts, c1)]:
+            ov = min(c1, n1) - max(c0, n0)
+            if ov > 0 and n_alone > 0:
+                total += ov
+                extra += ov * costs.corun_extra(t_alone / n_alone)
+        factors[(k, id(a))] = 1.0 + extra * min(1.0, union / total) / (c1 - c0) if total > 0 else 1.0
     return factors
 
 
@@ -901,10 +925,10 @@ def predict(cfg: Any, plan: Any, costs: Mapping[str, DeviceCosts], *, seq_len: i
     fused_update_s = upd[(0, 0)] * (1 + 1 / 7) if fuse else 0.0
     proc_of = (lambda k: ctxs[k].spec.island) if concurrency == "runtime" else (lambda k: k)
     pl = _pipeline(cfg, plan, ctxs, bridge, seq_len, fused_update_s, proc_of, arrays)
-    hosts = _shared_hosts(ctxs)
+    hosts, corun = _shared_hosts(ctxs), None
     for _ in range(CORUN_ROUNDS if hosts else 0):  # islands sharing a host's cores slow each other
-        pl = _pipeline(cfg, plan, ctxs, bridge, seq_len, fused_update_s, proc_of, arrays,
-                       _corun_factors(pl.events(), ctxs, hosts))
+        corun = _corun_factors(pl.events(), ctxs, hosts, corun)
+        pl = _pipeline(cfg, plan, ctxs, bridge, seq_len, fused_update_s, proc_of, arrays, corun)
     pipeline_s = pl.pipeline_s
     reduce_s = 0.0 if fuse else _reduction_s(cfg, plan, ctxs, bridge)
     per_island: Dict[str, float] = {}
