@@ -3,7 +3,7 @@ actions in a training step, in one process on one pinned core (same-run ratios; 
 wall seconds are compared only inside one run, with each call's minor page faults beside them, ``getrusage``).
 
     PYTHONPATH=. python benchmarks/stage_shape_vs_run.py --json OUT.json [--core 1] [--mb 8] [--m 6]
-        [--layers 0-7] [--schedule gpipe] [--rounds 3] [--allocator early|late]
+        [--layers 0-7] [--schedule gpipe] [--rounds 3] [--allocator early|late] [--others N]
 
 Variants, measured in interleaved rounds on the SAME ``PipelineStage`` (the runtime's own stage):
   ``profile``  ``hethub_jax.profile.measure_stage`` (what ``--stage-shapes`` records: each call alone,
@@ -49,6 +49,10 @@ def main() -> None:
     ap.add_argument("--schedule", default="gpipe")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", default="profile,run,held,alone")
+    ap.add_argument("--others", type=int, default=0,
+                    help="also hold N other one-stage runtimes of the model (alternately 1F1B and GPipe at a global "
+                         "batch of 8 microbatches, as hetero_e2e's alone contenders) and run one step of each before "
+                         "every measured variant: the benchmark's process interleaves its contenders' steps")
     ap.add_argument("--allocator", choices=("early", "late"), default="early",
                     help="early: hethub_jax.host_allocator's steady settings before JAX starts (as the profiler, "
                          "training and the benchmarks' ranks do); late: only PipelineRuntime's call, after the "
@@ -81,9 +85,16 @@ def main() -> None:
                            "stages": [{"island": "fast", "first_layer": fl, "last_layer": ll}],
                            "global_batch_size": args.mb * args.m, "microbatch_size": args.mb,
                            "schedule": args.schedule, "seq_len": args.seq})
+    train, _, _ = build_datasets(DataConfig(seq_len=args.seq))
     rt = PipelineRuntime(plan, cfg, OptimConfig(learning_rate=1e-3, warmup_steps=2, decay_steps=1000), seed=0)
     st = rt.stages[(0, 0)]
-    train, _, _ = build_datasets(DataConfig(seq_len=args.seq))
+    others = []
+    for j in range(args.others):
+        other = dict(plan.to_dict(), schedule=("1f1b", "gpipe")[j % 2], global_batch_size=args.mb * 8)
+        other.pop("description", None)
+        others.append(PipelineRuntime(Plan.from_dict(other), cfg, OptimConfig(learning_rate=1e-3, warmup_steps=2,
+                                                                               decay_steps=1000), seed=0))
+    other_batch = next(train.batches(args.mb * 8)) if others else None
     it = train.batches(args.mb * args.m)
     batch = next(it)
     no = np.bool_(False)
@@ -144,11 +155,15 @@ def main() -> None:
 
     variants = {"profile": profile, "run": run, "held": held, "alone": alone}
     chosen = [v for v in args.variants.split(",") if v]
+    for o in others:
+        o.train_step(other_batch)
     for v in chosen:  # compile and warm every call once
         variants[v]()
     got = {v: [] for v in chosen}
     for r in range(args.rounds):
         for v in chosen[r % len(chosen):] + chosen[:r % len(chosen)]:
+            for o in others:
+                o.train_step(other_batch)
             got[v].append(variants[v]())
             print(f"round {r} {v}: " + " ".join(f"{k}={w:.3f}" + (f"/{c}flt" if c is not None else "") for k, w, c in got[v][-1]), flush=True)
     summary = {}

@@ -26,13 +26,15 @@ its own threads, and glibc gives such a thread its own arena, whose heaps are at
 (``HEAP_MAX_SIZE``); a larger block there is mmapped whatever ``M_MMAP_MAX`` says (``sysmalloc``'s
 fallback) and munmapped on free. On the 15 M model of ``benchmarks/hetero_e2e.py`` (logits of a
 microbatch of 8 x 64 tokens: 65.5 MB) every whole-model backward then faulted 37,265 pages (146 MB)
-and the 6th forward of a GPipe step another ~40,000, about 300,000 faults a step; with one arena,
-none, and the calls took 0.8-0.9x the time (``benchmarks/stage_shape_vs_run.py``). A thread keeps
-the arena it first allocated from, so the setting covers only threads that allocate after it: call
+and the 6th forward of a GPipe step another ~40,000, about 315,000 faults a step; with one arena,
+none (a GPipe step took 0.95x and the fused forward + backward 0.88x the time;
+``benchmarks/stage_shape_vs_run.py``). A thread keeps the arena it first allocated from, so the
+setting covers only threads that allocate after it: call
 this before the JAX backend starts (before the first ``jax.devices()``), as the profiler,
 ``hethub_jax.train`` (for CPU islands) and the benchmarks' pinned ranks do; ``PipelineRuntime`` calls
 it again (too late for the arena, harmless). The result's ``backend_started`` says when a call came
 after the backend had started.
+
 Only glibc has ``mallopt``; elsewhere nothing is changed (and the result says so). Set the
 environment variable ``HETHUB_HOST_ALLOCATOR=default`` to leave the C library's defaults.
 """
