@@ -101,7 +101,11 @@ XLA_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false"
 
 
 def pin_and_limit_threads(rank: int) -> int | None:
-    """Pins this process to core `rank` and asks XLA/OpenMP/BLAS for one thread (before JAX starts)."""
+    """Pins this process to core `rank`, asks XLA/OpenMP/BLAS for one thread and sets the steady host
+    allocator (``hethub_jax.host_allocator``: one glibc arena, which must precede the JAX backend's
+    threads), all before JAX starts."""
+    from hethub_jax.host_allocator import steady_host_allocator
+    steady_host_allocator()
     core = None
     if hasattr(os, "sched_setaffinity"):
         cpus = sorted(os.sched_getaffinity(0))

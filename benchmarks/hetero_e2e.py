@@ -56,7 +56,8 @@ Figures: ``fraction_of_upper_bound`` = (b) / (a_fast + a_slow), ``planned_over_u
 ``prediction_error_per_contender`` the same for every contender (alone: each island's own step);
 ``predicted_parts_s``: the PREDICTED (pipeline, gradient sums + norm, update) seconds of (b), (d) and (e);
 ``fraction_of_upper_bound_hetero_dp_replicated`` = (e) / (a_fast + a_slow), ``hetero_dp_over_replicated``
-= (d) / (e).
+= (d) / (e); ``faults_per_step_planned_per_rank``: each rank's minor page faults per timed step of (b)
+(``getrusage``; the host allocator's settings, ``hethub_jax.host_allocator``, set before JAX starts).
 """
 from __future__ import annotations
 
@@ -258,24 +259,28 @@ def _measure(args, world, rank, core, runtimes, contenders):
     tokens, records = {n: [] for n in names}, None
     reduce_s = time_reduce_shared(list(runtimes.values()))  # seconds in the gradient sums after the backward
     reduce, buckets = {n: [] for n in names}, {n: [] for n in names}
+    faults = {n: [] for n in names}  # minor page faults of this rank per timed step (getrusage)
+    import resource
     for i in range(n_steps):
         order = names[i % len(names):] + names[:i % len(names)]
         for n in order:
             reduce_s["t"] = 0.0
             runtimes[n].last_bucket_stats = None
             world.Barrier()
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             res = runtimes[n].train_step(batches[i])
             dt = time.perf_counter() - t0
             if i > args.warmup:
                 times[n].append(dt)
+                faults[n].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
                 tokens[n].append(res.num_tokens)
                 reduce[n].append(reduce_s["t"])
                 buckets[n].append(runtimes[n].last_bucket_stats)
             if n == "planned":
                 records = res.records
     return world.gather({"rank": rank, "core": core, "times": times, "tokens": tokens, "records": records,
-                         "reduce_s": reduce, "buckets": buckets,
+                         "reduce_s": reduce, "buckets": buckets, "faults": faults,
                          "bucket_off": {n: getattr(rt, "grad_bucket_off_reason", lambda: None)()
                                         for n, rt in runtimes.items()},
                          "machine": machine(), "load": (load0, loadavg())}, root=0)
@@ -327,7 +332,10 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
                    median(x["reduce_s"].get("hetero_dp", x["reduce_s"]["planned"])) for x in g],
                "predicted_parts_s": {n: _parts(contenders[n][0], cfg, costs, args)
                                      for n in ("planned", "hetero_dp", "hetero_dp_replicated")},
-               "parts_planned_last_step": _parts_compare(args, cfg, contenders, g, costs)}
+               "parts_planned_last_step": _parts_compare(args, cfg, contenders, g, costs),
+               # minor page faults per timed step of the planner's plan, per rank (hethub_jax.host_allocator:
+               # about 300,000 a step before session 12's one-arena setting, none after; issue 17)
+               "faults_per_step_planned_per_rank": [x.get("faults", {}).get("planned") for x in g]}
     result = {"benchmark": "hetero_e2e", "command": command_line(),
               "machine": dict(g[0]["machine"], cores_per_rank=[x["core"] for x in g],
                               loadavg_per_rank=[x["load"] for x in g]),

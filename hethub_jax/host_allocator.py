@@ -18,7 +18,24 @@ its "default" side with a fixed 128 KiB threshold).
 
 What :func:`steady_host_allocator` sets (glibc ``mallopt(3)``): ``M_MMAP_MAX = 0`` (every block
 from the heap, none mmapped), ``M_TRIM_THRESHOLD = 1 GiB`` (the heap's free top is kept) and
-``M_ARENA_MAX = 1`` (every thread allocates from the main heap). Why the last one (issue 13): islands
+``M_ARENA_MAX = 1`` (every thread allocates from the main heap). The process keeps its peak host
+memory instead of returning it to the kernel between calls: the cost.
+
+Why ``M_ARENA_MAX`` too (measured, docs/benchmarks.md issue 17, session 12): XLA:CPU runs a call on
+its own threads, and glibc gives such a thread its own arena, whose heaps are at most 64 MiB
+(``HEAP_MAX_SIZE``); a larger block there is mmapped whatever ``M_MMAP_MAX`` says (``sysmalloc``'s
+fallback) and munmapped on free. On the 15 M model of ``benchmarks/hetero_e2e.py`` (logits of a
+microbatch of 8 x 64 tokens: 65.5 MB) every whole-model backward then faulted 37,265 pages (146 MB)
+and the 6th forward of a GPipe step another ~40,000, about 315,000 faults a step; with one arena,
+none (a GPipe step took 0.95x and the fused forward + backward 0.88x the time;
+``benchmarks/stage_shape_vs_run.py``). A thread keeps the arena it first allocated from, so the
+setting covers only threads that allocate after it: call
+this before the JAX backend starts (before the first ``jax.devices()``), as the profiler,
+``hethub_jax.train`` (for CPU islands) and the benchmarks' pinned ranks do; ``PipelineRuntime`` calls
+it again (too late for the arena, harmless). The result's ``backend_started`` says when a call came
+after the backend had started.
+
+Also (issue 13, the same setting): islands
 run as threads (``benchmarks/predictor_accuracy.py``) and XLA:CPU computes on worker threads; glibc
 gives each new thread an arena of its own (up to 8 per core), and a secondary arena grows by separate
 64 MiB heaps, each deleted (unmapped) as soon as it is entirely free, whatever the trim threshold
@@ -31,8 +48,8 @@ the threads' ``malloc`` calls on its lock (XLA allocates a few buffers per call:
 ``M_ARENA_MAX`` takes effect for threads that have not allocated yet (a thread that already has an
 arena keeps it): set it at the process's start (``benchmarks/predictor_accuracy.py`` does at import,
 the profiler before JAX starts its threads; ``PipelineRuntime`` sets it when it is built, by which
-time earlier threads may hold arenas of their own). The
-process keeps its peak host memory instead of returning it to the kernel between calls: the cost.
+time earlier threads may hold arenas of their own).
+
 Only glibc has ``mallopt``; elsewhere nothing is changed (and the result says so). Set the
 environment variable ``HETHUB_HOST_ALLOCATOR=default`` to leave the C library's defaults.
 """
@@ -42,16 +59,19 @@ import ctypes
 import ctypes.util
 import functools
 import os
+import sys
 import threading
 from typing import Dict, Optional
 
 __all__ = ["steady_host_allocator", "current", "ENV", "M_MMAP_MAX", "M_TRIM_THRESHOLD", "M_ARENA_MAX",
-           "TRIM_THRESHOLD_BYTES", "default_arena_max"]
+           "TRIM_THRESHOLD_BYTES", "ARENA_MAX"]
 
 #: environment variable: ``default`` leaves the C library's allocator settings alone
 ENV = "HETHUB_HOST_ALLOCATOR"
 #: glibc ``mallopt`` parameter numbers (malloc.h)
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
+#: the arena count set: one (the main heap, which obeys ``M_MMAP_MAX``; glibc's default is 8 per core)
+ARENA_MAX = 1
 #: the trim threshold set (bytes): the heap's free top up to this size stays with the process
 TRIM_THRESHOLD_BYTES = 1 << 30
 
@@ -79,13 +99,16 @@ def steady_host_allocator(enable: Optional[bool] = None) -> Dict[str, object]:
     Args:
       enable: True sets the steady settings; False leaves glibc's own settings when this process
         never set them, else sets glibc's default values back (``M_MMAP_MAX`` 65536,
-        ``M_TRIM_THRESHOLD`` 128 KiB; glibc's adaptive threshold does not come back); None
+        ``M_TRIM_THRESHOLD`` 128 KiB, ``M_ARENA_MAX`` 8 per core as glibc computes it on 64-bit
+        systems; glibc's adaptive threshold does not come back); None
         (default): steady unless the environment variable :data:`ENV` is ``default``.
 
     Returns:
       ``{"allocator": "steady" | "default", "applied": bool, "reason": str}``: which settings are in
       force, whether this call changed them (False when they were already in force), and what was set
-      (not glibc, or ``mallopt`` refused: ``applied`` False and ``allocator`` ``"default"``).
+      (not glibc, or ``mallopt`` refused: ``applied`` False and ``allocator`` ``"default"``); when this
+      call set them, also ``"backend_started": bool`` (True: the JAX backend had started before, so
+      its threads may keep arenas of their own and ``M_ARENA_MAX`` does not reach them).
     """
     if enable is None:
         enable = os.environ.get(ENV, "steady").strip().lower() != "default"
@@ -96,10 +119,9 @@ def steady_host_allocator(enable: Optional[bool] = None) -> Dict[str, object]:
         lib = _libc()
         if lib is None:
             return {"allocator": "default", "applied": False, "reason": "not glibc: mallopt unavailable"}
-        arenas = 1 if enable else default_arena_max()
         ok = (lib.mallopt(M_MMAP_MAX, 0 if enable else 65536) == 1
               and lib.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES if enable else 128 * 1024) == 1
-              and lib.mallopt(M_ARENA_MAX, arenas) == 1)
+              and lib.mallopt(M_ARENA_MAX, ARENA_MAX if enable else _default_arena_max()) == 1)
         if not ok:
             return {"allocator": "default", "applied": False, "reason": "mallopt refused the settings"}
         if not enable and hasattr(lib, "malloc_trim"):
@@ -107,14 +129,28 @@ def steady_host_allocator(enable: Optional[bool] = None) -> Dict[str, object]:
         lib.gnu_get_libc_version.restype = ctypes.c_char_p
         _state.update(allocator=want, reason=f"glibc {lib.gnu_get_libc_version().decode()} mallopt: M_MMAP_MAX "
                                              f"{0 if enable else 65536}, M_TRIM_THRESHOLD "
-                                             f"{TRIM_THRESHOLD_BYTES if enable else 128 * 1024}, M_ARENA_MAX {arenas}")
-        return dict(_state, applied=True)
+                                             f"{TRIM_THRESHOLD_BYTES if enable else 128 * 1024}, M_ARENA_MAX "
+                                             f"{ARENA_MAX if enable else _default_arena_max()}")
+        return dict(_state, applied=True, backend_started=_jax_backend_started())
 
 
-def default_arena_max() -> int:
-    """glibc's own arena limit on 64-bit systems: 8 per core (``malloc/arena.c``, ``NARENAS_FROM_NCORES``),
-    which ``mallopt(M_ARENA_MAX, ...)`` cannot reset to "unset"; what the ``default`` settings put back."""
+def _default_arena_max() -> int:
+    """glibc's own arena limit on a 64-bit system, 8 per core (``NARENAS_FROM_NCORES``; ``mallopt``
+    takes no 0 for "default")."""
     return 8 * (os.cpu_count() or 1)
+
+
+def _jax_backend_started() -> bool:
+    """True when this process's JAX backend has started (its threads may hold arenas of their own;
+    see the module docstring); False when JAX is not imported or no backend exists yet."""
+    if "jax" not in sys.modules:
+        return False
+    try:
+        from jax._src import xla_bridge
+        return bool(getattr(xla_bridge, "_backends", None))
+    except Exception:  # a JAX without this private module: unknown, say started (the cautious answer)
+        return True
+
 
 
 def current() -> str:

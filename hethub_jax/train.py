@@ -666,6 +666,11 @@ def _set_up(args: argparse.Namespace) -> _Run:
     """
     cfg = _load_config(args)
     _check_insight_deps(args)
+    if "cpu" in os.environ.get("JAX_PLATFORMS", "cpu") or not os.environ.get("JAX_PLATFORMS"):
+        # CPU islands: the steady host allocator before the JAX backend starts (its threads then allocate
+        # from the one glibc arena; hethub_jax.host_allocator); a JAX_PLATFORMS without cpu is left alone
+        from hethub_jax.host_allocator import steady_host_allocator
+        steady_host_allocator()
     planned = _plan_from_cluster(args, cfg) if args.cluster else None
     if planned is not None:
         cfg = _load_config(args)  # with train.plan = the written plan.json

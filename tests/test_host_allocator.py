@@ -120,3 +120,55 @@ def test_steady_allocator_two_threads_reuse_pages():
     assert "M_ARENA_MAX 1" in steady["info"]["reason"]
     assert default["faults"] > 0.4 * default["pages"]  # at least one thread's blocks faulted in again
     assert steady["faults"] < 0.05 * steady["pages"]
+
+
+_THREAD_CHILD = r"""
+import ctypes, json, resource, sys, threading
+from hethub_jax import host_allocator
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+n = 80 << 20                                          # over glibc's 64 MiB per-thread heap (HEAP_MAX_SIZE)
+flt = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+mode, out = sys.argv[1], {}
+
+def use(value):
+    p = libc.malloc(n)
+    ctypes.memset(p, value, n)
+    libc.free(p)
+
+def worker():                                         # a thread other than the main one, as XLA:CPU's are
+    use(1)
+    f0 = flt()
+    use(2)
+    out["faults"] = flt() - f0
+
+out["info"] = host_allocator.steady_host_allocator()
+if mode == "steady_without_arena_max":                # the settings before session 12: one arena per thread
+    libc.mallopt(host_allocator.M_ARENA_MAX, host_allocator._default_arena_max())
+t = threading.Thread(target=worker)
+t.start()
+t.join()
+print(json.dumps(dict(out, pages=n // resource.getpagesize())))
+"""
+
+
+def _thread_faults(mode):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop(host_allocator.ENV, None)
+    env.pop("MALLOC_ARENA_MAX", None)
+    out = subprocess.run([sys.executable, "-c", _THREAD_CHILD, mode], env=env, capture_output=True, text=True,
+                         timeout=120, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or host_allocator._libc() is None, reason="glibc only")
+def test_steady_allocator_reuses_pages_in_other_threads():
+    """A block over 64 MiB freed and allocated again in a thread other than the main one (XLA:CPU runs
+    calls on its own threads): with one arena per thread (glibc's default, kept by the settings before
+    session 12) the thread's arena cannot hold it and mmaps it afresh, so every page faults again; with
+    ``M_ARENA_MAX = 1`` the thread uses the main heap and reuses its pages."""
+    old, new = _thread_faults("steady_without_arena_max"), _thread_faults("steady")
+    assert new["info"]["allocator"] == "steady" and "M_ARENA_MAX 1" in new["info"]["reason"]
+    assert old["faults"] > 0.8 * old["pages"]
+    assert new["faults"] < 0.05 * new["pages"]
