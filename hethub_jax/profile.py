@@ -44,6 +44,7 @@ time by f (what the runtime's wait adds) and is recorded as ``emulated_slowdown`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -769,13 +770,95 @@ def measure_update_pair(cfg: Any, devices: Sequence[Any], repeats: int) -> List[
              "per_stage": med}]
 
 
+def measure_tail_pair(cfg: Any, devices: Sequence[Any], repeats: int, seq_len: int = 16) -> List[dict]:
+    """The islands' optimizer updates as the runtime runs them after a step's pipeline, together and
+    one at a time: a two-island pipeline of this process (islands as threads, ``LocalCommunicator``,
+    one device each; the layers split in half, the tied embedding on both islands, 2 microbatches),
+    real ``PipelineRuntime.train_step`` calls, alternating per step between the runtime's own way
+    (both islands update at once after the world all-reduce) and one island's update at a time (a
+    lock around ``_apply_updates``); each island's update timed from its start to its parameters'
+    result (``train_step`` waits for them next anyway). Unlike :func:`measure_update_pair` (two
+    updates of warm one-layer stages on zero gradients, started by a barrier) the updates here run
+    in the step's state (after the pipeline, the gradient sums and placement, the global norm), with
+    the gradients and shapes the runtime updates. ``1 + 2 x repeats`` timed steps after a compiling
+    one and a warm-up one (a few seconds on the tiny model).
+
+    Returns ``[{"kind": "corun_tail", "alone_s", "busy_s", "per_island", "params"}]``: the summed
+    medians over the islands of their update one at a time (``alone_s``) and together (``busy_s``),
+    seconds; ``params``: per island the parameters it updates. Empty with fewer than 2 devices or an
+    untied model (no parameter shared by the islands' stages: not the runtime's usual tail)."""
+    import threading
+
+    import jax
+
+    from hethub_jax.comm import LocalCommunicator
+    from hethub_jax.optim import OptimConfig
+    from hethub_jax.parallel.plan import Plan
+    from hethub_jax.parallel.runtime import PipelineRuntime
+    if len(devices) < 2 or not cfg.tie_word_embeddings or cfg.num_hidden_layers < 2:
+        return []
+    n, half = cfg.num_hidden_layers, cfg.num_hidden_layers // 2
+    isl = [{"name": x, "platform": devices[0].platform, "devices_per_process": 1} for x in "ab"]
+    plan = Plan.from_dict({"islands": isl, "global_batch_size": 2, "microbatch_size": 1, "stages": [
+        {"island": "a", "first_layer": 0, "last_layer": half - 1},
+        {"island": "b", "first_layer": half, "last_layer": n - 1}]})
+    rng = np.random.default_rng(0)
+    batch = {"tokens": rng.integers(0, cfg.vocab_size, (2, seq_len), dtype=np.int32),
+             "targets": rng.integers(0, cfg.vocab_size, (2, seq_len), dtype=np.int32),
+             "loss_mask": np.ones((2, seq_len), np.float32)}
+    comms, lock, barrier = LocalCommunicator.create(2, timeout=600), threading.Lock(), threading.Barrier(2)
+    steps = 2 + 2 * max(1, repeats) + 1
+    took: Dict[int, Dict[str, List[float]]] = {0: {"together": [], "alone": []}, 1: {"together": [], "alone": []}}
+    params: Dict[int, int] = {}
+    errors: List[BaseException] = []
+
+    def body(rank: int) -> None:
+        try:
+            rt = PipelineRuntime(plan, cfg, OptimConfig(), seed=0, comm=comms[rank], rank=rank, devices=[devices[rank]])
+            apply = rt._apply_updates
+            params[rank] = int(sum(v.size for k in rt.local_keys for v in rt.stages[k].flat().values()))
+            for i in range(steps):
+                one = i % 2 == 1
+
+                def timed(*a, one=one, i=i):
+                    with lock if one else contextlib.nullcontext():
+                        t0 = time.perf_counter()
+                        apply(*a)
+                        jax.block_until_ready([rt._stages[k].params for k in rt.local_keys])
+                        if i >= 2:
+                            took[rank]["alone" if one else "together"].append(time.perf_counter() - t0)
+                rt._apply_updates = timed
+                barrier.wait()
+                rt.train_step(batch)
+        except BaseException as e:  # noqa: BLE001 -- re-raised after the join
+            errors.append(e)
+            barrier.abort()
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    med = {r: {m: float(np.median(v)) for m, v in took[r].items()} for r in took}
+    return [{"kind": "corun_tail", "alone_s": sum(m["alone"] for m in med.values()),
+             "busy_s": sum(m["together"] for m in med.values()),
+             "per_island": {"ab"[r]: m for r, m in med.items()}, "params": {"ab"[r]: p for r, p in params.items()}}]
+
+
 def fit_corun_update(samples: List[dict]) -> Optional[Dict[str, Any]]:
-    """``{"factor"}``: the summed busy seconds over the summed alone seconds of the paired updates
-    (:func:`measure_update_pair`); None without samples."""
-    if not samples or sum(s["alone_s"] for s in samples) <= 0:
+    """``{"factor"}``: the summed busy seconds over the summed alone seconds of the islands' updates
+    together and alone: the ``corun_tail`` samples (:func:`measure_tail_pair`: as the runtime runs its
+    tail) when there are any, else the ``corun_update`` samples (:func:`measure_update_pair`: warm
+    updates on zero gradients); None without either."""
+    tail = [s for s in samples if s.get("kind") == "corun_tail"]
+    use = tail or [s for s in samples if s.get("kind", "corun_update") == "corun_update"]
+    if not use or sum(s["alone_s"] for s in use) <= 0:
         return None
-    return {"factor": float(sum(s["busy_s"] for s in samples) / sum(s["alone_s"] for s in samples)),
-            "method": "two islands' optimizer updates started together over each alone (profile.measure_update_pair)"}
+    how = ("two islands' updates in a two-island PipelineRuntime step, together over one at a time "
+           "(profile.measure_tail_pair)" if tail else
+           "two islands' optimizer updates started together over each alone (profile.measure_update_pair)")
+    return {"factor": float(sum(s["busy_s"] for s in use) / sum(s["alone_s"] for s in use)), "method": how}
 
 
 def _phase_calls(st: Any, cfg: Any, seq_len: int) -> Dict[str, Callable[[], Any]]:
@@ -1156,7 +1239,7 @@ def build_profile(cfg: Any, args: Any, samples: List[dict], updates: List[dict],
                                for m in sorted({(u["dp"], u["tp"]) for u in updates if u["kind"] == "norm_mesh"})},
                  "launch": fit_launch([c for c in corun if c["kind"] == "launch"]),
                  "corun": fit_corun([c for c in corun if c["kind"] == "corun"]),
-                 "corun_update": fit_corun_update([c for c in corun if c["kind"] == "corun_update"]),
+                 "corun_update": fit_corun_update([c for c in corun if c["kind"] in ("corun_update", "corun_tail")]),
                  "runtime": fit_runtime_overhead([c for c in corun if c["kind"] == "runtime_overhead"]),
                  "cold": fit_cold([c for c in corun if c["kind"] == "cold"]),
                  "actions": fit_action_costs([c for c in corun if c["kind"] == "action_costs"]),
@@ -1235,6 +1318,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     samples += profile_stage_shapes(cfg, args.seq_len, mbs_list, tps, args.repeats, devices, shapes) if shapes else []
     corun = (measure_corun(cfg, devices, args.seq_len, args.repeats) + measure_update_pair(cfg, devices, args.repeats)
              if args.corun == "on" or (args.corun == "auto" and platform_name == "cpu") else [])
+    if args.corun == "on" or (args.corun == "auto" and platform_name == "cpu"):  # the tail's updates in the runtime
+        corun += [] if args.no_runtime else measure_tail_pair(cfg, devices, args.repeats, args.seq_len)
     corun += measure_launch(cfg, devices, args.seq_len, args.repeats)  # islands as threads: one launcher
     corun += [] if args.no_runtime else measure_runtime_overhead(cfg, devices, args.repeats)
     corun += [] if args.no_runtime else measure_cold(cfg, devices, args.seq_len, args.repeats)
