@@ -29,7 +29,9 @@ What is measured, with the runtime's own code paths (``hethub_jax.parallel.stage
     fits (:func:`profile_stage_shapes`: seconds per layer rise with the layers of a call on a CPU core);
   * with ``--dp``: the stages on ``(dp, 1)`` meshes; on CPU (``--corun``) the slowdown of stage calls
     while a second island of the process computes (:func:`measure_corun`) and of two islands' optimizer
-    updates run at the same time, as after a step's pipeline (:func:`measure_update_pair`); the runtime's own seconds
+    updates run at the same time, as after a step's pipeline (:func:`measure_update_pair`; and, unless
+    ``--no-runtime``, in the runtime's own two-island step, together against one at a time:
+    :func:`measure_tail_pair`, which ``fits.corun_update`` then uses); the runtime's own seconds
     per action (:func:`measure_runtime_overhead`), of its SEND, RECV and fused-B records and between
     records (:func:`measure_action_costs`), and what its emulated wait takes (:func:`measure_emulated_wait`).
 Each figure is the median of ``--repeats`` timed calls after one untimed call (compilation).

@@ -482,6 +482,9 @@ def test_profiler_writes_dp_mesh_corun_runtime_and_local_bridge_fits(tmp_path):
     c = DeviceCosts.from_profile(prof)
     assert c.corun_factor >= 1.0 and c.action_overhead_s > 0 and c.local_bridge_link is not None
     assert c.corun_update_factor > 0 and [s["kind"] for s in prof["samples"]].count("corun_update") == 1
+    # the tail's pair in the runtime's own two-island step, preferred by the fit
+    assert [s["kind"] for s in prof["samples"]].count("corun_tail") == 1
+    assert "measure_tail_pair" in prof["fits"]["corun_update"]["method"]
     assert (2, 1) in c.dp_fits and c.update_dp_fits[2] is not None
     # the cold-call extras are measured: one sample per stage position and phase, read as their difference
     from hethub_jax.planner.costs import PHASES

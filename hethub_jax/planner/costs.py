@@ -99,9 +99,11 @@ class DeviceCosts:
         computes on other devices of the same host (``fits.corun.factor`` of a CPU profile: fake CPU
         devices of one process share its cores); 1.0 when not measured (the catalog, separate hardware).
       corun_update_factor: MEASURED slowdown of an island's optimizer update while another island of the
-        host updates at the same time (``fits.corun_update.factor``, ``profile.measure_update_pair``: after
-        the pipelines the islands start their updates together, and AdamW is bound by the memory
-        bandwidth they share); 0.0 when not measured (the predictor then uses ``corun_factor``).
+        host updates at the same time (``fits.corun_update.factor``: after the pipelines the islands start
+        their updates together, and AdamW is bound by the memory bandwidth and cores they share): the
+        updates of a two-island ``PipelineRuntime`` step together over one at a time
+        (``profile.measure_tail_pair``), or in older profiles two warm updates started by a barrier
+        (``profile.measure_update_pair``); 0.0 when not measured (the predictor then uses ``corun_factor``).
       host: name of the host whose cores the islands with these costs share (None: the island has
         hardware of its own). Set with :meth:`on_shared_host`; the predictor slows the overlapping
         compute of islands with the same ``host`` by ``corun_factor``.

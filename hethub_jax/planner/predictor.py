@@ -692,8 +692,9 @@ def _corun_tail(cfg: Any, plan: Any, ctxs, bridge: LinkModel, hosts, upd_per_isl
                 reduce_s: float, update_s: float) -> Tuple[float, float]:
     """(gradient sums + norm, update) seconds when islands sharing a host do their sums, norms and
     updates at the same time after the pipelines: per host :func:`_shared_makespan` of each island's
-    (sums + norm + update) at the host's measured co-run factor of two updates run together
-    (``DeviceCosts.corun_update_factor``; ``corun_factor`` when not profiled); both figures are scaled by the
+    (sums + norm + update) at the host's measured co-run factor of the islands' updates run together
+    (``DeviceCosts.corun_update_factor``: the runtime's own tail together over one at a time,
+    ``profile.measure_tail_pair``; ``corun_factor`` when not profiled); both figures are scaled by the
     ratio of that makespan to the slowest island alone."""
     parts, fixed = _reduction_parts(cfg, plan, ctxs, bridge)
     tail = {i: parts.get(i, 0.0) + u for i, u in upd_per_island.items()}
