@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")
 import benchmarks.predictor_accuracy as pa  # noqa: E402  (sets the XLA flags first)
 
 PARTS = ("acc_ready", "join", "flat", "asarray", "unflat", "host_copy", "allreduce", "allreduce_wait", "allreduce_own", "placement", "reduce_other", "norm",
-         "loss", "world", "world_wait", "update_lock_wait", "update_dispatch", "update_block", "tail")
+         "loss", "world", "world_wait", "update_lock_wait", "update_dispatch", "update_block", "bubble", "tail")
 
 
 def same_run_profile(cfg, devices, repeats: int) -> dict:
@@ -209,6 +209,8 @@ def main() -> None:
     PipelineStage.flat = timed("flat", PipelineStage.flat, inside="in_reduce")
     PipelineStage.unflat = timed("unflat", PipelineStage.unflat, inside="in_reduce")
     jax.device_put = timed("placement", jax.device_put, inside="in_reduce")
+    R.bubble_terms = timed("bubble", R.bubble_terms)  # the measured bubble's terms from the step's records
+    R.bubble_from_terms = timed("bubble", R.bubble_from_terms)
     cfg = get_preset("tiny")
     report = {}
     for name in args.configs.split(","):
