@@ -53,7 +53,7 @@ import os
 import platform
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -411,6 +411,74 @@ def measure_shared_sum(cfg: Any, devices: Sequence[Any], repeats: int, seq_len: 
                 row["warm_seconds"] = stat(times[("update_warm", k)])
             out.append(row)
     return out
+
+
+def measure_shared_sum_mesh(cfg: Any, devices: Sequence[Any], meshes: Sequence[Tuple[int, int]], repeats: int,
+                            seq_len: int = 16) -> List[dict]:
+    """The runtime's gradient sums of the tied embedding (``PipelineRuntime._reduce_shared``: the host
+    copies, the float32 sum, ``jnp.asarray`` and the ``device_put`` of every gradient leaf onto the
+    stage's sharding) when the two stages that hold it are on a ``(dp, tp)`` mesh each, against the same
+    plan on one device per stage, alternately in the same steps' state (right after a real step's
+    pipeline, as :func:`measure_shared_sum`): on fake CPU devices the placement onto a 2-device sharding
+    is not the one-device placement (session 12: 0.9 ms on one device, 2.7 ms on (1, 2), 1.6 ms on (2, 1)).
+
+    One island of this process; per mesh of ``meshes`` other than ``(1, 1)`` that fits twice in
+    ``devices``, a tied two-stage plan (the layers split in half) on that mesh and on ``(1, 1)``, one
+    untimed step then ``repeats`` steps each, interleaved. Returns per mesh ``{"kind":
+    "shared_sum_mesh", "dp", "tp", "seconds", "one_device_seconds"}`` (the :data:`STATISTIC` over the
+    steps; the ratio scales :meth:`DeviceCosts.shared_sum_s` for stages on that mesh). Empty for an
+    untied model or when no mesh fits."""
+    import jax
+
+    from hethub_jax.optim import OptimConfig
+    from hethub_jax.parallel.plan import Plan
+    from hethub_jax.parallel.runtime import PipelineRuntime
+    meshes = [tuple(m) for m in meshes if tuple(m) != (1, 1) and 2 * m[0] * m[1] <= len(devices)]
+    if not cfg.tie_word_embeddings or not meshes or cfg.num_hidden_layers < 2:
+        return []
+    n, half = cfg.num_hidden_layers, cfg.num_hidden_layers // 2
+    stat = lambda xs: float(np.min(xs) if STATISTIC["name"] == "min" else np.median(xs))
+    rng, out = np.random.default_rng(0), []
+
+    def runtime(dp: int, tp: int):
+        isl = [{"name": "p", "platform": devices[0].platform, "devices_per_process": 2 * dp * tp}]
+        gbs = 2 * dp  # one sample per DP rank and microbatch, 2 microbatches
+        plan = Plan.from_dict({"islands": isl, "global_batch_size": gbs, "microbatch_size": dp, "stages": [
+            {"island": "p", "first_layer": 0, "last_layer": half - 1, "dp": dp, "tp": tp},
+            {"island": "p", "first_layer": half, "last_layer": n - 1, "dp": dp, "tp": tp}]})
+        batch = {"tokens": rng.integers(0, cfg.vocab_size, (gbs, seq_len), dtype=np.int32),
+                 "targets": rng.integers(0, cfg.vocab_size, (gbs, seq_len), dtype=np.int32),
+                 "loss_mask": np.ones((gbs, seq_len), np.float32)}
+        return PipelineRuntime(plan, cfg, OptimConfig(), devices=list(devices[:2 * dp * tp])), batch
+
+    def once(rt, batch) -> float:
+        acc, _, _ = rt._run(batch, train=True)  # the pipeline: the state the sums start in
+        t0 = time.perf_counter()
+        jax.block_until_ready(rt._reduce_shared(acc))
+        return time.perf_counter() - t0
+    for dp, tp in meshes:
+        pair = [runtime(dp, tp), runtime(1, 1)]
+        times: List[List[float]] = [[], []]
+        for i in range(max(1, repeats) + 1):
+            for j, (rt, batch) in enumerate(pair):
+                t = once(rt, batch)
+                if i:
+                    times[j].append(t)
+        out.append({"kind": "shared_sum_mesh", "dp": dp, "tp": tp, "seconds": stat(times[0]),
+                    "one_device_seconds": stat(times[1])})
+    return out
+
+
+def fit_shared_sum_mesh(samples: List[dict]) -> Dict[str, Dict[str, Any]]:
+    """Per mesh ``"{dp}x{tp}"``: ``{"factor"}``, the summed seconds of the gradient sums with the
+    stages on that mesh over the same plan's on one device per stage (:func:`measure_shared_sum_mesh`)."""
+    by: Dict[str, List[dict]] = {}
+    for x in samples:
+        by.setdefault(f"{x['dp']}x{x['tp']}", []).append(x)
+    return {m: {"factor": float(sum(x["seconds"] for x in xs) / sum(x["one_device_seconds"] for x in xs)),
+                "method": "profile.measure_shared_sum_mesh: tied pp2 plan's _reduce_shared on the mesh over "
+                          "on one device per stage, interleaved"}
+            for m, xs in by.items() if sum(x["one_device_seconds"] for x in xs) > 0}
 
 
 def measure_bridge(sizes: Sequence[int], repeats: int) -> Optional[List[dict]]:
@@ -1249,6 +1317,7 @@ def build_profile(cfg: Any, args: Any, samples: List[dict], updates: List[dict],
                  "bridge_local": line([c for c in corun if c["kind"] == "bridge_local"], "bytes"),
                  "host_copy": line([c for c in copies if c["kind"] == "host_copy"], "bytes"),
                  "shared_sum": fit_shared_sum([c for c in copies if c["kind"] == "shared_sum"]),
+                 "shared_sum_mesh": fit_shared_sum_mesh([c for c in copies if c["kind"] == "shared_sum_mesh"]),
                  "norm": line([c for c in copies if c["kind"] == "norm"], "params"),  # no emulated wait (runtime)
                  "update_cold": fit_update_cold([dict(c, seconds=c["seconds"] * f, warm_seconds=c["warm_seconds"] * f)
                                                  for c in copies if c["kind"] == "update_in_step"]),
@@ -1334,6 +1403,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     copies = measure_host_copy(devices[0], sizes, args.repeats)
     allreduce = measure_allreduce(devices[:max(tps)], sizes, args.repeats)
     copies += measure_shared_sum(cfg, devices, args.repeats, args.seq_len)
+    if not args.no_runtime:  # the tied embedding's sums with the stages on every profiled mesh
+        copies += measure_shared_sum_mesh(cfg, devices, sorted({(1, tp) for tp in tps} | {(dp, 1) for dp in dps}),
+                                          args.repeats, args.seq_len)
     prof = build_profile(cfg, args, samples, updates, copies, allreduce, bridge, platform_name, corun)
     prof["others_cpu_share"] = others_share(snap, cpu_snapshot(job_pids))
     prof["others_cpu_share_excludes"] = ({"job_pids": job_pids, "note": "this job's other processes (given by "

@@ -725,7 +725,7 @@ def _reduction_s(cfg: Any, plan: Any, ctxs, bridge: LinkModel) -> float:
 def _reduction_parts(cfg: Any, plan: Any, ctxs, bridge: LinkModel) -> Tuple[Dict[str, float], float]:
     """(per island: seconds of its shared-gradient sums and global-norm reads, seconds of the
     cross-island all-reduces and the bridge latency): the parts of :func:`_reduction_s`."""
-    held: Dict[str, List[float]] = {}  # float32 bytes and tensors summed over the holders on each island
+    held: Dict[Tuple[str, int, int], List[float]] = {}  # float32 bytes, tensors over holders per island and mesh
     cross = 0.0
     own = _owned_fractions(cfg, plan)
     pb = analytic.dtype_bytes(cfg.param_dtype)
@@ -733,7 +733,8 @@ def _reduction_parts(cfg: Any, plan: Any, ctxs, bridge: LinkModel) -> Tuple[Dict
         nbytes = 4.0 * n
         isl = sorted({ctxs[k].spec.island for k in holders})
         for k in holders:
-            h = held.setdefault(ctxs[k].spec.island, [0.0, 0])
+            c = ctxs[k]
+            h = held.setdefault((c.spec.island, c.spec.dp, c.spec.tp), [0.0, 0])
             h[0] += nbytes
             h[1] += tensors
         reps = {k[0]: own[k] for k in holders} if own else {}
@@ -743,7 +744,9 @@ def _reduction_parts(cfg: Any, plan: Any, ctxs, bridge: LinkModel) -> Tuple[Dict
             p = len(isl)
             cross += 2 * (p - 1) * bridge.alpha_s + 2.0 * (p - 1) / p * nbytes / bridge.bandwidth
     first = {c.spec.island: c for c in ctxs.values()}
-    per_island = {i: first[i].costs.shared_sum_s(b, t) for i, (b, t) in held.items()}
+    per_island: Dict[str, float] = {}
+    for (i, dp, tp), (b, t) in held.items():  # the island's holders on each stage mesh (measured per mesh)
+        per_island[i] = per_island.get(i, 0.0) + first[i].costs.shared_sum_s(b, t, dp, tp)
     norm = {}
     counted = _norm_fractions(cfg, plan)
     for k, ctx in ctxs.items():  # each stage's sq_norm of the gradients it counts (runtime `norm_owner`)
