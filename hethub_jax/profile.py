@@ -22,7 +22,9 @@ What is measured, with the runtime's own code paths (``hethub_jax.parallel.stage
   * the runtime's tail after the pipeline in the runtime's state (:func:`measure_shared_sum`: right
     after a real step's pipeline): the gradient sums, each stage's part of the global norm
     (``norm``: ``c0 + c1 x counted parameters``) and the update's extra per parameter over the same
-    call repeated at once (``update_cold``);
+    call repeated at once (``update_cold``); unless ``--no-runtime``, the same sums with the stages on
+    each profiled ``(1, tp)`` / ``(dp, 1)`` mesh over on one device (:func:`measure_shared_sum_mesh`,
+    ``shared_sum_mesh``);
   * the bridge (``MPIHostBridge`` send/recv round trips, under mpiexec): ``c0 + c1 x bytes``;
   * with ``--stage-shapes``: whole stages of the given layer ranges (e.g. the whole model, every
     one-stage replica's shape), the same four calls, used for stages of that shape instead of the
