@@ -21,6 +21,9 @@ in the order it runs them:
 - ``update_dispatch``: the stages' jitted updates (asynchronous) and emulated waits (``_apply_updates``);
 - ``update_block``: ``block_until_ready`` of the parameters (the update's compute not yet done).
 
+Also ``join`` / ``flat`` / ``unflat`` / ``asarray`` (inside ``_reduce_shared``), ``bubble`` (the measured
+bubble's terms), ``acc_ready`` (``--sync-acc``: waiting for the accumulated gradients first) and
+``update_lock_wait`` (``--serial-update`` / ``--alternate``: the updates one island at a time).
 Per part the wall seconds and the island thread's CPU seconds (``time.thread_time``; XLA computes on
 its own threads, not counted there). Prints the medians over the timed steps (the first 2 untimed).
 Diagnostic only: it wraps private methods of ``hethub_jax.parallel.runtime`` and module functions
@@ -39,8 +42,8 @@ import time
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 import benchmarks.predictor_accuracy as pa  # noqa: E402  (sets the XLA flags first)
 
-PARTS = ("acc_ready", "join", "flat", "asarray", "unflat", "host_copy", "allreduce", "allreduce_wait", "allreduce_own", "placement", "reduce_other", "norm",
-         "loss", "world", "world_wait", "update_lock_wait", "update_dispatch", "update_block", "bubble", "tail")
+PARTS = ("acc_ready", "join", "flat", "asarray", "unflat", "host_copy", "allreduce", "allreduce_wait",
+         "allreduce_own", "placement", "reduce_other", "norm", "loss", "world", "world_wait", "update_lock_wait", "update_dispatch", "update_block", "bubble", "tail")
 
 
 def same_run_profile(cfg, devices, repeats: int) -> dict:
@@ -180,7 +183,8 @@ def main() -> None:
     upd_lock = threading.Lock()
 
     def apply(self, *a, **kw):
-        if args.serial_update or (args.alternate and tl.step % 2 == 1):  # one island's update at a time, to its result: the update without its co-run
+        # one island's update at a time, to its result: the update without its co-run
+        if args.serial_update or (args.alternate and tl.step % 2 == 1):
             w0 = time.perf_counter()
             with upd_lock:
                 add("update_lock_wait", time.perf_counter() - w0, 0.0)
