@@ -843,6 +843,11 @@ def measure_update_pair(cfg: Any, devices: Sequence[Any], repeats: int) -> List[
              "per_stage": med}]
 
 
+#: at least this many steps per mode in :func:`measure_tail_pair` (one profile read 1.43 at 5 per mode
+#: where interleaved runs of the same minutes read 1.87-2.12: a step is ~0.1 s, so more are cheap)
+TAIL_PAIR_MIN_STEPS = 10
+
+
 def measure_tail_pair(cfg: Any, devices: Sequence[Any], repeats: int, seq_len: int = 16) -> List[dict]:
     """The islands' optimizer updates as the runtime runs them after a step's pipeline, together and
     one at a time: a two-island pipeline of this process (islands as threads, ``LocalCommunicator``,
@@ -853,8 +858,8 @@ def measure_tail_pair(cfg: Any, devices: Sequence[Any], repeats: int, seq_len: i
     result (``train_step`` waits for them next anyway). Unlike :func:`measure_update_pair` (two
     updates of warm one-layer stages on zero gradients, started by a barrier) the updates here run
     in the step's state (after the pipeline, the gradient sums and placement, the global norm), with
-    the gradients and shapes the runtime updates. ``1 + 2 x repeats`` timed steps after a compiling
-    one and a warm-up one (a few seconds on the tiny model).
+    the gradients and shapes the runtime updates. ``1 + 2 x max(repeats, TAIL_PAIR_MIN_STEPS)`` timed
+    steps after a compiling one and a warm-up one (a few seconds on the tiny model).
 
     Returns ``[{"kind": "corun_tail", "alone_s", "busy_s", "per_island", "params"}]``: the summed
     medians over the islands of their update one at a time (``alone_s``) and together (``busy_s``),
@@ -880,7 +885,7 @@ def measure_tail_pair(cfg: Any, devices: Sequence[Any], repeats: int, seq_len: i
              "targets": rng.integers(0, cfg.vocab_size, (2, seq_len), dtype=np.int32),
              "loss_mask": np.ones((2, seq_len), np.float32)}
     comms, lock, barrier = LocalCommunicator.create(2, timeout=600), threading.Lock(), threading.Barrier(2)
-    steps = 2 + 2 * max(1, repeats) + 1
+    steps = 2 + 2 * max(TAIL_PAIR_MIN_STEPS, repeats) + 1  # per mode at least TAIL_PAIR_MIN_STEPS (noisy)
     took: Dict[int, Dict[str, List[float]]] = {0: {"together": [], "alone": []}, 1: {"together": [], "alone": []}}
     params: Dict[int, int] = {}
     errors: List[BaseException] = []
