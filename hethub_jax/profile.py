@@ -22,7 +22,9 @@ What is measured, with the runtime's own code paths (``hethub_jax.parallel.stage
   * the runtime's tail after the pipeline in the runtime's state (:func:`measure_shared_sum`: right
     after a real step's pipeline): the gradient sums, each stage's part of the global norm
     (``norm``: ``c0 + c1 x counted parameters``) and the update's extra per parameter over the same
-    call repeated at once (``update_cold``);
+    call repeated at once (``update_cold``); unless ``--no-runtime``, the same sums with the stages on
+    each profiled ``(1, tp)`` / ``(dp, 1)`` mesh over on one device (:func:`measure_shared_sum_mesh`,
+    ``shared_sum_mesh``);
   * the bridge (``MPIHostBridge`` send/recv round trips, under mpiexec): ``c0 + c1 x bytes``;
   * with ``--stage-shapes``: whole stages of the given layer ranges (e.g. the whole model, every
     one-stage replica's shape), the same four calls, used for stages of that shape instead of the
@@ -30,7 +32,9 @@ What is measured, with the runtime's own code paths (``hethub_jax.parallel.stage
   * with ``--dp``: the stages on ``(dp, 1)`` meshes; on CPU (``--corun``) the slowdown of stage calls
     while a second island of the process computes, beside a larger and a smaller neighbour call
     (:func:`measure_corun`) and of two islands' optimizer
-    updates run at the same time, as after a step's pipeline (:func:`measure_update_pair`); the runtime's own seconds
+    updates run at the same time, as after a step's pipeline (:func:`measure_update_pair`; and, unless
+    ``--no-runtime``, in the runtime's own two-island step, together against one at a time:
+    :func:`measure_tail_pair`, which ``fits.corun_update`` then uses); the runtime's own seconds
     per action (:func:`measure_runtime_overhead`), of its SEND, RECV and fused-B records and between
     records (:func:`measure_action_costs`), and what its emulated wait takes (:func:`measure_emulated_wait`).
 Each figure is the median of ``--repeats`` timed calls after one untimed call (compilation).
@@ -45,13 +49,14 @@ time by f (what the runtime's wait adds) and is recorded as ``emulated_slowdown`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import platform
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -409,6 +414,75 @@ def measure_shared_sum(cfg: Any, devices: Sequence[Any], repeats: int, seq_len: 
                 row["warm_seconds"] = stat(times[("update_warm", k)])
             out.append(row)
     return out
+
+
+def measure_shared_sum_mesh(cfg: Any, devices: Sequence[Any], meshes: Sequence[Tuple[int, int]], repeats: int,
+                            seq_len: int = 16) -> List[dict]:
+    """The runtime's gradient sums of the tied embedding (``PipelineRuntime._reduce_shared``: the host
+    copies, the float32 sum, ``jnp.asarray`` and the ``device_put`` of every gradient leaf onto the
+    stage's sharding) when the two stages that hold it are on a ``(dp, tp)`` mesh each, against the same
+    plan on one device per stage, alternately in the same steps' state (right after a real step's
+    pipeline, as :func:`measure_shared_sum`): on fake CPU devices the placement onto a 2-device sharding
+    is not the one-device placement (session 12: 0.9 ms on one device, 2.7 ms on (1, 2), 1.6 ms on (2, 1)).
+
+    One island of this process; per mesh of ``meshes`` other than ``(1, 1)`` that fits twice in
+    ``devices``, a tied two-stage plan (the layers split in half) on that mesh and on ``(1, 1)``, one
+    untimed step then ``repeats`` steps each, interleaved. Returns per mesh ``{"kind":
+    "shared_sum_mesh", "dp", "tp", "seconds", "one_device_seconds"}`` (the :data:`STATISTIC` over the
+    steps; the ratio scales :meth:`DeviceCosts.shared_sum_s` for stages on that mesh). Empty for an
+    untied model or when no mesh fits."""
+    import jax
+
+    from hethub_jax.optim import OptimConfig
+    from hethub_jax.parallel.plan import Plan
+    from hethub_jax.parallel.runtime import PipelineRuntime
+    meshes = [tuple(m) for m in meshes if tuple(m) != (1, 1) and 2 * m[0] * m[1] <= len(devices)]
+    if not cfg.tie_word_embeddings or not meshes or cfg.num_hidden_layers < 2:
+        return []
+    n, half = cfg.num_hidden_layers, cfg.num_hidden_layers // 2
+    stat = lambda xs: float(np.min(xs) if STATISTIC["name"] == "min" else np.median(xs))
+    rng, out = np.random.default_rng(0), []
+
+    def runtime(dp: int, tp: int):
+        isl = [{"name": "p", "platform": devices[0].platform, "devices_per_process": 2 * dp * tp}]
+        gbs = 2 * dp  # one sample per DP rank and microbatch, 2 microbatches
+        plan = Plan.from_dict({"islands": isl, "global_batch_size": gbs, "microbatch_size": dp, "stages": [
+            {"island": "p", "first_layer": 0, "last_layer": half - 1, "dp": dp, "tp": tp},
+            {"island": "p", "first_layer": half, "last_layer": n - 1, "dp": dp, "tp": tp}]})
+        batch = {"tokens": rng.integers(0, cfg.vocab_size, (gbs, seq_len), dtype=np.int32),
+                 "targets": rng.integers(0, cfg.vocab_size, (gbs, seq_len), dtype=np.int32),
+                 "loss_mask": np.ones((gbs, seq_len), np.float32)}
+        return PipelineRuntime(plan, cfg, OptimConfig(), devices=list(devices[:2 * dp * tp])), batch
+
+    def once(rt, batch) -> float:
+        acc, _, _ = rt._run(batch, train=True)  # the pipeline: the state the sums start in
+        t0 = time.perf_counter()
+        jax.block_until_ready(rt._reduce_shared(acc))
+        return time.perf_counter() - t0
+    one = runtime(1, 1)  # the reference, built (and compiled) once
+    for dp, tp in meshes:
+        pair = [runtime(dp, tp), one]
+        times: List[List[float]] = [[], []]
+        for i in range(max(1, repeats) + 1):
+            for j, (rt, batch) in enumerate(pair):
+                t = once(rt, batch)
+                if i:
+                    times[j].append(t)
+        out.append({"kind": "shared_sum_mesh", "dp": dp, "tp": tp, "seconds": stat(times[0]),
+                    "one_device_seconds": stat(times[1])})
+    return out
+
+
+def fit_shared_sum_mesh(samples: List[dict]) -> Dict[str, Dict[str, Any]]:
+    """Per mesh ``"{dp}x{tp}"``: ``{"factor"}``, the summed seconds of the gradient sums with the
+    stages on that mesh over the same plan's on one device per stage (:func:`measure_shared_sum_mesh`)."""
+    by: Dict[str, List[dict]] = {}
+    for x in samples:
+        by.setdefault(f"{x['dp']}x{x['tp']}", []).append(x)
+    return {m: {"factor": float(sum(x["seconds"] for x in xs) / sum(x["one_device_seconds"] for x in xs)),
+                "method": "profile.measure_shared_sum_mesh: tied pp2 plan's _reduce_shared on the mesh over "
+                          "on one device per stage, interleaved"}
+            for m, xs in by.items() if sum(x["one_device_seconds"] for x in xs) > 0}
 
 
 def measure_bridge(sizes: Sequence[int], repeats: int) -> Optional[List[dict]]:
@@ -811,13 +885,100 @@ def measure_update_pair(cfg: Any, devices: Sequence[Any], repeats: int) -> List[
              "per_stage": med}]
 
 
+#: at least this many steps per mode in :func:`measure_tail_pair` (one profile read 1.43 at 5 per mode
+#: where interleaved runs of the same minutes read 1.87-2.12: a step is ~0.1 s, so more are cheap)
+TAIL_PAIR_MIN_STEPS = 10
+
+
+def measure_tail_pair(cfg: Any, devices: Sequence[Any], repeats: int, seq_len: int = 16) -> List[dict]:
+    """The islands' optimizer updates as the runtime runs them after a step's pipeline, together and
+    one at a time: a two-island pipeline of this process (islands as threads, ``LocalCommunicator``,
+    one device each; the layers split in half, the tied embedding on both islands, 2 microbatches),
+    real ``PipelineRuntime.train_step`` calls, alternating per step between the runtime's own way
+    (both islands update at once after the world all-reduce) and one island's update at a time (a
+    lock around ``_apply_updates``); each island's update timed from its start to its parameters'
+    result (``train_step`` waits for them next anyway). Unlike :func:`measure_update_pair` (two
+    updates of warm one-layer stages on zero gradients, started by a barrier) the updates here run
+    in the step's state (after the pipeline, the gradient sums and placement, the global norm), with
+    the gradients and shapes the runtime updates. ``1 + 2 x max(repeats, TAIL_PAIR_MIN_STEPS)`` timed
+    steps after a compiling one and a warm-up one (a few seconds on the tiny model).
+
+    Returns ``[{"kind": "corun_tail", "alone_s", "busy_s", "per_island", "params"}]``: the summed
+    medians over the islands of their update one at a time (``alone_s``) and together (``busy_s``),
+    seconds; ``params``: per island the parameters it updates. Empty with fewer than 2 devices or an
+    untied model (no parameter shared by the islands' stages: not the runtime's usual tail)."""
+    import threading
+
+    import jax
+
+    from hethub_jax.comm import LocalCommunicator
+    from hethub_jax.optim import OptimConfig
+    from hethub_jax.parallel.plan import Plan
+    from hethub_jax.parallel.runtime import PipelineRuntime
+    if len(devices) < 2 or not cfg.tie_word_embeddings or cfg.num_hidden_layers < 2:
+        return []
+    n, half = cfg.num_hidden_layers, cfg.num_hidden_layers // 2
+    isl = [{"name": x, "platform": devices[0].platform, "devices_per_process": 1} for x in "ab"]
+    plan = Plan.from_dict({"islands": isl, "global_batch_size": 2, "microbatch_size": 1, "stages": [
+        {"island": "a", "first_layer": 0, "last_layer": half - 1},
+        {"island": "b", "first_layer": half, "last_layer": n - 1}]})
+    rng = np.random.default_rng(0)
+    batch = {"tokens": rng.integers(0, cfg.vocab_size, (2, seq_len), dtype=np.int32),
+             "targets": rng.integers(0, cfg.vocab_size, (2, seq_len), dtype=np.int32),
+             "loss_mask": np.ones((2, seq_len), np.float32)}
+    comms, lock, barrier = LocalCommunicator.create(2, timeout=600), threading.Lock(), threading.Barrier(2)
+    steps = 2 + 2 * max(TAIL_PAIR_MIN_STEPS, repeats) + 1  # per mode at least TAIL_PAIR_MIN_STEPS (noisy)
+    took: Dict[int, Dict[str, List[float]]] = {0: {"together": [], "alone": []}, 1: {"together": [], "alone": []}}
+    params: Dict[int, int] = {}
+    errors: List[BaseException] = []
+
+    def body(rank: int) -> None:
+        try:
+            rt = PipelineRuntime(plan, cfg, OptimConfig(), seed=0, comm=comms[rank], rank=rank, devices=[devices[rank]])
+            apply = rt._apply_updates
+            params[rank] = int(sum(v.size for k in rt.local_keys for v in rt.stages[k].flat().values()))
+            for i in range(steps):
+                one = i % 2 == 1
+
+                def timed(*a, one=one, i=i):
+                    with lock if one else contextlib.nullcontext():
+                        t0 = time.perf_counter()
+                        apply(*a)
+                        jax.block_until_ready([rt._stages[k].params for k in rt.local_keys])
+                        if i >= 2:
+                            took[rank]["alone" if one else "together"].append(time.perf_counter() - t0)
+                rt._apply_updates = timed
+                barrier.wait()
+                rt.train_step(batch)
+        except BaseException as e:  # noqa: BLE001 -- re-raised after the join
+            errors.append(e)
+            barrier.abort()
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    med = {r: {m: float(np.median(v)) for m, v in took[r].items()} for r in took}
+    return [{"kind": "corun_tail", "alone_s": sum(m["alone"] for m in med.values()),
+             "busy_s": sum(m["together"] for m in med.values()),
+             "per_island": {"ab"[r]: m for r, m in med.items()}, "params": {"ab"[r]: p for r, p in params.items()}}]
+
+
 def fit_corun_update(samples: List[dict]) -> Optional[Dict[str, Any]]:
-    """``{"factor"}``: the summed busy seconds over the summed alone seconds of the paired updates
-    (:func:`measure_update_pair`); None without samples."""
-    if not samples or sum(s["alone_s"] for s in samples) <= 0:
+    """``{"factor"}``: the summed busy seconds over the summed alone seconds of the islands' updates
+    together and alone: the ``corun_tail`` samples (:func:`measure_tail_pair`: as the runtime runs its
+    tail) when there are any, else the ``corun_update`` samples (:func:`measure_update_pair`: warm
+    updates on zero gradients); None without either."""
+    tail = [s for s in samples if s.get("kind") == "corun_tail"]
+    use = tail or [s for s in samples if s.get("kind", "corun_update") == "corun_update"]
+    if not use or sum(s["alone_s"] for s in use) <= 0:
         return None
-    return {"factor": float(sum(s["busy_s"] for s in samples) / sum(s["alone_s"] for s in samples)),
-            "method": "two islands' optimizer updates started together over each alone (profile.measure_update_pair)"}
+    how = ("two islands' updates in a two-island PipelineRuntime step, together over one at a time "
+           "(profile.measure_tail_pair)" if tail else
+           "two islands' optimizer updates started together over each alone (profile.measure_update_pair)")
+    return {"factor": float(sum(s["busy_s"] for s in use) / sum(s["alone_s"] for s in use)), "method": how}
 
 
 def _phase_calls(st: Any, cfg: Any, seq_len: int) -> Dict[str, Callable[[], Any]]:
@@ -1215,7 +1376,7 @@ def build_profile(cfg: Any, args: Any, samples: List[dict], updates: List[dict],
                                for m in sorted({(u["dp"], u["tp"]) for u in updates if u["kind"] == "norm_mesh"})},
                  "launch": fit_launch([c for c in corun if c["kind"] == "launch"]),
                  "corun": fit_corun([c for c in corun if c["kind"] == "corun"]),
-                 "corun_update": fit_corun_update([c for c in corun if c["kind"] == "corun_update"]),
+                 "corun_update": fit_corun_update([c for c in corun if c["kind"] in ("corun_update", "corun_tail")]),
                  "runtime": fit_runtime_overhead([c for c in corun if c["kind"] == "runtime_overhead"]),
                  "cold": fit_cold([c for c in corun if c["kind"] == "cold"]),
                  "actions": fit_action_costs([c for c in corun if c["kind"] == "action_costs"]),
@@ -1223,6 +1384,7 @@ def build_profile(cfg: Any, args: Any, samples: List[dict], updates: List[dict],
                  "bridge_local": line([c for c in corun if c["kind"] == "bridge_local"], "bytes"),
                  "host_copy": line([c for c in copies if c["kind"] == "host_copy"], "bytes"),
                  "shared_sum": fit_shared_sum([c for c in copies if c["kind"] == "shared_sum"]),
+                 "shared_sum_mesh": fit_shared_sum_mesh([c for c in copies if c["kind"] == "shared_sum_mesh"]),
                  "norm": line([c for c in copies if c["kind"] == "norm"], "params"),  # no emulated wait (runtime)
                  "update_cold": fit_update_cold([dict(c, seconds=c["seconds"] * f, warm_seconds=c["warm_seconds"] * f)
                                                  for c in copies if c["kind"] == "update_in_step"]),
@@ -1294,6 +1456,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     samples += profile_stage_shapes(cfg, args.seq_len, mbs_list, tps, args.repeats, devices, shapes) if shapes else []
     corun = (measure_corun(cfg, devices, args.seq_len, args.repeats) + measure_update_pair(cfg, devices, args.repeats)
              if args.corun == "on" or (args.corun == "auto" and platform_name == "cpu") else [])
+    if args.corun == "on" or (args.corun == "auto" and platform_name == "cpu"):  # the tail's updates in the runtime
+        corun += [] if args.no_runtime else measure_tail_pair(cfg, devices, args.repeats, args.seq_len)
     corun += measure_launch(cfg, devices, args.seq_len, args.repeats)  # islands as threads: one launcher
     corun += [] if args.no_runtime else measure_runtime_overhead(cfg, devices, args.repeats)
     corun += [] if args.no_runtime else measure_cold(cfg, devices, args.seq_len, args.repeats)
@@ -1306,6 +1470,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     copies = measure_host_copy(devices[0], sizes, args.repeats)
     allreduce = measure_allreduce(devices[:max(tps)], sizes, args.repeats)
     copies += measure_shared_sum(cfg, devices, args.repeats, args.seq_len)
+    if not args.no_runtime:  # the tied embedding's sums with the stages on every profiled mesh
+        copies += measure_shared_sum_mesh(cfg, devices, sorted({(1, tp) for tp in tps} | {(dp, 1) for dp in dps}),
+                                          args.repeats, args.seq_len)
     prof = build_profile(cfg, args, samples, updates, copies, allreduce, bridge, platform_name, corun)
     prof["others_cpu_share"] = others_share(snap, cpu_snapshot(job_pids))
     prof["others_cpu_share_excludes"] = ({"job_pids": job_pids, "note": "this job's other processes (given by "

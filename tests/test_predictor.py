@@ -483,6 +483,11 @@ def test_profiler_writes_dp_mesh_corun_runtime_and_local_bridge_fits(tmp_path):
     assert c.corun_factor >= 1.0 and c.action_overhead_s > 0 and c.local_bridge_link is not None
     assert len(c.corun_relation) == 4  # first_F, first_B, last_FB beside the large neighbour; last_FB beside the small
     assert c.corun_update_factor > 0 and [s["kind"] for s in prof["samples"]].count("corun_update") == 1
+    # the tail's pair in the runtime's own two-island step, preferred by the fit
+    assert [s["kind"] for s in prof["samples"]].count("corun_tail") == 1
+    assert "measure_tail_pair" in prof["fits"]["corun_update"]["method"]
+    # the tied embedding's sums on a (2, 1) mesh need two such stages (4 devices; here 2): not measured
+    assert prof["fits"]["shared_sum_mesh"] == {} and c.shared_sum_mesh == {}
     assert (2, 1) in c.dp_fits and c.update_dp_fits[2] is not None
     # the cold-call extras are measured: one sample per stage position and phase, read as their difference
     from hethub_jax.planner.costs import PHASES

@@ -144,3 +144,39 @@ def test_measure_corun_times_each_call_beside_a_large_and_a_small_neighbour():
     assert [r for r, _ in fit["relation"]] == pytest.approx(want)
     assert all(e >= 0 for _, e in fit["relation"])
     assert measure_corun(get_preset("tiny"), devs[:1], 16, 1) == []
+
+
+def test_fit_corun_update_prefers_the_runtime_tail_pair():
+    """The runtime's own tail (``corun_tail``, :func:`measure_tail_pair`) when measured, else the warm pair."""
+    from hethub_jax.profile import fit_corun_update
+    pair = [{"kind": "corun_update", "alone_s": 2.0, "busy_s": 3.0}]
+    tail = [{"kind": "corun_tail", "alone_s": 1.0, "busy_s": 2.0}, {"kind": "corun_tail", "alone_s": 3.0, "busy_s": 6.0}]
+    assert fit_corun_update(pair + tail)["factor"] == pytest.approx(8.0 / 4.0)
+    assert "measure_tail_pair" in fit_corun_update(pair + tail)["method"]
+    assert fit_corun_update(pair)["factor"] == pytest.approx(1.5)
+    assert "measure_update_pair" in fit_corun_update(pair)["method"]
+
+
+def test_measure_tail_pair_times_both_islands_updates_in_the_runtime():
+    """Two islands of this process run a tied pp2 step; each island's update is timed together and
+    one at a time; ``params`` are each stage's parameters (the analytic count, independent of the run)."""
+    import jax
+
+    from hethub_jax.planner import analytic, load_model
+    from hethub_jax.profile import measure_tail_pair
+    cfg = load_model({"preset": "tiny", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                      "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 256})
+    assert cfg.tie_word_embeddings
+    (s,) = measure_tail_pair(cfg, jax.devices()[:2], repeats=1, seq_len=8)
+    assert s["kind"] == "corun_tail" and s["alone_s"] > 0 and s["busy_s"] > 0
+    assert set(s["per_island"]) == {"a", "b"} and all(set(v) == {"alone", "together"} for v in s["per_island"].values())
+    assert s["alone_s"] == pytest.approx(sum(v["alone"] for v in s["per_island"].values()))
+    sizes = analytic.param_tensors(cfg)
+    want = {"a": sum(sizes[n] for n in analytic.stage_tensor_names(cfg, 0, 0, True, False)),
+            "b": sum(sizes[n] for n in analytic.stage_tensor_names(cfg, 1, 1, False, True))}
+    assert s["params"] == want
+    untied = load_model({"preset": "tiny", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                         "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 256,
+                         "tie_word_embeddings": False})
+    assert measure_tail_pair(untied, jax.devices()[:2], repeats=1) == []
+    assert measure_tail_pair(cfg, jax.devices()[:1], repeats=1) == []

@@ -133,3 +133,57 @@ def test_zero1_gather_host_side_is_one_copy_per_tensor_per_island():
     got = _zero1_gather_host_s(Tied, plan, ctxs)
     tensors, nbytes = 8 * 9 + 2, 4 * (8 * LAYER + EMBED + D)
     assert got["a"] == pytest.approx(tensors * 3e-5 + 2e-11 * nbytes) and got["b"] == pytest.approx(got["a"])
+
+
+def test_shared_sum_on_a_mesh_takes_the_measured_mesh_ratio():
+    """The tied embedding's host-side sum of holders on a (1, 2) mesh is the one-device line times the
+    profile's measured ratio for that mesh (``fits.shared_sum_mesh``): both islands' sums grow by
+    (ratio - 1) x the line, so the tail's reduce by exactly that; one-device stages are unaffected."""
+    def costs(mesh_factor=None):
+        prof = tail_profile()
+        prof["fits"]["compute"]["2"] = prof["fits"]["compute"]["1"]
+        if mesh_factor is not None:
+            prof["fits"]["shared_sum_mesh"] = {"1x2": {"factor": mesh_factor}}
+        return DeviceCosts.from_profile(prof)
+    d = pp2_two_islands().to_dict()
+    for i in d["islands"]:
+        i["devices_per_process"] = 2
+    for s in d["replicas"][0]["stages"]:
+        s["tp"] = 2
+    tp2, bridge = Plan.from_dict(d), LinkModel(1e-4, 1e9)
+    base, scaled = costs(), costs(3.0)
+    assert scaled.shared_sum_mesh == {(1, 2): 3.0} and base.shared_sum_mesh == {}
+    sums = 3e-10 * 4 * EMBED + 2e-4 * 1
+    assert scaled.shared_sum_s(4 * EMBED, 1, 1, 2) == pytest.approx(3.0 * sums, rel=1e-12)
+    p0 = predict(Tied, tp2, {"a": base, "b": base}, seq_len=8, bridge=bridge)
+    p1 = predict(Tied, tp2, {"a": scaled, "b": scaled}, seq_len=8, bridge=bridge)
+    assert p1.allreduce_s - p0.allreduce_s == pytest.approx(2.0 * sums, rel=1e-9)
+    one0 = predict(Tied, pp2_two_islands(), {"a": base, "b": base}, seq_len=8, bridge=bridge)
+    one1 = predict(Tied, pp2_two_islands(), {"a": scaled, "b": scaled}, seq_len=8, bridge=bridge)
+    assert one1.allreduce_s == one0.allreduce_s
+
+
+def test_fit_shared_sum_mesh_is_the_summed_ratio_per_mesh():
+    from hethub_jax.profile import fit_shared_sum_mesh
+    fit = fit_shared_sum_mesh([{"dp": 1, "tp": 2, "seconds": 3.0, "one_device_seconds": 1.0},
+                               {"dp": 1, "tp": 2, "seconds": 1.0, "one_device_seconds": 1.0},
+                               {"dp": 2, "tp": 1, "seconds": 1.5, "one_device_seconds": 1.0}])
+    assert fit["1x2"]["factor"] == pytest.approx(2.0) and fit["2x1"]["factor"] == pytest.approx(1.5)
+    assert fit_shared_sum_mesh([]) == {}
+
+
+def test_measure_shared_sum_mesh_times_each_mesh_against_one_device():
+    import jax
+
+    from hethub_jax.planner import load_model
+    from hethub_jax.profile import measure_shared_sum_mesh
+    cfg = load_model({"preset": "tiny", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                      "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 256})
+    devs = jax.devices()[:4]
+    out = measure_shared_sum_mesh(cfg, devs, [(1, 1), (1, 2), (2, 1), (2, 2)], repeats=1, seq_len=8)
+    assert [(s["dp"], s["tp"]) for s in out] == [(1, 2), (2, 1)]  # (1, 1) is the reference; (2, 2) needs 8 devices
+    assert all(s["kind"] == "shared_sum_mesh" and s["seconds"] > 0 and s["one_device_seconds"] > 0 for s in out)
+    untied = load_model({"preset": "tiny", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                         "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 256,
+                         "tie_word_embeddings": False})
+    assert measure_shared_sum_mesh(untied, devs, [(1, 2)], repeats=1) == []

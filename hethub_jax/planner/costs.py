@@ -105,9 +105,11 @@ class DeviceCosts:
         that neighbour (>= 0); empty when not measured (then ``corun_factor - 1`` at every ratio,
         :meth:`corun_extra`).
       corun_update_factor: MEASURED slowdown of an island's optimizer update while another island of the
-        host updates at the same time (``fits.corun_update.factor``, ``profile.measure_update_pair``: after
-        the pipelines the islands start their updates together, and AdamW is bound by the memory
-        bandwidth they share); 0.0 when not measured (the predictor then uses ``corun_factor``).
+        host updates at the same time (``fits.corun_update.factor``: after the pipelines the islands start
+        their updates together, and AdamW is bound by the memory bandwidth and cores they share): the
+        updates of a two-island ``PipelineRuntime`` step together over one at a time
+        (``profile.measure_tail_pair``), or in older profiles two warm updates started by a barrier
+        (``profile.measure_update_pair``); 0.0 when not measured (the predictor then uses ``corun_factor``).
       host: name of the host whose cores the islands with these costs share (None: the island has
         hardware of its own). Set with :meth:`on_shared_host`; the predictor slows the overlapping
         compute of islands with the same ``host`` by :meth:`corun_extra` (``corun_relation``, else
@@ -168,6 +170,11 @@ class DeviceCosts:
         each multi-device launch wait for the previous one ("We conservatively run only one
         collective at a time"); a one-device computation runs on the calling thread without waiting.
         False for the catalog and for profiles without the measurement.
+      shared_sum_mesh: per stage mesh ``(dp, tp)`` other than ``(1, 1)`` that was profiled, the MEASURED
+        ratio of the runtime's gradient sums of the tied embedding (``_reduce_shared``: host copy, sum,
+        placement of every gradient leaf back onto the stage's sharding) with the stages on that mesh over
+        on one device each (``fits.shared_sum_mesh``, ``profile.measure_shared_sum_mesh``); it scales
+        :meth:`shared_sum_s` for holders on that mesh. Empty: 1 (catalog, older profiles).
       process: name of the process whose islands given costs with the same ``process`` are threads
         of (None: each island is a process of its own). Set with :meth:`in_process`; with
         :attr:`serial_launch` the predictor runs those islands' multi-device compute actions one
@@ -203,6 +210,7 @@ class DeviceCosts:
     update_cold_per_param_s: float = 0.0
     action_costs: Dict[str, float] = field(default_factory=dict)
     emulated_wait_fit: Optional[_Linear] = None
+    shared_sum_mesh: Dict[Tuple[int, int], float] = field(default_factory=dict)
 
     def between_actions_s(self) -> float:
         """Seconds the runtime spends between two actions' records, per action: the measured
@@ -426,6 +434,8 @@ class DeviceCosts:
                    emulated_wait_fit=lin(fits_in.get("emulated_wait")),
                    stage_shapes=_stage_shapes(profile.get("samples") or ()),
                    serial_launch=bool((fits_in.get("launch") or {}).get("serial", False)),
+                   shared_sum_mesh={tuple(int(x) for x in m.split("x")): float(v["factor"])
+                                    for m, v in (fits_in.get("shared_sum_mesh") or {}).items() if v},
                    token_parts=_token_parts(profile.get("samples") or ()))
 
     # ---- DP meshes ---------------------------------------------------------------------------------
@@ -609,16 +619,18 @@ class DeviceCosts:
             raise ValueError(f"profile {self.name!r} has no all-reduce fit")
         return self.allreduce_fit(ring * nbytes)
 
-    def shared_sum_s(self, nbytes: float, tensors: int = 1) -> float:
+    def shared_sum_s(self, nbytes: float, tensors: int = 1, dp: int = 1, tp: int = 1) -> float:
         """Seconds of the runtime's sum of gradients held by several stages of one process
         (``PipelineRuntime._reduce_shared``: each holder's float32 copy to the host, the sum, the copy
-        back); ``nbytes`` and ``tensors``: float32 bytes and tensors summed over the holders. Profile:
-        ``c_bytes x nbytes + c_tensor x tensors``; otherwise a copy each way, ``2 x host_copy_s``.
-        0 for ``nbytes <= 0``."""
+        back); ``nbytes`` and ``tensors``: float32 bytes and tensors summed over the holders, which are
+        on ``(dp, tp)`` meshes. Profile: ``c_bytes x nbytes + c_tensor x tensors``, times the measured
+        :attr:`shared_sum_mesh` ratio of the mesh when it was profiled; otherwise a copy each way,
+        ``2 x host_copy_s``. 0 for ``nbytes <= 0``."""
         if nbytes <= 0:
             return 0.0
         if self.shared_sum_fit is not None:
-            return self.shared_sum_fit[0] * nbytes + self.shared_sum_fit[1] * tensors
+            one = self.shared_sum_fit[0] * nbytes + self.shared_sum_fit[1] * tensors
+            return one * self.shared_sum_mesh.get((int(dp), int(tp)), 1.0)
         return 2.0 * self.host_copy_s(nbytes)
 
     def host_copy_s(self, nbytes: float) -> float:

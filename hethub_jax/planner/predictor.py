@@ -716,8 +716,9 @@ def _corun_tail(cfg: Any, plan: Any, ctxs, bridge: LinkModel, hosts, upd_per_isl
                 reduce_s: float, update_s: float) -> Tuple[float, float]:
     """(gradient sums + norm, update) seconds when islands sharing a host do their sums, norms and
     updates at the same time after the pipelines: per host :func:`_shared_makespan` of each island's
-    (sums + norm + update) at the host's measured co-run factor of two updates run together
-    (``DeviceCosts.corun_update_factor``; ``corun_factor`` when not profiled); both figures are scaled by the
+    (sums + norm + update) at the host's measured co-run factor of the islands' updates run together
+    (``DeviceCosts.corun_update_factor``: the runtime's own tail together over one at a time,
+    ``profile.measure_tail_pair``; ``corun_factor`` when not profiled); both figures are scaled by the
     ratio of that makespan to the slowest island alone."""
     parts, fixed = _reduction_parts(cfg, plan, ctxs, bridge)
     tail = {i: parts.get(i, 0.0) + u for i, u in upd_per_island.items()}
@@ -748,7 +749,7 @@ def _reduction_s(cfg: Any, plan: Any, ctxs, bridge: LinkModel) -> float:
 def _reduction_parts(cfg: Any, plan: Any, ctxs, bridge: LinkModel) -> Tuple[Dict[str, float], float]:
     """(per island: seconds of its shared-gradient sums and global-norm reads, seconds of the
     cross-island all-reduces and the bridge latency): the parts of :func:`_reduction_s`."""
-    held: Dict[str, List[float]] = {}  # float32 bytes and tensors summed over the holders on each island
+    held: Dict[Tuple[str, int, int], List[float]] = {}  # float32 bytes, tensors over holders per island and mesh
     cross = 0.0
     own = _owned_fractions(cfg, plan)
     pb = analytic.dtype_bytes(cfg.param_dtype)
@@ -756,7 +757,8 @@ def _reduction_parts(cfg: Any, plan: Any, ctxs, bridge: LinkModel) -> Tuple[Dict
         nbytes = 4.0 * n
         isl = sorted({ctxs[k].spec.island for k in holders})
         for k in holders:
-            h = held.setdefault(ctxs[k].spec.island, [0.0, 0])
+            c = ctxs[k]
+            h = held.setdefault((c.spec.island, c.spec.dp, c.spec.tp), [0.0, 0])
             h[0] += nbytes
             h[1] += tensors
         reps = {k[0]: own[k] for k in holders} if own else {}
@@ -766,7 +768,9 @@ def _reduction_parts(cfg: Any, plan: Any, ctxs, bridge: LinkModel) -> Tuple[Dict
             p = len(isl)
             cross += 2 * (p - 1) * bridge.alpha_s + 2.0 * (p - 1) / p * nbytes / bridge.bandwidth
     first = {c.spec.island: c for c in ctxs.values()}
-    per_island = {i: first[i].costs.shared_sum_s(b, t) for i, (b, t) in held.items()}
+    per_island: Dict[str, float] = {}
+    for (i, dp, tp), (b, t) in held.items():  # the island's holders on each stage mesh (measured per mesh)
+        per_island[i] = per_island.get(i, 0.0) + first[i].costs.shared_sum_s(b, t, dp, tp)
     norm = {}
     counted = _norm_fractions(cfg, plan)
     for k, ctx in ctxs.items():  # each stage's sq_norm of the gradients it counts (runtime `norm_owner`)
