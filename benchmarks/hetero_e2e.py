@@ -28,10 +28,12 @@ steps excluded; medians):
       updates every parameter, the slow one EMULATED 3x: the path before session 10).
 Costs for the planner and the prediction: ``--profile-islands``: each rank profiles its own island after
 the pinning (``python -m hethub_jax.profile`` on this benchmark's model and sequence length, one device,
-no emulated slowdown: the predictor applies the island's slowdown; both ranks at once, as they train),
+no emulated slowdown: the predictor applies the island's slowdown; one rank after the other, the other
+waiting, since two at once ran out of host memory under one glibc arena; ``--profile-concurrently``: both
+at once, as they train),
 the whole model also measured as one stage (``--stage-shapes``: the shape of every one-stage replica,
 predicted from those measured seconds; a stage's seconds per layer on a CPU core rise with its layers, which
-the per-layer fits measured on 1- and 2-layer stages miss), the other rank's pid given (``--job-pids``: its
+the per-layer fits measured on 1- and 2-layer stages miss), the other rank's pid given (``--job-pids``: a
 concurrent profile is not counted as other processes' load),
 at microbatch sizes spanning every size the planner may choose (``--profile-mbs auto``: 1, 2, each power
 of two below the global batch and the global batch, so no plan is predicted by extrapolating the fitted
@@ -139,6 +141,12 @@ def parser():
     ap.add_argument("--profiles", default=None, help="directory with cpu.json (python -m hethub_jax.profile)")
     ap.add_argument("--profile-islands", action="store_true",
                     help="each rank profiles its pinned island first (measured costs for the plan and the prediction)")
+    ap.add_argument("--profile-concurrently", action="store_true",
+                    help="with --profile-islands: both ranks profile at the same time (before 2026-12-03 the "
+                         "default). Default: one rank after the other, each on its own pinned core while the "
+                         "other waits; with one glibc arena (hethub_jax.host_allocator) a profile's whole-model "
+                         "calls at microbatch 64 peaked at 11.6 GiB of RSS, and two at once were OOM-killed on "
+                         "this 23 GiB machine (docs/benchmarks.md, issue 17, session 12)")
     ap.add_argument("--profile-mbs", default="auto",
                     help="microbatch sizes for --profile-islands (auto: 1, 2, every power of two below the "
                          "global batch and the global batch: every size the planner may choose is then "
@@ -177,10 +185,20 @@ def main() -> None:
                                                                          every_power_of_two=True)))
     if args.profile_islands:
         pids = world.allgather(os.getpid())  # this job's ranks: not "other processes" in the profile's note
-        profs = world.allgather(_profile_island(args, rank, [p for p in pids if p != os.getpid()]))
+        others = [p for p in pids if p != os.getpid()]
+        if args.profile_concurrently:
+            mine = _profile_island(args, rank, others)
+        else:  # one rank at a time: each profile's whole-model calls at microbatch 64 peak at ~11.6 GiB RSS
+            mine = None  # under the steady host allocator (one glibc arena), two at once exceeded 23 GiB
+            for r in range(world.Get_size()):
+                if r == rank:
+                    mine = _profile_island(args, rank, others)
+                world.Barrier()
+        profs = world.allgather(mine)
         profiles = {"fast": profs[0], "slow": profs[1]}
         costs = cluster_costs(cluster_from_dict(spec), profiles)
-        source = (f"profiles of the pinned islands, measured by each rank before the run (microbatch sizes "
+        source = (f"profiles of the pinned islands, measured by each rank before the run, "
+                  f"{'both at once' if args.profile_concurrently else 'one rank after the other'} (microbatch sizes "
                   f"{args.profile_mbs})")
     else:
         profiles = {"fast": _load(prof), "slow": _load(prof)} if prof else {"fast": None, "slow": None}
