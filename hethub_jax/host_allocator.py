@@ -19,7 +19,11 @@ its "default" side with a fixed 128 KiB threshold).
 What :func:`steady_host_allocator` sets (glibc ``mallopt(3)``): ``M_MMAP_MAX = 0`` (every block
 from the heap, none mmapped), ``M_TRIM_THRESHOLD = 1 GiB`` (the heap's free top is kept) and
 ``M_ARENA_MAX = 1`` (every thread allocates from the main heap). The process keeps its peak host
-memory instead of returning it to the kernel between calls: the cost.
+memory instead of returning it to the kernel between calls: the cost. With one arena the peak itself is higher
+for calls of varied large shapes: the profile of ``benchmarks/hetero_e2e.py``'s 15 M model at microbatch
+16, 32 and 64 peaked at 10.3 GiB RSS against 4.7 GiB with glibc's defaults (measured 2026-12-03;
+``malloc_trim`` between shapes did not lower it); set ``HETHUB_HOST_ALLOCATOR=default`` where host
+memory, not speed, is the limit.
 
 Why ``M_ARENA_MAX`` too (measured, docs/benchmarks.md issue 17, session 12): XLA:CPU runs a call on
 its own threads, and glibc gives such a thread its own arena, whose heaps are at most 64 MiB
