@@ -44,7 +44,6 @@ def main() -> None:
     from hethub_jax.models.config import get_preset
     from hethub_jax.optim import OptimConfig
     from hethub_jax.parallel import runtime as R
-    from hethub_jax.parallel.plan import Plan
     from hethub_jax.planner.accuracy import action_kind
     tl = threading.local()
     orig_wait, orig_emulate, orig_exec = R.emulated_wait, R.PipelineRuntime._emulate, R._StepExecutor._execute
@@ -70,12 +69,9 @@ def main() -> None:
     R.emulated_wait, R.PipelineRuntime._emulate, R._StepExecutor._execute = wait, emulate, execute
     cfg = get_preset("tiny")
     for name in args.configs.split(","):
-        plan = Plan.from_dict(pa.configs()[name]).validate(cfg)
+        plan, batch = pa.plan_and_batch(name, cfg, args.seq)
         n, gbs, seq = len(plan.islands), plan.global_batch_size, args.seq
-        comms, rng = LocalCommunicator.create(n, timeout=600), np.random.default_rng(0)
-        batch = {"tokens": rng.integers(0, cfg.vocab_size, (gbs, seq), dtype=np.int32),
-                 "targets": rng.integers(0, cfg.vocab_size, (gbs, seq), dtype=np.int32),
-                 "loss_mask": np.ones((gbs, seq), np.float32)}
+        comms = LocalCommunicator.create(n, timeout=600)
         devs, barrier = jax.devices(), threading.Barrier(n)
         res = [[None] * n for _ in range(args.steps)]
 

@@ -131,6 +131,21 @@ def configs() -> dict:
     }
 
 
+def plan_and_batch(name: str, cfg, seq: int) -> tuple:
+    """``(plan, batch)`` for configuration ``name`` of :func:`configs` on model ``cfg``: the validated
+    ``Plan`` and a seeded random global batch (``tokens``/``targets`` ``[global_batch, seq]`` int32,
+    ``loss_mask`` float32 ones), as the diagnostics ``action_split.py`` and ``tail_split.py`` run it."""
+    import numpy as np
+
+    from hethub_jax.parallel.plan import Plan
+    plan = Plan.from_dict(configs()[name]).validate(cfg)
+    gbs, rng = plan.global_batch_size, np.random.default_rng(0)
+    batch = {"tokens": rng.integers(0, cfg.vocab_size, (gbs, seq), dtype=np.int32),
+             "targets": rng.integers(0, cfg.vocab_size, (gbs, seq), dtype=np.int32),
+             "loss_mask": np.ones((gbs, seq), np.float32)}
+    return plan, batch
+
+
 def measure(plan, cfg, seq: int, steps: int, warmup: int, statistic: str = "median") -> float:
     """Median (or minimum) over timed steps of the slowest island's step time (seconds), one thread
     per island."""

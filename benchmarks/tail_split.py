@@ -102,7 +102,6 @@ def main() -> None:
     from hethub_jax.optim import OptimConfig
     from hethub_jax.parallel import multiprocess as mp
     from hethub_jax.parallel import runtime as R
-    from hethub_jax.parallel.plan import Plan
     from hethub_jax.parallel.stage import PipelineStage
     tl = threading.local()
     entries = {}  # (step, call name) -> {rank: entry perf_counter}
@@ -218,12 +217,9 @@ def main() -> None:
     cfg = get_preset("tiny")
     report = {}
     for name in args.configs.split(","):
-        plan = Plan.from_dict(pa.configs()[name]).validate(cfg)
+        plan, batch = pa.plan_and_batch(name, cfg, args.seq)
         n, gbs, seq = len(plan.islands), plan.global_batch_size, args.seq
-        comms, rng = LocalCommunicator.create(n, timeout=600), np.random.default_rng(0)
-        batch = {"tokens": rng.integers(0, cfg.vocab_size, (gbs, seq), dtype=np.int32),
-                 "targets": rng.integers(0, cfg.vocab_size, (gbs, seq), dtype=np.int32),
-                 "loss_mask": np.ones((gbs, seq), np.float32)}
+        comms = LocalCommunicator.create(n, timeout=600)
         devs, barrier = jax.devices(), threading.Barrier(n)
         res = [[None] * n for _ in range(args.steps)]
         entries.clear()
