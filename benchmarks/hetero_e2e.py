@@ -75,11 +75,19 @@ MODEL = {"vocab_size": 32000, "hidden_size": 256, "intermediate_size": 768, "num
          "tie_word_embeddings": True}
 
 
-def cluster(slowdown: float, only: str | None = None) -> dict:
+#: the link between the two ranks when it is not measured (``--bridge assumed``): 50 us + bytes / 1 GB/s,
+#: an assumption (MPI over TCP between hosts); the benchmark's two ranks share one machine's memory
+ASSUMED_BRIDGE = (50.0e-6, 1.0e9)
+
+
+def cluster(slowdown: float, only: str | None = None, bridge: tuple | None = None) -> dict:
+    """The two-island cluster (or island ``only`` alone); ``bridge``: the link's ``(latency s, bytes/s)``
+    (None: :data:`ASSUMED_BRIDGE`)."""
     groups = [{"name": "fast", "device": "cpu", "nodes": 1, "devices_per_node": 1},
               {"name": "slow", "device": "cpu", "nodes": 1, "devices_per_node": 1, "slowdown": slowdown}]
     groups = [g for g in groups if only in (None, g["name"])]
-    links = [] if only else [{"between": ["fast", "slow"], "bandwidth": 1.0e9, "latency_s": 50.0e-6}]
+    lat, bw = bridge or ASSUMED_BRIDGE
+    links = [] if only else [{"between": ["fast", "slow"], "bandwidth": float(bw), "latency_s": float(lat)}]
     return {"name": f"hetero-e2e{'-' + only if only else ''}", "groups": groups, "links": links}
 
 
@@ -87,7 +95,7 @@ def plans(cfg, args, costs) -> dict:
     """Per contender, ``(plan, predicted step s or None)``; the alone plans per island."""
     from hethub_jax.parallel.plan import Plan
     from hethub_jax.planner import SearchOptions, cluster_from_dict, search
-    both = cluster_from_dict(cluster(args.slowdown))
+    both = cluster_from_dict(cluster(args.slowdown, bridge=args.bridge_link))
     res = search(cfg, both, args.batch, args.seq, costs=costs, options=SearchOptions(top_k=200))
     best = res.best
     pipe = next(c for c in res.candidates if c.kind == "pipeline")
@@ -155,6 +163,11 @@ def parser():
                     help="gradient bucket size of the two-island runtimes, MiB (train.grad_bucket_mb, whose "
                          "default this is; 0: off, the all-reduce after the whole backward)")
     ap.add_argument("--timeline-png", default=None, help="Gantt chart of the planned plan's last step")
+    ap.add_argument("--bridge", choices=("measure", "assumed"), default="measure",
+                    help="the link between the islands for the planner and the prediction: measure (default: round "
+                         "trips of 64 KiB to 32 MiB over the two ranks' MPIHostBridge before the profiles, fitted as "
+                         "latency + bytes / bandwidth) or assumed (50 us + bytes / 1 GB/s, before session 13: it "
+                         "PREDICTED hetero DP's 60 MB ZeRO-1 exchange at 0.091 s a step)")
     return ap
 
 
@@ -176,7 +189,11 @@ def main() -> None:
         sys.exit("run with exactly 2 ranks (one per island)")
     comm = MPIHostBridge(world, timeout=900)
     cfg = LlamaConfig(**MODEL)
-    spec = cluster(args.slowdown)
+    args.bridge_link, bridge_fit = None, None
+    if args.bridge == "measure":  # both ranks take part (round trips between them), before the profiles
+        args.bridge_link, bridge_fit = _measure_bridge()
+    args.bridge_samples = bridge_fit
+    spec = cluster(args.slowdown, bridge=args.bridge_link)
     prof = os.path.join(args.profiles, "cpu.json") if args.profiles else None
     from hethub_jax.planner import cluster_from_dict
     if args.profile_mbs == "auto":
@@ -256,6 +273,27 @@ def _profile_island(args, rank: int, job_pids=()) -> dict:
                          "--job-pids", ",".join(map(str, job_pids))])
 
 
+#: message sizes of the measured bridge (bytes): hetero DP's ZeRO-1 exchange moves 45 MB a step each way
+BRIDGE_SIZES = (64 * 1024, 1024 * 1024, 8 * 1024 * 1024, 32 * 1024 * 1024)
+
+
+def _measure_bridge():
+    """The two ranks' MPI bridge measured (``hethub_jax.profile.measure_bridge``: round trips halved, the
+    median of 5 after one untimed) at :data:`BRIDGE_SIZES` and fitted as ``seconds = latency + bytes /
+    bandwidth`` (``profile.fit_line``, least squares). Returns ``((latency_s, bytes_per_s), samples)``;
+    every rank gets rank 0's figures (both take part in every round trip). Raises ValueError when the fit
+    is not a positive bandwidth."""
+    from mpi4py import MPI
+
+    from hethub_jax.profile import fit_line, measure_bridge
+    samples = measure_bridge(list(BRIDGE_SIZES), 5)
+    samples = MPI.COMM_WORLD.bcast(samples, root=0)
+    fit = fit_line([x["bytes"] for x in samples], [x["seconds"] for x in samples])
+    if not fit["c1"] > 0:
+        raise ValueError(f"measured bridge has no positive per-byte time: {samples}")
+    return (max(fit["c0"], 0.0), 1.0 / fit["c1"]), samples
+
+
 def _load(path):
     import json
     with open(path) as f:
@@ -276,13 +314,15 @@ def _measure(args, world, rank, core, runtimes, contenders):
     times = {n: [] for n in names}
     tokens, records = {n: [] for n in names}, None
     reduce_s = time_reduce_shared(list(runtimes.values()))  # seconds in the gradient sums after the backward
+    update_s = _time_apply_updates(list(runtimes.values()))  # seconds in the updates (+ ZeRO-1 gather)
     reduce, buckets = {n: [] for n in names}, {n: [] for n in names}
+    tail = {n: [] for n in names}  # per timed step: step start/end (perf_counter), update and gather seconds
     faults = {n: [] for n in names}  # minor page faults of this rank per timed step (getrusage)
     import resource
     for i in range(n_steps):
         order = names[i % len(names):] + names[:i % len(names)]
         for n in order:
-            reduce_s["t"] = 0.0
+            reduce_s["t"] = update_s["t"] = 0.0
             runtimes[n].last_bucket_stats = None
             world.Barrier()
             f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -295,10 +335,12 @@ def _measure(args, world, rank, core, runtimes, contenders):
                 tokens[n].append(res.num_tokens)
                 reduce[n].append(reduce_s["t"])
                 buckets[n].append(runtimes[n].last_bucket_stats)
+                tail[n].append({"t0": t0, "t1": t0 + dt, "apply_updates_s": update_s["t"],
+                                "param_exchange_s": getattr(runtimes[n], "last_exchange_s", 0.0)})
             if n == "planned":
                 records = res.records
     return world.gather({"rank": rank, "core": core, "times": times, "tokens": tokens, "records": records,
-                         "reduce_s": reduce, "buckets": buckets, "faults": faults,
+                         "reduce_s": reduce, "buckets": buckets, "faults": faults, "tail": tail,
                          "bucket_off": {n: getattr(rt, "grad_bucket_off_reason", lambda: None)()
                                         for n, rt in runtimes.items()},
                          "machine": machine(), "load": (load0, loadavg())}, root=0)
@@ -353,7 +395,12 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
                "parts_planned_last_step": _parts_compare(args, cfg, contenders, g, costs),
                # minor page faults per timed step of the planner's plan, per rank (hethub_jax.host_allocator:
                # about 300,000 a step before session 12's one-arena setting, none after; issue 17)
-               "faults_per_step_planned_per_rank": [x.get("faults", {}).get("planned") for x in g]}
+               "faults_per_step_planned_per_rank": [x.get("faults", {}).get("planned") for x in g],
+               # the link between the islands used by the planner and the prediction (--bridge)
+               "bridge_link": {"source": "measured (MPIHostBridge round trips, fitted)" if args.bridge_link
+                               else "assumed", "latency_s": (args.bridge_link or ASSUMED_BRIDGE)[0],
+                               "bandwidth_bytes_per_s": (args.bridge_link or ASSUMED_BRIDGE)[1],
+                               "samples": args.bridge_samples}}
     result = {"benchmark": "hetero_e2e", "command": command_line(),
               "machine": dict(g[0]["machine"], cores_per_rank=[x["core"] for x in g],
                               loadavg_per_rank=[x["load"] for x in g]),
@@ -392,6 +439,13 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
                   f"own compute (PREDICTED {p['compute_actions']} of {p['mean_compute_s']:.3f} s), pipeline "
                   f"{m['pipeline_s']:.3f} s (PREDICTED {p['pipeline_s']:.3f} s), rest of step {m['rest_of_step_s']:.3f} s "
                   f"(PREDICTED {p['rest_of_step_s']:.3f} s)")
+            if m.get("mean_compute_s_before_last") is not None:
+                print(f"    compute: last action {m['last_compute_s']:.3f} s, the others {m['mean_compute_s_before_last']:.3f} s "
+                      f"on average (PREDICTED {p['last_compute_s']:.3f} / {p['mean_compute_s_before_last']:.3f} s)")
+            if m.get("tail"):
+                t, q = m["tail"], p["tail"]
+                print("    rest of step, measured: " + ", ".join(f"{k[:-2]} {v:.3f}" for k, v in t.items())
+                      + " s; PREDICTED: " + ", ".join(f"{k[:-2]} {v:.3f}" for k, v in q.items()) + " s")
     print(f"upper bound {upper:.1f} tokens/s; fraction_of_upper_bound {figures['fraction_of_upper_bound']:.3f}, "
           f"planned_over_uniform {figures['planned_over_uniform']:.3f}, prediction_error "
           f"{figures['prediction_error']:.3f} (predicted {pred:.3f} s from {source}) [EMULATED]")
@@ -410,24 +464,53 @@ def _parts(plan, cfg, costs, args) -> list:
     from hethub_jax.planner.predictor import predict
     from hethub_jax.planner.search import bridge_for
     p = predict(cfg, plan, {i.name: costs[i.name] for i in plan.islands}, seq_len=args.seq,
-                bridge=bridge_for(cluster_from_dict(cluster(args.slowdown)), [("fast", "slow")]))
+                bridge=bridge_for(cluster_from_dict(cluster(args.slowdown, bridge=args.bridge_link)), [("fast", "slow")]))
     return [round(p.pipeline_s, 4), round(p.allreduce_s, 4), round(p.update_s, 4)]
+
+
+def _time_apply_updates(runtimes) -> dict:
+    """Wraps each ``PipelineRuntime._apply_updates`` (the optimizer updates after the gradient sums, the
+    slow island's EMULATED wait after its update, and under ZeRO-1 the parameter gather) so that its wall
+    seconds add up in the returned ``{"t": seconds}`` (as ``benchmarks.common.time_reduce_shared``)."""
+    import time
+    acc_s = {"t": 0.0}
+    for rt in runtimes:
+        orig = rt._apply_updates
+
+        def timed(*a, _orig=orig, **k):
+            t0 = time.perf_counter()
+            out = _orig(*a, **k)
+            acc_s["t"] += time.perf_counter() - t0
+            return out
+        rt._apply_updates = timed
+    return acc_s
 
 
 def _parts_compare(args, cfg, contenders, g, costs) -> dict:
     """Per island, the planner's plan's last timed step part by part, measured (its action records) against
     PREDICTED (``predictor.predicted_records`` and ``predict``'s parts): the compute actions (F, B and the
     fused F+B), their mean seconds of own compute (an EMULATED island's action is its compute and then
-    ``(f - 1)x`` that in emulated wait, DESIGN.md section 9: the duration over ``f``), the pipeline (first
-    action's start to last action's end) and the rest of the step (measured: the rank's step time less the
-    pipeline; PREDICTED: gradient reduction + norm + update). Seconds."""
+    ``(f - 1)x`` that in emulated wait, DESIGN.md section 9: the duration over ``f``), the step's last
+    compute action apart (``last_compute_s``: with the bucketed all-reduce it is the chunked F+B whose
+    buckets are reduced on a thread sharing the island's core) and the mean of the others, the pipeline
+    (first action's start to last action's end) and the rest of the step (measured: the rank's step time
+    less the pipeline; PREDICTED: gradient reduction + norm + update), and the rest split (``tail``):
+    measured ``before_pipeline_s`` (step start to first action), ``wait_for_other_replica_s`` (the other
+    rank's pipeline end less this one's, when later: the records' clocks are ``time.perf_counter``, one
+    monotonic clock for the machine), ``reduce_after_backward_s`` (``_reduce_shared``, that wait
+    included), ``bucket_exposed_s``, ``apply_updates_s`` (the update, its EMULATED wait, the ZeRO-1
+    parameter gather), ``param_exchange_s`` (the gather, inside the former) and ``other_s`` (the rest: the
+    norm, the loss all-reduce, the final wait); PREDICTED ``predictor.tail_parts`` of the island
+    (``sums_s``, ``norm_s``, ``zero1_gather_host_s``, ``update_s``) and ``bridge_s``. Seconds."""
     from hethub_jax.planner import cluster_from_dict
-    from hethub_jax.planner.predictor import predict
+    from hethub_jax.planner.predictor import predict, tail_parts
     from hethub_jax.planner.search import bridge_for
     plan = contenders["planned"][0]
-    bridge = bridge_for(cluster_from_dict(cluster(args.slowdown)), [("fast", "slow")])
+    bridge = bridge_for(cluster_from_dict(cluster(args.slowdown, bridge=args.bridge_link)),
+                        [("fast", "slow")])
     c = {i.name: costs[i.name] for i in plan.islands}
     pred = predict(cfg, plan, c, seq_len=args.seq, bridge=bridge)
+    tails = tail_parts(cfg, plan, c, seq_len=args.seq, bridge=bridge)
     slow = {i.name: i.slowdown for i in plan.islands}
     # a B action whose forward ran fused with it computes nothing of its own (PREDICTED 0 s; measured: the wait
     # for the fused call's result): left out of the compute actions on both sides
@@ -438,11 +521,19 @@ def _parts_compare(args, cfg, contenders, g, costs) -> dict:
         rs = [r for r in recs if r.island == isl]
         if not rs:
             return None
-        comp = [r.end_s - r.start_s for r in rs if r.action[:1] in ("F", "B")
-                and (r.island, r.replica, r.stage, r.action) not in fused]
-        return {"compute_actions": len(comp), "mean_compute_s": sum(comp) / len(comp) / slow[isl] if comp else 0.0,
-                "pipeline_s": max(r.end_s for r in rs) - min(r.start_s for r in rs)}
-    out = {}
+        comp = [(r.end_s - r.start_s) / slow[isl] for r in sorted(rs, key=lambda r: r.start_s)
+                if r.action[:1] in ("F", "B") and (r.island, r.replica, r.stage, r.action) not in fused]
+        return {"compute_actions": len(comp), "mean_compute_s": sum(comp) / len(comp) if comp else 0.0,
+                "last_compute_s": comp[-1] if comp else 0.0,
+                "mean_compute_s_before_last": sum(comp[:-1]) / (len(comp) - 1) if len(comp) > 1 else None,
+                "pipeline_s": max(r.end_s for r in rs) - min(r.start_s for r in rs),
+                "pipeline_end": max(r.end_s for r in rs), "pipeline_start": min(r.start_s for r in rs)}
+    out, ends = {}, {}
+    for x in g:
+        isl = ("fast", "slow")[x["rank"]]
+        m = summary(x["records"] or [], isl)
+        if m is not None:
+            ends[isl] = m["pipeline_end"]
     for x in g:
         isl = ("fast", "slow")[x["rank"]]
         m, p = summary(x["records"] or [], isl), summary(pred.timeline, isl)
@@ -450,9 +541,24 @@ def _parts_compare(args, cfg, contenders, g, costs) -> dict:
         if m is not None and step is not None:
             m["rest_of_step_s"] = step - m["pipeline_s"]
             m["step_s"] = step
+            t = (x.get("tail", {}).get("planned") or [None])[-1]
+            if t is not None:  # the last timed step's tail, split
+                reduce = (x["reduce_s"].get("planned") or [0.0])[-1]
+                bk = (x["buckets"].get("planned") or [None])[-1] or {}
+                other_end = max((e for i, e in ends.items() if i != isl), default=m["pipeline_end"])
+                m["tail"] = {"before_pipeline_s": m["pipeline_start"] - t["t0"],
+                             "wait_for_other_replica_s": max(0.0, other_end - m["pipeline_end"]),
+                             "reduce_after_backward_s": reduce, "bucket_exposed_s": bk.get("exposed_s", 0.0),
+                             "apply_updates_s": t["apply_updates_s"], "param_exchange_s": t["param_exchange_s"],
+                             "other_s": t["t1"] - m["pipeline_end"] - reduce - t["apply_updates_s"]}
+        for d in (m, p):
+            if d is not None:
+                for k in ("pipeline_end", "pipeline_start"):
+                    d.pop(k, None)
         if p is not None:
             p["rest_of_step_s"] = pred.allreduce_s + pred.update_s
             p["step_s"] = pred.step_time_s
+            p["tail"] = dict(tails["per_island"].get(isl, {}), bridge_s=tails["bridge_s"])
         out[isl] = {"measured": m, "PREDICTED": p}
     return out
 
@@ -464,7 +570,7 @@ def _timeline(args, cfg, contenders, g, costs) -> None:
     recs = [r for x in g for r in (x["records"] or [])]
     from hethub_jax.planner import cluster_from_dict
     from hethub_jax.planner.search import bridge_for
-    bridge = bridge_for(cluster_from_dict(cluster(args.slowdown)), [("fast", "slow")])
+    bridge = bridge_for(cluster_from_dict(cluster(args.slowdown, bridge=args.bridge_link)), [("fast", "slow")])
     pred = predicted_records(cfg, plan, {i.name: costs[i.name] for i in plan.islands}, seq_len=args.seq,
                              bridge=bridge)
     write_timeline_png(args.timeline_png, recs, pred, slowdown={i.name: i.slowdown for i in plan.islands},
