@@ -163,11 +163,26 @@ def parser():
                     help="gradient bucket size of the two-island runtimes, MiB (train.grad_bucket_mb, whose "
                          "default this is; 0: off, the all-reduce after the whole backward)")
     ap.add_argument("--timeline-png", default=None, help="Gantt chart of the planned plan's last step")
-    ap.add_argument("--bridge", choices=("measure", "assumed"), default="measure",
-                    help="the link between the islands for the planner and the prediction: measure (default: round "
+    ap.add_argument("--no-pool-stage-shapes", action="store_true",
+                    help="with --profile-islands: each island keeps its own profile's whole-stage seconds (before "
+                         "session 13). Default: both islands take the mean of the two ranks' figures of each shape, "
+                         "phase and microbatch size (pool_stage_shapes: two cores of one type, three calls each)")
+    ap.add_argument("--corun", choices=("measure", "off"), default="measure",
+                    help="measure (default): before planning, each rank times the whole model's fused forward + "
+                         "backward alone and while the other rank runs the same call on its core; the mean of the "
+                         "two ranks' busy / alone medians is both islands' co-run slowdown (DeviceCosts.corun_factor "
+                         "on one shared host: the predictor slows the part of each compute action that overlaps the "
+                         "other island's compute). off: the islands are predicted as if on hardware of their own "
+                         "(before session 13; the profiles are taken one rank after the other, the other core idle)")
+    ap.add_argument("--bridge", choices=("measure", "assumed"), default="assumed",
+                    help="the link between the islands for the planner and the prediction: assumed (default: 50 us + "
+                         "bytes / 1 GB/s; it PREDICTS hetero DP's ZeRO-1 exchange at 0.091 s a step) or measure (round "
                          "trips of 64 KiB to 32 MiB over the two ranks' MPIHostBridge before the profiles, fitted as "
-                         "latency + bytes / bandwidth) or assumed (50 us + bytes / 1 GB/s, before session 13: it "
-                         "PREDICTED hetero DP's 60 MB ZeRO-1 exchange at 0.091 s a step)")
+                         "latency + bytes / bandwidth: 8.3 GB/s in a loaded check, 0.011 s for the same exchange). "
+                         "The measured link is recorded either way (figures.bridge_link). Not yet the default: with it "
+                         "the rest of the step is PREDICTED 0.04-0.05 s low, the update, parameter gather, norm and "
+                         "step-start overheads being under-predicted by about that much (docs/benchmarks.md, issue 17, "
+                         "session 13)")
     return ap
 
 
@@ -189,10 +204,11 @@ def main() -> None:
         sys.exit("run with exactly 2 ranks (one per island)")
     comm = MPIHostBridge(world, timeout=900)
     cfg = LlamaConfig(**MODEL)
-    args.bridge_link, bridge_fit = None, None
-    if args.bridge == "measure":  # both ranks take part (round trips between them), before the profiles
-        args.bridge_link, bridge_fit = _measure_bridge()
-    args.bridge_samples = bridge_fit
+    # the two ranks' MPI bridge, measured and recorded always (both ranks take part; well under a second),
+    # used for the planner and the prediction with --bridge measure
+    measured_link, args.bridge_samples = _measure_bridge()
+    args.bridge_measured = measured_link
+    args.bridge_link = measured_link if args.bridge == "measure" else None
     spec = cluster(args.slowdown, bridge=args.bridge_link)
     prof = os.path.join(args.profiles, "cpu.json") if args.profiles else None
     from hethub_jax.planner import cluster_from_dict
@@ -212,6 +228,8 @@ def main() -> None:
                     mine = _profile_island(args, rank, others)
                 world.Barrier()
         profs = world.allgather(mine)
+        if not args.no_pool_stage_shapes:
+            profs = pool_stage_shapes(profs)
         profiles = {"fast": profs[0], "slow": profs[1]}
         costs = cluster_costs(cluster_from_dict(spec), profiles)
         source = (f"profiles of the pinned islands, measured by each rank before the run, "
@@ -222,6 +240,13 @@ def main() -> None:
         costs = (cluster_costs(cluster_from_dict(spec), profiles) if prof
                  else group_costs(cluster_from_dict(spec)))
         source = f"profile {prof}" if prof else "catalog 'cpu' entry (assumption, not measured)"
+    corun = None
+    if args.corun == "measure":  # both ranks take part: each one's call alone and beside the other's
+        corun = _measure_corun(cfg, args, world, rank)
+        from dataclasses import replace
+        costs = {i: replace(c.on_shared_host("machine"), corun_factor=corun["factor"]) for i, c in costs.items()}
+        source += f"; co-run slowdown of the two cores MEASURED {corun['factor']:.3f}"
+    args.corun_measured = corun
     contenders = plans(cfg, args, costs)
     from hethub_jax.train_predict import extrapolation_note
     notes = {n: extrapolation_note(p, profiles) for n, (p, _) in contenders.items()}
@@ -273,6 +298,37 @@ def _profile_island(args, rank: int, job_pids=()) -> dict:
                          "--job-pids", ",".join(map(str, job_pids))])
 
 
+def pool_stage_shapes(profiles):
+    """The profiles with each ``"stage_shape"`` sample's seconds replaced by the mean over the profiles of
+    the samples of the same shape, mesh, phase and microbatch size (``first_layer``, ``last_layer``,
+    ``dp``, ``tp``, ``phase``, ``microbatch_size``); a shape missing from a profile is left as it is. Input
+    profiles are not modified (copies are returned, in order).
+
+    Why: hetero_e2e's two islands are two cores of one machine (the slow one EMULATED), each profiled with
+    three timed calls per figure (median); in the four quiet session-12 profiles the same whole-model call
+    varied between ranks by 1-2.5% (standard deviation; fused forward + backward at microbatch 8: 0.468 to
+    0.490 s), and each island's prediction inherited its own rank's draw. The mean of the two ranks'
+    figures (six calls) halves the variance (docs/benchmarks.md, issue 17, session 13)."""
+    import copy
+    key = lambda x: (x.get("first_layer"), x.get("last_layer"), x.get("dp"), x.get("tp"), x.get("phase"),  # noqa: E731
+                     x.get("microbatch_size"))
+    sums = {}
+    for p in profiles:
+        for x in (p or {}).get("samples", ()):
+            if x.get("kind") == "stage_shape":
+                sums.setdefault(key(x), []).append(float(x["seconds"]))
+    out = []
+    for p in profiles:
+        q = copy.deepcopy(p)
+        for x in (q or {}).get("samples", ()):
+            if x.get("kind") == "stage_shape":
+                vals = sums[key(x)]
+                x["seconds"] = sum(vals) / len(vals)
+                x["pooled_over_profiles"] = len(vals)
+        out.append(q)
+    return out
+
+
 #: message sizes of the measured bridge (bytes): hetero DP's ZeRO-1 exchange moves 45 MB a step each way
 BRIDGE_SIZES = (64 * 1024, 1024 * 1024, 8 * 1024 * 1024, 32 * 1024 * 1024)
 
@@ -292,6 +348,76 @@ def _measure_bridge():
     if not fit["c1"] > 0:
         raise ValueError(f"measured bridge has no positive per-byte time: {samples}")
     return (max(fit["c0"], 0.0), 1.0 / fit["c1"]), samples
+
+
+#: co-run measurement (``--corun measure``): microbatch size of the timed call (capped at the global batch
+#: over 4), rounds of (alone, busy) per rank, timed calls per round
+CORUN_MB, CORUN_ROUNDS, CORUN_REPEATS = 8, 2, 3
+
+
+def _measure_corun(cfg, args, world, rank) -> dict:
+    """The two pinned cores' co-run slowdown: the whole model as one stage (the planned hetero-DP replica's
+    shape), its fused forward + backward (``PipelineStage.forward_backward``, the runtime's 1F1B call) at
+    microbatch ``min(CORUN_MB, batch // 4)``. Each rank in turn times ``CORUN_REPEATS`` calls after one
+    untimed, in ``CORUN_ROUNDS`` rounds of: alone (the other rank waits) and busy (the other rank runs the
+    same call in a loop until told the timed calls are done). Per rank ``busy / alone`` of the medians of
+    the process's CPU seconds (``ratio``; a pinned one-thread call's CPU seconds are its wall seconds on a
+    quiet machine, and they leave out the time slices other jobs take on a shared one: in a LOADED check
+    the wall ratios were 0.99 and 1.15, the CPU ratios 1.026 and 1.038) and of the wall seconds
+    (``wall_ratio``, recorded); ``factor``: the mean of ``ratio`` over the two ranks (the same core type: hetero_e2e's islands are
+    two cores of one machine, the slow one EMULATED). Why: with the profiles taken one rank after the
+    other, each profiled call ran beside an idle core, while in training the islands compute at the
+    same time on cores that share the machine's last-level cache and memory bandwidth (the quiet
+    session-12 runs: the slow island, which always computes beside the fast one, ran its actions 3-7%
+    above its profile, the fast island 1-3%; docs/benchmarks.md, issue 17, session 13). Returns
+    ``{"factor" (at least 1), "per_rank": [{"alone_s", "busy_s", "wall_ratio", "alone_cpu_s", "busy_cpu_s",
+    "ratio"}], "microbatch_size", "statistic"}`` (seconds)."""
+    import time
+
+    import jax
+    import numpy as np
+
+    from hethub_jax.optim import OptimConfig, make_optimizer
+    from hethub_jax.parallel.stage import PipelineStage, StageInputs
+    from hethub_jax.profile import _inputs
+    mb = max(1, min(CORUN_MB, args.batch // 4))
+    L = cfg.num_hidden_layers
+    st = PipelineStage(cfg, 0, L - 1, jax.devices()[:1], 1, 1, seed=0, recompute=False,
+                       optimizer=make_optimizer(OptimConfig()))
+    tokens, pos, mask, _ = _inputs(st, cfg, mb, args.seq)
+    no = np.bool_(False)
+
+    def call():
+        x = StageInputs(st.place_tokens(tokens), st.place_tokens(pos), st.place_tokens(tokens), st.place_tokens(mask))
+        jax.block_until_ready(st.forward_backward(st.params, x, st.new_grad_buffer(), no))
+    call()
+    other, mine = 1 - rank, {"alone": [], "busy": [], "alone_cpu": [], "busy_cpu": []}
+    for measurer in (0, 1):
+        for _ in range(CORUN_ROUNDS):
+            for cond in ("alone", "busy"):
+                world.Barrier()
+                if rank == measurer:
+                    call()
+                    for _ in range(CORUN_REPEATS):
+                        t0, c0 = time.perf_counter(), time.process_time()
+                        call()
+                        mine[cond].append(time.perf_counter() - t0)
+                        mine[cond + "_cpu"].append(time.process_time() - c0)
+                    world.send(True, dest=other, tag=91)
+                elif cond == "busy":
+                    req = world.irecv(source=measurer, tag=91)
+                    while not req.Test():
+                        call()
+                    req.wait()
+                else:
+                    world.recv(source=measurer, tag=91)
+    med = {k: float(np.median(v)) for k, v in mine.items()}
+    per = world.allgather({"alone_s": med["alone"], "busy_s": med["busy"], "wall_ratio": med["busy"] / med["alone"],
+                           "alone_cpu_s": med["alone_cpu"], "busy_cpu_s": med["busy_cpu"],
+                           "ratio": med["busy_cpu"] / med["alone_cpu"]})
+    del st
+    return {"factor": max(1.0, float(np.mean([x["ratio"] for x in per]))), "per_rank": per, "microbatch_size": mb,
+            "statistic": "process CPU seconds (time.process_time), busy / alone medians, mean over the ranks"}
 
 
 def _load(path):
@@ -397,10 +523,14 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
                # about 300,000 a step before session 12's one-arena setting, none after; issue 17)
                "faults_per_step_planned_per_rank": [x.get("faults", {}).get("planned") for x in g],
                # the link between the islands used by the planner and the prediction (--bridge)
-               "bridge_link": {"source": "measured (MPIHostBridge round trips, fitted)" if args.bridge_link
-                               else "assumed", "latency_s": (args.bridge_link or ASSUMED_BRIDGE)[0],
+               # the two cores' MEASURED co-run slowdown used by the planner and the prediction (--corun)
+               "corun": args.corun_measured,
+               "bridge_link": {"used": "measured" if args.bridge_link else "assumed",
+                               "latency_s": (args.bridge_link or ASSUMED_BRIDGE)[0],
                                "bandwidth_bytes_per_s": (args.bridge_link or ASSUMED_BRIDGE)[1],
-                               "samples": args.bridge_samples}}
+                               "measured_latency_s": args.bridge_measured[0],
+                               "measured_bandwidth_bytes_per_s": args.bridge_measured[1],
+                               "measured_samples": args.bridge_samples}}
     result = {"benchmark": "hetero_e2e", "command": command_line(),
               "machine": dict(g[0]["machine"], cores_per_rank=[x["core"] for x in g],
                               loadavg_per_rank=[x["load"] for x in g]),
