@@ -41,6 +41,14 @@ lines beyond the profiled sizes), and the profiles are exchanged; else ``--profi
 (``<DIR>/cpu.json`` for both islands, made under the same pinning); else the device catalog's ``cpu``
 entry (an assumption; said in the output and the JSON). A contender whose microbatch lies outside the
 profiled sizes is said in the output (``EXTRAPOLATED``) and in ``figures.extrapolated``.
+Since session 13, before planning: with ``--profile-islands --pool-stage-shapes`` both islands take the
+mean of the two ranks' whole-stage figures (``pool_stage_shapes``: two cores of one type; default: each its
+own); the two cores' co-run slowdown is MEASURED (``--corun measure``, default: each rank's whole-model
+fused F+B alone and beside the other rank's, ``_measure_corun``) and both islands' costs are put on one
+shared host with it (``DeviceCosts.on_shared_host``, ``corun_factor``), so that the predictor slows the part
+of each compute action that overlaps the other island's compute (the profiles are taken one rank after the
+other, beside an idle core); the two ranks' MPI bridge is measured and recorded, and used for the link
+between the islands with ``--bridge measure`` (default ``assumed``: 50 us + bytes / 1 GB/s).
 
 The two-island runtimes use the bucketed gradient all-reduce overlapped with the last backward, as
 training does by default (``--bucket-mb``, default 25 MiB = ``train.grad_bucket_mb``; it applies to the
@@ -59,7 +67,10 @@ Figures: ``fraction_of_upper_bound`` = (b) / (a_fast + a_slow), ``planned_over_u
 ``predicted_parts_s``: the PREDICTED (pipeline, gradient sums + norm, update) seconds of (b), (d) and (e);
 ``fraction_of_upper_bound_hetero_dp_replicated`` = (e) / (a_fast + a_slow), ``hetero_dp_over_replicated``
 = (d) / (e); ``faults_per_step_planned_per_rank``: each rank's minor page faults per timed step of (b)
-(``getrusage``; the host allocator's settings, ``hethub_jax.host_allocator``, set before JAX starts).
+(``getrusage``; the host allocator's settings, ``hethub_jax.host_allocator``, set before JAX starts);
+``parts_planned_last_step``: per island the planned plan's last step part by part, measured against PREDICTED
+(compute actions, the last one apart, pipeline, the rest of the step split: ``_parts_compare``);
+``corun``: the measured co-run slowdown; ``bridge_link``: the link used and the measured one.
 """
 from __future__ import annotations
 
@@ -163,10 +174,11 @@ def parser():
                     help="gradient bucket size of the two-island runtimes, MiB (train.grad_bucket_mb, whose "
                          "default this is; 0: off, the all-reduce after the whole backward)")
     ap.add_argument("--timeline-png", default=None, help="Gantt chart of the planned plan's last step")
-    ap.add_argument("--no-pool-stage-shapes", action="store_true",
-                    help="with --profile-islands: each island keeps its own profile's whole-stage seconds (before "
-                         "session 13). Default: both islands take the mean of the two ranks' figures of each shape, "
-                         "phase and microbatch size (pool_stage_shapes: two cores of one type, three calls each)")
+    ap.add_argument("--pool-stage-shapes", action="store_true",
+                    help="with --profile-islands: both islands take the mean of the two ranks' whole-stage figures of "
+                         "each shape, phase and microbatch size (pool_stage_shapes: two cores of one type, three calls "
+                         "each). Default: each island its own profile's (re-predicting session 12's two quiet runs, "
+                         "pooling was better in one and worse in the other: not a default)")
     ap.add_argument("--corun", choices=("measure", "off"), default="measure",
                     help="measure (default): before planning, each rank times the whole model's fused forward + "
                          "backward alone and while the other rank runs the same call on its core; the mean of the "
@@ -228,7 +240,7 @@ def main() -> None:
                     mine = _profile_island(args, rank, others)
                 world.Barrier()
         profs = world.allgather(mine)
-        if not args.no_pool_stage_shapes:
+        if args.pool_stage_shapes:
             profs = pool_stage_shapes(profs)
         profiles = {"fast": profs[0], "slow": profs[1]}
         costs = cluster_costs(cluster_from_dict(spec), profiles)
@@ -308,7 +320,9 @@ def pool_stage_shapes(profiles):
     three timed calls per figure (median); in the four quiet session-12 profiles the same whole-model call
     varied between ranks by 1-2.5% (standard deviation; fused forward + backward at microbatch 8: 0.468 to
     0.490 s), and each island's prediction inherited its own rank's draw. The mean of the two ranks'
-    figures (six calls) halves the variance (docs/benchmarks.md, issue 17, session 13)."""
+    figures (six calls) halves that variance, but re-predicting the two quiet runs it was closer in one
+    and further in the other, so it is opt-in (``--pool-stage-shapes``; docs/benchmarks.md, issue 17,
+    session 13)."""
     import copy
     key = lambda x: (x.get("first_layer"), x.get("last_layer"), x.get("dp"), x.get("tp"), x.get("phase"),  # noqa: E731
                      x.get("microbatch_size"))
