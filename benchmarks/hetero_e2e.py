@@ -41,6 +41,14 @@ lines beyond the profiled sizes), and the profiles are exchanged; else ``--profi
 (``<DIR>/cpu.json`` for both islands, made under the same pinning); else the device catalog's ``cpu``
 entry (an assumption; said in the output and the JSON). A contender whose microbatch lies outside the
 profiled sizes is said in the output (``EXTRAPOLATED``) and in ``figures.extrapolated``.
+Since session 13, before planning: with ``--profile-islands --pool-stage-shapes`` both islands take the
+mean of the two ranks' whole-stage figures (``pool_stage_shapes``: two cores of one type; default: each its
+own); the two cores' co-run slowdown is MEASURED (``--corun measure``, default: each rank's whole-model
+fused F+B alone and beside the other rank's, ``_measure_corun``) and both islands' costs are put on one
+shared host with it (``DeviceCosts.on_shared_host``, ``corun_factor``), so that the predictor slows the part
+of each compute action that overlaps the other island's compute (the profiles are taken one rank after the
+other, beside an idle core); the two ranks' MPI bridge is measured and recorded, and used for the link
+between the islands with ``--bridge measure`` (default ``assumed``: 50 us + bytes / 1 GB/s).
 
 The two-island runtimes use the bucketed gradient all-reduce overlapped with the last backward, as
 training does by default (``--bucket-mb``, default 25 MiB = ``train.grad_bucket_mb``; it applies to the
@@ -59,7 +67,10 @@ Figures: ``fraction_of_upper_bound`` = (b) / (a_fast + a_slow), ``planned_over_u
 ``predicted_parts_s``: the PREDICTED (pipeline, gradient sums + norm, update) seconds of (b), (d) and (e);
 ``fraction_of_upper_bound_hetero_dp_replicated`` = (e) / (a_fast + a_slow), ``hetero_dp_over_replicated``
 = (d) / (e); ``faults_per_step_planned_per_rank``: each rank's minor page faults per timed step of (b)
-(``getrusage``; the host allocator's settings, ``hethub_jax.host_allocator``, set before JAX starts).
+(``getrusage``; the host allocator's settings, ``hethub_jax.host_allocator``, set before JAX starts);
+``parts_planned_last_step``: per island the planned plan's last step part by part, measured against PREDICTED
+(compute actions, the last one apart, pipeline, the rest of the step split: ``_parts_compare``);
+``corun``: the measured co-run slowdown; ``bridge_link``: the link used and the measured one.
 """
 from __future__ import annotations
 
@@ -75,11 +86,19 @@ MODEL = {"vocab_size": 32000, "hidden_size": 256, "intermediate_size": 768, "num
          "tie_word_embeddings": True}
 
 
-def cluster(slowdown: float, only: str | None = None) -> dict:
+#: the link between the two ranks when it is not measured (``--bridge assumed``): 50 us + bytes / 1 GB/s,
+#: an assumption (MPI over TCP between hosts); the benchmark's two ranks share one machine's memory
+ASSUMED_BRIDGE = (50.0e-6, 1.0e9)
+
+
+def cluster(slowdown: float, only: str | None = None, bridge: tuple | None = None) -> dict:
+    """The two-island cluster (or island ``only`` alone); ``bridge``: the link's ``(latency s, bytes/s)``
+    (None: :data:`ASSUMED_BRIDGE`)."""
     groups = [{"name": "fast", "device": "cpu", "nodes": 1, "devices_per_node": 1},
               {"name": "slow", "device": "cpu", "nodes": 1, "devices_per_node": 1, "slowdown": slowdown}]
     groups = [g for g in groups if only in (None, g["name"])]
-    links = [] if only else [{"between": ["fast", "slow"], "bandwidth": 1.0e9, "latency_s": 50.0e-6}]
+    lat, bw = bridge or ASSUMED_BRIDGE
+    links = [] if only else [{"between": ["fast", "slow"], "bandwidth": float(bw), "latency_s": float(lat)}]
     return {"name": f"hetero-e2e{'-' + only if only else ''}", "groups": groups, "links": links}
 
 
@@ -87,7 +106,7 @@ def plans(cfg, args, costs) -> dict:
     """Per contender, ``(plan, predicted step s or None)``; the alone plans per island."""
     from hethub_jax.parallel.plan import Plan
     from hethub_jax.planner import SearchOptions, cluster_from_dict, search
-    both = cluster_from_dict(cluster(args.slowdown))
+    both = cluster_from_dict(cluster(args.slowdown, bridge=args.bridge_link))
     res = search(cfg, both, args.batch, args.seq, costs=costs, options=SearchOptions(top_k=200))
     best = res.best
     pipe = next(c for c in res.candidates if c.kind == "pipeline")
@@ -155,6 +174,27 @@ def parser():
                     help="gradient bucket size of the two-island runtimes, MiB (train.grad_bucket_mb, whose "
                          "default this is; 0: off, the all-reduce after the whole backward)")
     ap.add_argument("--timeline-png", default=None, help="Gantt chart of the planned plan's last step")
+    ap.add_argument("--pool-stage-shapes", action="store_true",
+                    help="with --profile-islands: both islands take the mean of the two ranks' whole-stage figures of "
+                         "each shape, phase and microbatch size (pool_stage_shapes: two cores of one type, three calls "
+                         "each). Default: each island its own profile's (re-predicting session 12's two quiet runs, "
+                         "pooling was better in one and worse in the other: not a default)")
+    ap.add_argument("--corun", choices=("measure", "off"), default="measure",
+                    help="measure (default): before planning, each rank times the whole model's fused forward + "
+                         "backward alone and while the other rank runs the same call on its core; the mean of the "
+                         "two ranks' busy / alone medians is both islands' co-run slowdown (DeviceCosts.corun_factor "
+                         "on one shared host: the predictor slows the part of each compute action that overlaps the "
+                         "other island's compute). off: the islands are predicted as if on hardware of their own "
+                         "(before session 13; the profiles are taken one rank after the other, the other core idle)")
+    ap.add_argument("--bridge", choices=("measure", "assumed"), default="assumed",
+                    help="the link between the islands for the planner and the prediction: assumed (default: 50 us + "
+                         "bytes / 1 GB/s; it PREDICTS hetero DP's ZeRO-1 exchange at 0.091 s a step) or measure (round "
+                         "trips of 64 KiB to 32 MiB over the two ranks' MPIHostBridge before the profiles, fitted as "
+                         "latency + bytes / bandwidth: 8.3 GB/s in a loaded check, 0.011 s for the same exchange). "
+                         "The measured link is recorded either way (figures.bridge_link). Not yet the default: with it "
+                         "the rest of the step is PREDICTED 0.04-0.05 s low, the update, parameter gather, norm and "
+                         "step-start overheads being under-predicted by about that much (docs/benchmarks.md, issue 17, "
+                         "session 13)")
     return ap
 
 
@@ -176,7 +216,12 @@ def main() -> None:
         sys.exit("run with exactly 2 ranks (one per island)")
     comm = MPIHostBridge(world, timeout=900)
     cfg = LlamaConfig(**MODEL)
-    spec = cluster(args.slowdown)
+    # the two ranks' MPI bridge, measured and recorded always (both ranks take part; well under a second),
+    # used for the planner and the prediction with --bridge measure
+    measured_link, args.bridge_samples = _measure_bridge()
+    args.bridge_measured = measured_link
+    args.bridge_link = measured_link if args.bridge == "measure" else None
+    spec = cluster(args.slowdown, bridge=args.bridge_link)
     prof = os.path.join(args.profiles, "cpu.json") if args.profiles else None
     from hethub_jax.planner import cluster_from_dict
     if args.profile_mbs == "auto":
@@ -195,6 +240,8 @@ def main() -> None:
                     mine = _profile_island(args, rank, others)
                 world.Barrier()
         profs = world.allgather(mine)
+        if args.pool_stage_shapes:
+            profs = pool_stage_shapes(profs)
         profiles = {"fast": profs[0], "slow": profs[1]}
         costs = cluster_costs(cluster_from_dict(spec), profiles)
         source = (f"profiles of the pinned islands, measured by each rank before the run, "
@@ -205,6 +252,13 @@ def main() -> None:
         costs = (cluster_costs(cluster_from_dict(spec), profiles) if prof
                  else group_costs(cluster_from_dict(spec)))
         source = f"profile {prof}" if prof else "catalog 'cpu' entry (assumption, not measured)"
+    corun = None
+    if args.corun == "measure":  # both ranks take part: each one's call alone and beside the other's
+        corun = _measure_corun(cfg, args, world, rank)
+        from dataclasses import replace
+        costs = {i: replace(c.on_shared_host("machine"), corun_factor=corun["factor"]) for i, c in costs.items()}
+        source += f"; co-run slowdown of the two cores MEASURED {corun['factor']:.3f}"
+    args.corun_measured = corun
     contenders = plans(cfg, args, costs)
     from hethub_jax.train_predict import extrapolation_note
     notes = {n: extrapolation_note(p, profiles) for n, (p, _) in contenders.items()}
@@ -256,6 +310,130 @@ def _profile_island(args, rank: int, job_pids=()) -> dict:
                          "--job-pids", ",".join(map(str, job_pids))])
 
 
+def pool_stage_shapes(profiles):
+    """The profiles with each ``"stage_shape"`` sample's seconds replaced by the mean over the profiles of
+    the samples of the same shape, mesh, phase and microbatch size (``first_layer``, ``last_layer``,
+    ``dp``, ``tp``, ``phase``, ``microbatch_size``); a shape missing from a profile is left as it is. Input
+    profiles are not modified (copies are returned, in order).
+
+    Why: hetero_e2e's two islands are two cores of one machine (the slow one EMULATED), each profiled with
+    three timed calls per figure (median); in the four quiet session-12 profiles the same whole-model call
+    varied between ranks by 1-2.5% (standard deviation; fused forward + backward at microbatch 8: 0.468 to
+    0.490 s), and each island's prediction inherited its own rank's draw. The mean of the two ranks'
+    figures (six calls) halves that variance, but re-predicting the two quiet runs it was closer in one
+    and further in the other, so it is opt-in (``--pool-stage-shapes``; docs/benchmarks.md, issue 17,
+    session 13)."""
+    import copy
+    key = lambda x: (x.get("first_layer"), x.get("last_layer"), x.get("dp"), x.get("tp"), x.get("phase"),  # noqa: E731
+                     x.get("microbatch_size"))
+    sums = {}
+    for p in profiles:
+        for x in (p or {}).get("samples", ()):
+            if x.get("kind") == "stage_shape":
+                sums.setdefault(key(x), []).append(float(x["seconds"]))
+    out = []
+    for p in profiles:
+        q = copy.deepcopy(p)
+        for x in (q or {}).get("samples", ()):
+            if x.get("kind") == "stage_shape":
+                vals = sums[key(x)]
+                x["seconds"] = sum(vals) / len(vals)
+                x["pooled_over_profiles"] = len(vals)
+        out.append(q)
+    return out
+
+
+#: message sizes of the measured bridge (bytes): hetero DP's ZeRO-1 exchange moves 45 MB a step each way
+BRIDGE_SIZES = (64 * 1024, 1024 * 1024, 8 * 1024 * 1024, 32 * 1024 * 1024)
+
+
+def _measure_bridge():
+    """The two ranks' MPI bridge measured (``hethub_jax.profile.measure_bridge``: round trips halved, the
+    median of 5 after one untimed) at :data:`BRIDGE_SIZES` and fitted as ``seconds = latency + bytes /
+    bandwidth`` (``profile.fit_line``, least squares). Returns ``((latency_s, bytes_per_s), samples)``;
+    every rank gets rank 0's figures (both take part in every round trip). Raises ValueError when the fit
+    is not a positive bandwidth."""
+    from mpi4py import MPI
+
+    from hethub_jax.profile import fit_line, measure_bridge
+    samples = measure_bridge(list(BRIDGE_SIZES), 5)
+    samples = MPI.COMM_WORLD.bcast(samples, root=0)
+    fit = fit_line([x["bytes"] for x in samples], [x["seconds"] for x in samples])
+    if not fit["c1"] > 0:
+        raise ValueError(f"measured bridge has no positive per-byte time: {samples}")
+    return (max(fit["c0"], 0.0), 1.0 / fit["c1"]), samples
+
+
+#: co-run measurement (``--corun measure``): microbatch size of the timed call (capped at the global batch
+#: over 4), rounds of (alone, busy) per rank, timed calls per round
+CORUN_MB, CORUN_ROUNDS, CORUN_REPEATS = 8, 2, 3
+
+
+def _measure_corun(cfg, args, world, rank) -> dict:
+    """The two pinned cores' co-run slowdown: the whole model as one stage (the planned hetero-DP replica's
+    shape), its fused forward + backward (``PipelineStage.forward_backward``, the runtime's 1F1B call) at
+    microbatch ``min(CORUN_MB, batch // 4)``. Each rank in turn times ``CORUN_REPEATS`` calls after one
+    untimed, in ``CORUN_ROUNDS`` rounds of: alone (the other rank waits) and busy (the other rank runs the
+    same call in a loop until told the timed calls are done). Per rank ``busy / alone`` of the medians of
+    the process's CPU seconds (``ratio``; a pinned one-thread call's CPU seconds are its wall seconds on a
+    quiet machine, and they leave out the time slices other jobs take on a shared one: in a LOADED check
+    the wall ratios were 0.99 and 1.15, the CPU ratios 1.026 and 1.038) and of the wall seconds
+    (``wall_ratio``, recorded); ``factor``: the mean of ``ratio`` over the two ranks (the same core type: hetero_e2e's islands are
+    two cores of one machine, the slow one EMULATED). Why: with the profiles taken one rank after the
+    other, each profiled call ran beside an idle core, while in training the islands compute at the
+    same time on cores that share the machine's last-level cache and memory bandwidth (the quiet
+    session-12 runs: the slow island, which always computes beside the fast one, ran its actions 3-7%
+    above its profile, the fast island 1-3%; docs/benchmarks.md, issue 17, session 13). Returns
+    ``{"factor" (at least 1), "per_rank": [{"alone_s", "busy_s", "wall_ratio", "alone_cpu_s", "busy_cpu_s",
+    "ratio"}], "microbatch_size", "statistic"}`` (seconds)."""
+    import time
+
+    import jax
+    import numpy as np
+
+    from hethub_jax.optim import OptimConfig, make_optimizer
+    from hethub_jax.parallel.stage import PipelineStage, StageInputs
+    from hethub_jax.profile import _inputs
+    mb = max(1, min(CORUN_MB, args.batch // 4))
+    L = cfg.num_hidden_layers
+    st = PipelineStage(cfg, 0, L - 1, jax.devices()[:1], 1, 1, seed=0, recompute=False,
+                       optimizer=make_optimizer(OptimConfig()))
+    tokens, pos, mask, _ = _inputs(st, cfg, mb, args.seq)
+    no = np.bool_(False)
+
+    def call():
+        x = StageInputs(st.place_tokens(tokens), st.place_tokens(pos), st.place_tokens(tokens), st.place_tokens(mask))
+        jax.block_until_ready(st.forward_backward(st.params, x, st.new_grad_buffer(), no))
+    call()
+    other, mine = 1 - rank, {"alone": [], "busy": [], "alone_cpu": [], "busy_cpu": []}
+    for measurer in (0, 1):
+        for _ in range(CORUN_ROUNDS):
+            for cond in ("alone", "busy"):
+                world.Barrier()
+                if rank == measurer:
+                    call()
+                    for _ in range(CORUN_REPEATS):
+                        t0, c0 = time.perf_counter(), time.process_time()
+                        call()
+                        mine[cond].append(time.perf_counter() - t0)
+                        mine[cond + "_cpu"].append(time.process_time() - c0)
+                    world.send(True, dest=other, tag=91)
+                elif cond == "busy":
+                    req = world.irecv(source=measurer, tag=91)
+                    while not req.Test():
+                        call()
+                    req.wait()
+                else:
+                    world.recv(source=measurer, tag=91)
+    med = {k: float(np.median(v)) for k, v in mine.items()}
+    per = world.allgather({"alone_s": med["alone"], "busy_s": med["busy"], "wall_ratio": med["busy"] / med["alone"],
+                           "alone_cpu_s": med["alone_cpu"], "busy_cpu_s": med["busy_cpu"],
+                           "ratio": med["busy_cpu"] / med["alone_cpu"]})
+    del st
+    return {"factor": max(1.0, float(np.mean([x["ratio"] for x in per]))), "per_rank": per, "microbatch_size": mb,
+            "statistic": "process CPU seconds (time.process_time), busy / alone medians, mean over the ranks"}
+
+
 def _load(path):
     import json
     with open(path) as f:
@@ -276,13 +454,15 @@ def _measure(args, world, rank, core, runtimes, contenders):
     times = {n: [] for n in names}
     tokens, records = {n: [] for n in names}, None
     reduce_s = time_reduce_shared(list(runtimes.values()))  # seconds in the gradient sums after the backward
+    update_s = _time_apply_updates(list(runtimes.values()))  # seconds in the updates (+ ZeRO-1 gather)
     reduce, buckets = {n: [] for n in names}, {n: [] for n in names}
+    tail = {n: [] for n in names}  # per timed step: step start/end (perf_counter), update and gather seconds
     faults = {n: [] for n in names}  # minor page faults of this rank per timed step (getrusage)
     import resource
     for i in range(n_steps):
         order = names[i % len(names):] + names[:i % len(names)]
         for n in order:
-            reduce_s["t"] = 0.0
+            reduce_s["t"] = update_s["t"] = 0.0
             runtimes[n].last_bucket_stats = None
             world.Barrier()
             f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -295,10 +475,12 @@ def _measure(args, world, rank, core, runtimes, contenders):
                 tokens[n].append(res.num_tokens)
                 reduce[n].append(reduce_s["t"])
                 buckets[n].append(runtimes[n].last_bucket_stats)
+                tail[n].append({"t0": t0, "t1": t0 + dt, "apply_updates_s": update_s["t"],
+                                "param_exchange_s": getattr(runtimes[n], "last_exchange_s", 0.0)})
             if n == "planned":
                 records = res.records
     return world.gather({"rank": rank, "core": core, "times": times, "tokens": tokens, "records": records,
-                         "reduce_s": reduce, "buckets": buckets, "faults": faults,
+                         "reduce_s": reduce, "buckets": buckets, "faults": faults, "tail": tail,
                          "bucket_off": {n: getattr(rt, "grad_bucket_off_reason", lambda: None)()
                                         for n, rt in runtimes.items()},
                          "machine": machine(), "load": (load0, loadavg())}, root=0)
@@ -353,7 +535,16 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
                "parts_planned_last_step": _parts_compare(args, cfg, contenders, g, costs),
                # minor page faults per timed step of the planner's plan, per rank (hethub_jax.host_allocator:
                # about 300,000 a step before session 12's one-arena setting, none after; issue 17)
-               "faults_per_step_planned_per_rank": [x.get("faults", {}).get("planned") for x in g]}
+               "faults_per_step_planned_per_rank": [x.get("faults", {}).get("planned") for x in g],
+               # the link between the islands used by the planner and the prediction (--bridge)
+               # the two cores' MEASURED co-run slowdown used by the planner and the prediction (--corun)
+               "corun": args.corun_measured,
+               "bridge_link": {"used": "measured" if args.bridge_link else "assumed",
+                               "latency_s": (args.bridge_link or ASSUMED_BRIDGE)[0],
+                               "bandwidth_bytes_per_s": (args.bridge_link or ASSUMED_BRIDGE)[1],
+                               "measured_latency_s": args.bridge_measured[0],
+                               "measured_bandwidth_bytes_per_s": args.bridge_measured[1],
+                               "measured_samples": args.bridge_samples}}
     result = {"benchmark": "hetero_e2e", "command": command_line(),
               "machine": dict(g[0]["machine"], cores_per_rank=[x["core"] for x in g],
                               loadavg_per_rank=[x["load"] for x in g]),
@@ -392,6 +583,13 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
                   f"own compute (PREDICTED {p['compute_actions']} of {p['mean_compute_s']:.3f} s), pipeline "
                   f"{m['pipeline_s']:.3f} s (PREDICTED {p['pipeline_s']:.3f} s), rest of step {m['rest_of_step_s']:.3f} s "
                   f"(PREDICTED {p['rest_of_step_s']:.3f} s)")
+            if m.get("mean_compute_s_before_last") is not None:
+                print(f"    compute: last action {m['last_compute_s']:.3f} s, the others {m['mean_compute_s_before_last']:.3f} s "
+                      f"on average (PREDICTED {p['last_compute_s']:.3f} / {p['mean_compute_s_before_last']:.3f} s)")
+            if m.get("tail"):
+                t, q = m["tail"], p["tail"]
+                print("    rest of step, measured: " + ", ".join(f"{k[:-2]} {v:.3f}" for k, v in t.items())
+                      + " s; PREDICTED: " + ", ".join(f"{k[:-2]} {v:.3f}" for k, v in q.items()) + " s")
     print(f"upper bound {upper:.1f} tokens/s; fraction_of_upper_bound {figures['fraction_of_upper_bound']:.3f}, "
           f"planned_over_uniform {figures['planned_over_uniform']:.3f}, prediction_error "
           f"{figures['prediction_error']:.3f} (predicted {pred:.3f} s from {source}) [EMULATED]")
@@ -410,24 +608,53 @@ def _parts(plan, cfg, costs, args) -> list:
     from hethub_jax.planner.predictor import predict
     from hethub_jax.planner.search import bridge_for
     p = predict(cfg, plan, {i.name: costs[i.name] for i in plan.islands}, seq_len=args.seq,
-                bridge=bridge_for(cluster_from_dict(cluster(args.slowdown)), [("fast", "slow")]))
+                bridge=bridge_for(cluster_from_dict(cluster(args.slowdown, bridge=args.bridge_link)), [("fast", "slow")]))
     return [round(p.pipeline_s, 4), round(p.allreduce_s, 4), round(p.update_s, 4)]
+
+
+def _time_apply_updates(runtimes) -> dict:
+    """Wraps each ``PipelineRuntime._apply_updates`` (the optimizer updates after the gradient sums, the
+    slow island's EMULATED wait after its update, and under ZeRO-1 the parameter gather) so that its wall
+    seconds add up in the returned ``{"t": seconds}`` (as ``benchmarks.common.time_reduce_shared``)."""
+    import time
+    acc_s = {"t": 0.0}
+    for rt in runtimes:
+        orig = rt._apply_updates
+
+        def timed(*a, _orig=orig, **k):
+            t0 = time.perf_counter()
+            out = _orig(*a, **k)
+            acc_s["t"] += time.perf_counter() - t0
+            return out
+        rt._apply_updates = timed
+    return acc_s
 
 
 def _parts_compare(args, cfg, contenders, g, costs) -> dict:
     """Per island, the planner's plan's last timed step part by part, measured (its action records) against
     PREDICTED (``predictor.predicted_records`` and ``predict``'s parts): the compute actions (F, B and the
     fused F+B), their mean seconds of own compute (an EMULATED island's action is its compute and then
-    ``(f - 1)x`` that in emulated wait, DESIGN.md section 9: the duration over ``f``), the pipeline (first
-    action's start to last action's end) and the rest of the step (measured: the rank's step time less the
-    pipeline; PREDICTED: gradient reduction + norm + update). Seconds."""
+    ``(f - 1)x`` that in emulated wait, DESIGN.md section 9: the duration over ``f``), the step's last
+    compute action apart (``last_compute_s``: with the bucketed all-reduce it is the chunked F+B whose
+    buckets are reduced on a thread sharing the island's core) and the mean of the others, the pipeline
+    (first action's start to last action's end) and the rest of the step (measured: the rank's step time
+    less the pipeline; PREDICTED: gradient reduction + norm + update), and the rest split (``tail``):
+    measured ``before_pipeline_s`` (step start to first action), ``wait_for_other_replica_s`` (the other
+    rank's pipeline end less this one's, when later: the records' clocks are ``time.perf_counter``, one
+    monotonic clock for the machine), ``reduce_after_backward_s`` (``_reduce_shared``, that wait
+    included), ``bucket_exposed_s``, ``apply_updates_s`` (the update, its EMULATED wait, the ZeRO-1
+    parameter gather), ``param_exchange_s`` (the gather, inside the former) and ``other_s`` (the rest: the
+    norm, the loss all-reduce, the final wait); PREDICTED ``predictor.tail_parts`` of the island
+    (``sums_s``, ``norm_s``, ``zero1_gather_host_s``, ``update_s``) and ``bridge_s``. Seconds."""
     from hethub_jax.planner import cluster_from_dict
-    from hethub_jax.planner.predictor import predict
+    from hethub_jax.planner.predictor import predict, tail_parts
     from hethub_jax.planner.search import bridge_for
     plan = contenders["planned"][0]
-    bridge = bridge_for(cluster_from_dict(cluster(args.slowdown)), [("fast", "slow")])
+    bridge = bridge_for(cluster_from_dict(cluster(args.slowdown, bridge=args.bridge_link)),
+                        [("fast", "slow")])
     c = {i.name: costs[i.name] for i in plan.islands}
     pred = predict(cfg, plan, c, seq_len=args.seq, bridge=bridge)
+    tails = tail_parts(cfg, plan, c, seq_len=args.seq, bridge=bridge)
     slow = {i.name: i.slowdown for i in plan.islands}
     # a B action whose forward ran fused with it computes nothing of its own (PREDICTED 0 s; measured: the wait
     # for the fused call's result): left out of the compute actions on both sides
@@ -438,11 +665,19 @@ def _parts_compare(args, cfg, contenders, g, costs) -> dict:
         rs = [r for r in recs if r.island == isl]
         if not rs:
             return None
-        comp = [r.end_s - r.start_s for r in rs if r.action[:1] in ("F", "B")
-                and (r.island, r.replica, r.stage, r.action) not in fused]
-        return {"compute_actions": len(comp), "mean_compute_s": sum(comp) / len(comp) / slow[isl] if comp else 0.0,
-                "pipeline_s": max(r.end_s for r in rs) - min(r.start_s for r in rs)}
-    out = {}
+        comp = [(r.end_s - r.start_s) / slow[isl] for r in sorted(rs, key=lambda r: r.start_s)
+                if r.action[:1] in ("F", "B") and (r.island, r.replica, r.stage, r.action) not in fused]
+        return {"compute_actions": len(comp), "mean_compute_s": sum(comp) / len(comp) if comp else 0.0,
+                "last_compute_s": comp[-1] if comp else 0.0,
+                "mean_compute_s_before_last": sum(comp[:-1]) / (len(comp) - 1) if len(comp) > 1 else None,
+                "pipeline_s": max(r.end_s for r in rs) - min(r.start_s for r in rs),
+                "pipeline_end": max(r.end_s for r in rs), "pipeline_start": min(r.start_s for r in rs)}
+    out, ends = {}, {}
+    for x in g:
+        isl = ("fast", "slow")[x["rank"]]
+        m = summary(x["records"] or [], isl)
+        if m is not None:
+            ends[isl] = m["pipeline_end"]
     for x in g:
         isl = ("fast", "slow")[x["rank"]]
         m, p = summary(x["records"] or [], isl), summary(pred.timeline, isl)
@@ -450,9 +685,24 @@ def _parts_compare(args, cfg, contenders, g, costs) -> dict:
         if m is not None and step is not None:
             m["rest_of_step_s"] = step - m["pipeline_s"]
             m["step_s"] = step
+            t = (x.get("tail", {}).get("planned") or [None])[-1]
+            if t is not None:  # the last timed step's tail, split
+                reduce = (x["reduce_s"].get("planned") or [0.0])[-1]
+                bk = (x["buckets"].get("planned") or [None])[-1] or {}
+                other_end = max((e for i, e in ends.items() if i != isl), default=m["pipeline_end"])
+                m["tail"] = {"before_pipeline_s": m["pipeline_start"] - t["t0"],
+                             "wait_for_other_replica_s": max(0.0, other_end - m["pipeline_end"]),
+                             "reduce_after_backward_s": reduce, "bucket_exposed_s": bk.get("exposed_s", 0.0),
+                             "apply_updates_s": t["apply_updates_s"], "param_exchange_s": t["param_exchange_s"],
+                             "other_s": t["t1"] - m["pipeline_end"] - reduce - t["apply_updates_s"]}
+        for d in (m, p):
+            if d is not None:
+                for k in ("pipeline_end", "pipeline_start"):
+                    d.pop(k, None)
         if p is not None:
             p["rest_of_step_s"] = pred.allreduce_s + pred.update_s
             p["step_s"] = pred.step_time_s
+            p["tail"] = dict(tails["per_island"].get(isl, {}), bridge_s=tails["bridge_s"])
         out[isl] = {"measured": m, "PREDICTED": p}
     return out
 
@@ -464,7 +714,7 @@ def _timeline(args, cfg, contenders, g, costs) -> None:
     recs = [r for x in g for r in (x["records"] or [])]
     from hethub_jax.planner import cluster_from_dict
     from hethub_jax.planner.search import bridge_for
-    bridge = bridge_for(cluster_from_dict(cluster(args.slowdown)), [("fast", "slow")])
+    bridge = bridge_for(cluster_from_dict(cluster(args.slowdown, bridge=args.bridge_link)), [("fast", "slow")])
     pred = predicted_records(cfg, plan, {i.name: costs[i.name] for i in plan.islands}, seq_len=args.seq,
                              bridge=bridge)
     write_timeline_png(args.timeline_png, recs, pred, slowdown={i.name: i.slowdown for i in plan.islands},

@@ -187,3 +187,50 @@ def test_measure_shared_sum_mesh_times_each_mesh_against_one_device():
                          "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 256,
                          "tie_word_embeddings": False})
     assert measure_shared_sum_mesh(untied, devs, [(1, 2)], repeats=1) == []
+
+
+def test_tail_parts_split_a_replicated_hetero_dp_tail_by_hand():
+    """``tail_parts`` of heterogeneous DP (two one-stage replicas of the whole model on islands a and b,
+    the update replicated): every parameter is held on both islands, so each island sums its one copy of
+    every tensor (shared_sum of 4 N bytes over the model's tensors), the bridge carries a two-rank ring
+    all-reduce per shared group (each of the 8 layers, the embedding, the final norm: 10 x 2 alpha) of 4 N
+    bytes in all (4 N / bandwidth) and one latency; replica 0 counts every gradient
+    in the norm, replica 1 none; each island updates all N parameters (c0 + (c1 + cold) N), island b
+    EMULATED 3x. The parts add up to ``predict``'s two tail figures."""
+    from hethub_jax.planner.predictor import tail_parts
+    costs = DeviceCosts.from_profile(tail_profile())
+    plan = Plan.from_dict({"islands": [{"name": "a", "platform": "cpu"},
+                                       {"name": "b", "platform": "cpu", "slowdown": 3.0}],
+                           "replicas": [{"stages": [{"island": i, "first_layer": 0, "last_layer": 7}]}
+                                        for i in "ab"],
+                           "global_batch_size": 4, "microbatch_size": 1, "optimizer_sharding": "replicated"})
+    bridge = LinkModel(1e-4, 1e9)
+    got = tail_parts(Tied, plan, {"a": costs, "b": costs}, seq_len=8, bridge=bridge)
+    n = 8 * LAYER + EMBED + D
+    tensors = 8 * 9 + 2
+    sums = 3e-10 * 4 * n + 2e-4 * tensors
+    update = 1e-3 + (2e-9 + 1e-9) * n
+    assert got["bridge_s"] == pytest.approx(10 * 2 * 1e-4 + 4 * n / 1e9 + 1e-4, rel=1e-9)
+    for isl, factor in (("a", 1.0), ("b", 3.0)):
+        part = got["per_island"][isl]
+        assert part["sums_s"] == pytest.approx(sums, rel=1e-9)
+        assert part["zero1_gather_host_s"] == 0.0
+        assert part["update_s"] == pytest.approx(factor * update, rel=1e-9)
+    assert got["per_island"]["a"]["norm_s"] == pytest.approx(1e-4 + 5e-10 * n, rel=1e-9)
+    assert got["per_island"]["b"]["norm_s"] == 0.0
+    p = predict(Tied, plan, {"a": costs, "b": costs}, seq_len=8, bridge=bridge)
+    per = got["per_island"]
+    assert p.allreduce_s == pytest.approx(max(v["sums_s"] + v["norm_s"] for v in per.values()) + got["bridge_s"])
+    assert p.update_s == pytest.approx(max(v["update_s"] for v in per.values()))
+
+
+def test_tail_parts_of_a_fused_update_step_are_zero():
+    """One replica of one stage fuses its update into the last F+B: no tail (every part 0)."""
+    from hethub_jax.planner.predictor import tail_parts
+    costs = DeviceCosts.from_profile(tail_profile())
+    plan = Plan.from_dict({"islands": [{"name": "a", "platform": "cpu"}],
+                           "stages": [{"island": "a", "first_layer": 0, "last_layer": 7}],
+                           "global_batch_size": 4, "microbatch_size": 1, "schedule": "1f1b"})
+    got = tail_parts(Tied, plan, {"a": costs}, seq_len=8)
+    assert got["bridge_s"] == 0.0 and got["allreduce_s"] == 0.0
+    assert all(v == 0.0 for v in got["per_island"]["a"].values())

@@ -47,7 +47,8 @@ from hethub_jax.planner.costs import DeviceCosts, LinkModel
 from hethub_jax.planner.simulator import ScheduleArrays, _checked, run_processes, run_stages, schedule_arrays
 
 __all__ = ["MemoryBreakdown", "StagePrediction", "Prediction", "stage_compute_s", "stage_memory_bytes",
-           "predict", "DEFAULT_BRIDGE", "predicted_records", "compare_step", "PREDICTED_LABEL", "costs_for_plan"]
+           "predict", "DEFAULT_BRIDGE", "predicted_records", "compare_step", "PREDICTED_LABEL", "costs_for_plan",
+           "tail_parts"]
 
 #: bridge between islands when none is given: 20 us + bytes / 1 GB/s (an assumption for MPI over
 #: TCP between hosts; measure it with ``python -m hethub_jax.profile`` under ``mpiexec -n 2``)
@@ -1095,3 +1096,49 @@ def costs_for_plan(plan: Any, profiles: Optional[Mapping[str, Any]] = None,
                              f"(one of hethub_jax.planner.catalog.CATALOG)")
         out[isl.name] = DeviceCosts.from_catalog(kind, efficiency)
     return out
+
+
+def tail_parts(cfg: Any, plan: Any, costs: Mapping[str, DeviceCosts], *, seq_len: int,
+               bridge: Optional[LinkModel] = None) -> Dict[str, Any]:
+    """The PREDICTED tail of a step (what :func:`predict` adds after the pipelines), part by part, so that
+    each part can be set against its measured counterpart (``benchmarks/hetero_e2e.py``,
+    ``figures.parts_planned_last_step``).
+
+    Returns a dict of seconds (all PREDICTED):
+      ``per_island``: per island name ``{"sums_s", "norm_s", "zero1_gather_host_s", "update_s"}``: the
+        island's sums of shared gradients (``DeviceCosts.shared_sum_s``), its stages' global-norm reads
+        (``DeviceCosts.norm_time_s``), the host side of the ZeRO-1 parameter gather
+        (:func:`_zero1_gather_host_s`; 0 without the sharded update) and its stages' optimizer updates
+        (``DeviceCosts.update_time_s`` of the owned parameters, times the emulated slowdown);
+      ``bridge_s``: the cross-island transfers (ZeRO-1's reduce to the owners and parameter gather,
+        :func:`_zero1_exchange_s`, or the ring all-reduce) and one bridge latency;
+      ``allreduce_s``, ``update_s``: :func:`predict`'s two tail figures for the same plan (with the
+        host co-run and launcher adjustments that the per-island parts above do not include).
+    A step whose update is fused into the last F+B (one replica, one stage) has no tail: every part 0.
+
+    Raises:
+      ValueError: as :func:`predict`.
+    """
+    pred = predict(cfg, plan, costs, seq_len=seq_len, bridge=bridge)
+    bridge = bridge or DEFAULT_BRIDGE
+    keys = [(r, s) for r in range(plan.num_replicas) for s in range(plan.replicas[r].num_stages)]
+    alone = _alone_on_cores(plan, keys, costs)
+    ctxs = {k: _stage_ctx(cfg, plan, k[0], k[1], costs, seq_len, k in alone) for k in keys}
+    islands = sorted({c.spec.island for c in ctxs.values()})
+    zero = {i: {"sums_s": 0.0, "norm_s": 0.0, "zero1_gather_host_s": 0.0, "update_s": 0.0} for i in islands}
+    if pred.allreduce_s == 0.0 and pred.update_s == 0.0:
+        return {"per_island": zero, "bridge_s": 0.0, "allreduce_s": 0.0, "update_s": 0.0}
+    pb = analytic.dtype_bytes(cfg.param_dtype)
+    parts, fixed = _reduction_parts(cfg, plan, ctxs, bridge)
+    own = _owned_fractions(cfg, plan)
+    gather = _zero1_gather_host_s(cfg, plan, ctxs) if own else {}
+    counted = _norm_fractions(cfg, plan)
+    out = zero
+    for k, c in ctxs.items():
+        i = c.spec.island
+        out[i]["norm_s"] += c.costs.norm_time_s(c.n_params * counted[k], pb, c.spec.dp, c.spec.tp)
+        out[i]["update_s"] += c.factor * c.costs.update_time_s(c.n_params * own.get(k, 1.0), pb, c.spec.dp, c.spec.tp)
+    for i in islands:
+        out[i]["zero1_gather_host_s"] = gather.get(i, 0.0)
+        out[i]["sums_s"] = max(0.0, parts.get(i, 0.0) - out[i]["norm_s"] - out[i]["zero1_gather_host_s"])
+    return {"per_island": out, "bridge_s": fixed, "allreduce_s": pred.allreduce_s, "update_s": pred.update_s}

@@ -1,0 +1,77 @@
+"""benchmarks/hetero_e2e.py's prediction inputs (issue 17, session 13): the two ranks' stage-shape figures
+pooled, the islands' link given to the planner, and the co-run slowdown of the two cores applied by the
+predictor to the part of each compute action that overlaps the other island's compute. Hand-checked
+figures; no timing, no JAX."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from hethub_jax.parallel.plan import Plan  # noqa: E402
+from hethub_jax.planner.costs import DeviceCosts  # noqa: E402
+from hethub_jax.planner.predictor import predict  # noqa: E402
+from tests.test_predictor import Cfg, fixed_profile  # noqa: E402
+
+
+def _shape(mb, phase, seconds, first=0, last=7):
+    return {"kind": "stage_shape", "first_layer": first, "last_layer": last, "layers": last - first + 1,
+            "is_first": first == 0, "is_last": last == 7, "dp": 1, "tp": 1, "phase": phase,
+            "microbatch_size": mb, "tokens": mb * 64, "seconds": seconds}
+
+
+def test_pool_stage_shapes_takes_the_mean_of_the_ranks_per_shape_phase_and_size():
+    from benchmarks.hetero_e2e import pool_stage_shapes
+    a = {"samples": [_shape(8, "B_recompute", 0.40), _shape(8, "F", 0.10), _shape(16, "F", 0.30),
+                     {"kind": "update", "params": 10, "seconds": 1.0}]}
+    b = {"samples": [_shape(8, "B_recompute", 0.50), _shape(8, "F", 0.14)]}
+    pa, pb = pool_stage_shapes([a, b])
+    got = {(x["microbatch_size"], x["phase"]): x["seconds"] for x in pa["samples"] if x["kind"] == "stage_shape"}
+    assert got[(8, "B_recompute")] == pytest.approx(0.45) and got[(8, "F")] == pytest.approx(0.12)
+    assert got[(16, "F")] == pytest.approx(0.30)  # measured on one rank only: kept
+    assert [x["seconds"] for x in pb["samples"]] == pytest.approx([0.45, 0.12])
+    assert pa["samples"][-1] == {"kind": "update", "params": 10, "seconds": 1.0}  # other kinds untouched
+    assert a["samples"][0]["seconds"] == 0.40 and "pooled_over_profiles" not in a["samples"][0]  # inputs intact
+
+
+def test_cluster_link_is_the_given_bridge_else_the_assumption():
+    from benchmarks.hetero_e2e import ASSUMED_BRIDGE, cluster
+    from hethub_jax.planner import cluster_from_dict
+    from hethub_jax.planner.search import bridge_for
+    measured = bridge_for(cluster_from_dict(cluster(3.0, bridge=(2e-6, 8e9))), [("fast", "slow")])
+    assert (measured.alpha_s, measured.bandwidth) == (2e-6, 8e9)
+    assumed = bridge_for(cluster_from_dict(cluster(3.0)), [("fast", "slow")])
+    assert (assumed.alpha_s, assumed.bandwidth) == ASSUMED_BRIDGE
+
+
+def _hetero_dp(schedule="1f1b"):
+    """hetero_e2e's planned shape: one whole-model replica per island, shares 3:1 microbatches of 1, the
+    slow island EMULATED 3x, the update replicated (no ZeRO-1 exchange)."""
+    return Plan.from_dict({"islands": [{"name": "fast", "platform": "cpu"},
+                                       {"name": "slow", "platform": "cpu", "slowdown": 3.0}],
+                           "replicas": [{"stages": [{"island": "fast", "first_layer": 0, "last_layer": 7}],
+                                         "batch_share": 3},
+                                        {"stages": [{"island": "slow", "first_layer": 0, "last_layer": 7}],
+                                         "batch_share": 1}],
+                           "global_batch_size": 4, "microbatch_size": 1, "schedule": schedule,
+                           "optimizer_sharding": "replicated"})
+
+
+@pytest.mark.parametrize("factor", [1.03, 1.07, 1.2])
+def test_corun_factor_slows_the_overlapped_compute_of_hetero_dp_by_hand(factor):
+    """Each island one fused F+B of t seconds per microbatch (1F1B on a one-stage replica); the fast island
+    runs 3 back to back, the slow one 1 (its compute t, then its EMULATED wait 2t). On a shared host with
+    co-run slowdown f: the slow island's compute overlaps the fast island's first action for all of its
+    length, so it takes t f and its wait 2 t f (3 t f in all); the fast island's first action is overlapped
+    by the slow compute for all of its length, t f, its other two run alone, 2 t. The pipeline is the
+    later of the two, 3 t f (> t f + 2 t for f > 1). Alone (no host): 3 t."""
+    t = 0.05
+    prof = fixed_profile(0.02, 0.03, t_fb=t)
+    prof["fits"]["corun"] = {"factor": factor}
+    plain = DeviceCosts.from_profile(prof)
+    shared = DeviceCosts.from_profile(prof).on_shared_host("machine")
+    alone = predict(Cfg, _hetero_dp(), {"fast": plain, "slow": plain}, seq_len=8)
+    both = predict(Cfg, _hetero_dp(), {"fast": shared, "slow": shared}, seq_len=8)
+    assert alone.pipeline_s == pytest.approx(3 * t, rel=1e-6)
+    assert both.pipeline_s == pytest.approx(3 * t * factor, rel=1e-3)
