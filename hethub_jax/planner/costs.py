@@ -236,12 +236,9 @@ class DeviceCosts:
         Raises:
           ValueError: for an unknown phase or ``count < 1``.
         """
-        _check_phase(phase)
         if count < 1:
             raise ValueError(f"count must be >= 1, got {count}")
-        pos = "last" if is_last else "first" if is_first else "middle"
-        by_phase = self.in_flight.get(pos) or (self.in_flight.get("first") if pos == "middle" else None) or {}
-        pts = by_phase.get(phase)
+        pts = self.in_flight_points(is_first, is_last, phase)
         if not pts:
             return 1.0
         if count <= pts[0][0]:
@@ -250,6 +247,18 @@ class DeviceCosts:
             if count <= n1:
                 return f0 + (f1 - f0) * (count - n0) / (n1 - n0)
         return pts[-1][1]
+
+    def in_flight_points(self, is_first: bool, is_last: bool, phase: str) -> Tuple[Tuple[int, float], ...]:
+        """The MEASURED ``((count, factor), ...)`` of :attr:`in_flight` that :meth:`in_flight_factor` reads
+        for a stage at that position and phase (a middle stage without points: the first stage's); ()
+        when not measured.
+
+        Raises:
+          ValueError: for an unknown phase."""
+        _check_phase(phase)
+        pos = "last" if is_last else "first" if is_first else "middle"
+        by_phase = self.in_flight.get(pos) or (self.in_flight.get("first") if pos == "middle" else None) or {}
+        return tuple(by_phase.get(phase, ()))
 
     def between_actions_s(self) -> float:
         """Seconds the runtime spends between two actions' records, per action: the measured

@@ -420,11 +420,10 @@ def _stage_times(ctx: _StageCtx, arr: ScheduleArrays, s: int, host_s: float, bri
     scaled = set()
     if getattr(ctx.costs, "in_flight", None):  # the measured cost of holding microbatches in flight (unfused F and B calls)
         spec, c = ctx.spec, ctx.costs
-        for i, kind, n in _in_flight_calls(arr, s, ctx.is_last):
-            phase = ctx.phase_b if kind else ctx.phase_f
-            f = c.in_flight_factor(spec.is_first, spec.is_last, phase, n)
-            if f != 1.0:
-                t[i] *= f
+        measured = [bool(c.in_flight_points(spec.is_first, spec.is_last, ph)) for ph in (ctx.phase_f, ctx.phase_b)]
+        for i, kind, n in (_in_flight_calls(arr, s, ctx.is_last) if any(measured) else ()):
+            if measured[kind]:
+                t[i] *= c.in_flight_factor(spec.is_first, spec.is_last, ctx.phase_b if kind else ctx.phase_f, n)
                 scaled.add(i)
     if ctx.cold_f > 0 or ctx.cold_b > 0 or ctx.cold_fused > 0:  # the measured cost of a call after another
         extra = (ctx.cold_f, ctx.cold_b, ctx.cold_fused)
