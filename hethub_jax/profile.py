@@ -92,7 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-runtime", action="store_true",
-                   help="skip the runtime's per-action seconds and the in-process bridge (a brief profile)")
+                   help="skip the runtime's per-action seconds, the cold calls, the calls with microbatches in "
+                        "flight and the in-process bridge (a brief profile)")
     p.add_argument("--no-bridge", action="store_true",
                    help="do not measure the MPI bridge (every rank under mpiexec profiles its own island)")
     p.add_argument("--stage-shapes", default="",
@@ -1183,8 +1184,8 @@ def measure_in_flight(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: i
                     row = {"kind": "in_flight", "position": "first" if s == 0 else "last", "phase": phase,
                            "count": n, "calls": sum(len(t[(s, phase, n)]) for t in rounds)}
                     for j, unit in ((0, "cpu"), (1, "wall")):
-                        row[f"ratio_{unit}"] = float(np.median([mean(t, j, (s, phase, n)) / max(mean(t, j, (s, phase, 0)), 1e-12)
-                                                                for t in rounds]))
+                        row[f"ratio_{unit}"] = float(np.median([
+                            mean(t, j, (s, phase, n)) / max(mean(t, j, (s, phase, 0)), 1e-12) for t in rounds]))
                         row[f"{unit}_s"] = float(np.median([mean(t, j, (s, phase, n)) for t in rounds]))
                         row[f"alone_{unit}_s"] = float(np.median([mean(t, j, (s, phase, 0)) for t in rounds]))
                     out.append(row)

@@ -113,7 +113,8 @@ def test_gpipe_last_stage_unfused_calls_take_the_factor_and_no_cold_extra():
     with_cold = _costs(None, t_f, t_b, cold=cold)
     both = _costs({"last": {"F": [[1, 1.0], [2, 1.5]], "B": [[1, 1.2], [2, 1.4]]}}, t_f, t_b, cold=cold)
     shared = lambda c: c.on_shared_host("h")  # every call after another one: all cold  # noqa: E731
-    busy = lambda c: predict(Cfg, plan, {"i0": shared(plain), "i1": shared(c)}, seq_len=8).stages[1].busy_s  # noqa: E731
+    def busy(c):
+        return predict(Cfg, plan, {"i0": shared(plain), "i1": shared(c)}, seq_len=8).stages[1].busy_s
     assert busy(with_cold) == pytest.approx(2 * (t_f + x) + 2 * (t_b + x))
     assert busy(both) == pytest.approx(t_f * (1.0 + 1.5) + t_b * (1.4 + 1.2))
 
