@@ -48,6 +48,8 @@
    the tail's co-run at the stage-call factor instead of the measured update pair); ``symmetric_corun_mape``
    (``symmetric_corun_ape``): the pipelines' co-run at the one symmetric factor ``fits.corun.factor``
    instead of the measured slowdown by the pair's size ratio (``fits.corun.relation``).
+   ``without_in_flight_mape`` (``without_in_flight_ape``): without session 13's measured factor of a
+   call with microbatches in flight (``fits.in_flight``, ``DeviceCosts.in_flight_factor``).
 
 The host allocator (``--host-allocator``, default ``steady``, ``hethub_jax.host_allocator``): glibc
 settings under which XLA:CPU's large buffers are not mmapped and unmapped on every call; the runtime
@@ -294,7 +296,10 @@ def predict_row(name: str, cfg, costs, base, bridge, args) -> tuple:
     pred_nopair = predict(cfg, plan, {i.name: nopair for i in plan.islands}, seq_len=args.seq, bridge=bridge)
     sym = replace(costs, corun_relation=())  # the pipelines' co-run at the one symmetric factor
     pred_sym = predict(cfg, plan, {i.name: sym for i in plan.islands}, seq_len=args.seq, bridge=bridge)
-    variants = {"fitted_lines": pred_lines, "without_update_pair": pred_nopair, "symmetric_corun": pred_sym}
+    flat = replace(costs, in_flight={})  # session 13: without the measured in-flight factors
+    pred_flat = predict(cfg, plan, {i.name: flat for i in plan.islands}, seq_len=args.seq, bridge=bridge)
+    variants = {"fitted_lines": pred_lines, "without_update_pair": pred_nopair, "symmetric_corun": pred_sym,
+                "without_in_flight": pred_flat}
     return plan, pred, pred_base, pred_warm, pred_plain, variants
 
 
@@ -331,7 +336,8 @@ def finish_row(name: str, pred, pred_base, rounds: list, args, pred_warm=None, p
            "without_action_costs_ape": None if pred_plain is None else abs(pred_plain.step_time_s - meas) / meas,
            # session 12's terms left out one at a time: "fitted_lines" (no interpolation of the measured calls
            # between profiled microbatch sizes), "without_update_pair" (the tail at the stage-call co-run factor),
-           # "symmetric_corun" (the pipelines' co-run at the one factor, not by the pair's size ratio)
+           # "symmetric_corun" (the pipelines' co-run at the one factor, not by the pair's size ratio);
+           # session 13's "without_in_flight" (no factor for microbatches in flight, fits.in_flight)
            **{f"{k}_step_s": v.step_time_s for k, v in (variants or {}).items()},
            **{f"{k}_ape": abs(v.step_time_s - meas) / meas for k, v in (variants or {}).items()},
            "rounds_steps_s": [r["steps_s"] for r in rounds],
@@ -372,7 +378,7 @@ def summary(rows: list, names_by_round: list) -> dict:
             "without_cold_mape": (sum(r["without_cold_ape"] for r in rows) / n
                                   if all(r.get("without_cold_ape") is not None for r in rows) else None),
             **{f"{k}_mape": sum(r[f"{k}_ape"] for r in rows) / n for k in ("fitted_lines", "without_update_pair",
-                                                                         "symmetric_corun")
+                                                                         "symmetric_corun", "without_in_flight")
                if all(f"{k}_ape" in r for r in rows)},
             "without_action_costs_mape": (sum(r["without_action_costs_ape"] for r in rows) / n
                                           if all(r.get("without_action_costs_ape") is not None for r in rows)
@@ -478,6 +484,8 @@ def main() -> None:
              f"; without the update-pair factor {100 * figures['without_update_pair_mape']:.1f}%")
           + ("" if "symmetric_corun_mape" not in figures else
              f"; with the one symmetric co-run factor {100 * figures['symmetric_corun_mape']:.1f}%")
+          + ("" if "without_in_flight_mape" not in figures else
+             f"; without the in-flight factors {100 * figures['without_in_flight_mape']:.1f}%")
           + ("" if figures["others_cpu_share"] is None else
              f"; other processes used {100 * figures['others_cpu_share']:.0f}% of the CPUs during the run")
           + ("" if share_profile is None else f" ({100 * share_profile:.0f}% while profiling)")

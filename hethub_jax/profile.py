@@ -36,7 +36,9 @@ What is measured, with the runtime's own code paths (``hethub_jax.parallel.stage
     ``--no-runtime``, in the runtime's own two-island step, together against one at a time:
     :func:`measure_tail_pair`, which ``fits.corun_update`` then uses); the runtime's own seconds
     per action (:func:`measure_runtime_overhead`), of its SEND, RECV and fused-B records and between
-    records (:func:`measure_action_costs`), and what its emulated wait takes (:func:`measure_emulated_wait`).
+    records (:func:`measure_action_costs`), and what its emulated wait takes (:func:`measure_emulated_wait`);
+  * unless ``--no-runtime``, each stage call with 1-4 microbatches in flight (residuals or inputs held,
+    as GPipe holds them) over the same call alone (:func:`measure_in_flight`, ``fits.in_flight``).
 Each figure is the median of ``--repeats`` timed calls after one untimed call (compilation).
 The process's host allocator is set as ``PipelineRuntime`` sets it for CPU islands
 (``hethub_jax.host_allocator``, recorded as ``host_allocator``), so that a call costs here what it
@@ -90,7 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-runtime", action="store_true",
-                   help="skip the runtime's per-action seconds and the in-process bridge (a brief profile)")
+                   help="skip the runtime's per-action seconds, the cold calls, the calls with microbatches in "
+                        "flight and the in-process bridge (a brief profile)")
     p.add_argument("--no-bridge", action="store_true",
                    help="do not measure the MPI bridge (every rank under mpiexec profiles its own island)")
     p.add_argument("--stage-shapes", default="",
@@ -1071,6 +1074,161 @@ def fit_cold(samples: List[dict]) -> Optional[Dict[str, Any]]:
     return out
 
 
+def _record_cpu(rt: Any, out: List[tuple]) -> Callable[[], None]:
+    """Makes ``rt``'s step executor append ``(stage, action str, process CPU s, wall s)`` to ``out`` for
+    every action it executes (wrapping ``_StepExecutor._execute`` of ``rt`` only); returns the undo."""
+    from hethub_jax.parallel import runtime as R
+    orig = R._StepExecutor._execute
+
+    def execute(self, k, a, nxt):
+        if self.rt is not rt:
+            return orig(self, k, a, nxt)
+        c0, w0 = time.process_time(), time.perf_counter()
+        orig(self, k, a, nxt)
+        out.append((k[1], str(a), time.process_time() - c0, time.perf_counter() - w0))
+    R._StepExecutor._execute = execute
+    return lambda: setattr(R._StepExecutor, "_execute", orig)
+
+
+def in_flight_counts(actions: Sequence[Any]) -> List[Optional[int]]:
+    """Per action of one stage's list (``hethub_jax.parallel.schedule.Action``), the microbatches in
+    flight while it runs -- forwards run whose backward has not, its own microbatch included -- for
+    F and B; None for the other actions. A last stage's F that the runtime fuses with the directly
+    following B of its microbatch counts as any F (the caller skips fused pairs)."""
+    live, out = set(), []
+    for a in actions:
+        kind = str(a.kind)
+        if kind == "F":
+            live.add(a.microbatch)
+            out.append(len(live))
+        elif kind == "B":
+            out.append(len(live))
+            live.discard(a.microbatch)
+        else:
+            out.append(None)
+    return out
+
+
+def measure_in_flight(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int) -> List[dict]:
+    """Each stage call as the runtime makes it with ``n`` microbatches in flight (forwards run whose
+    backward has not: their residuals, or with recompute their inputs, held alive) against the same
+    call alone, as the compute fits time it (one call repeated back to back, ``_phase_calls``).
+
+    Why: under GPipe every stage holds all M microbatches before its first backward
+    (``schedule.in_flight_bound``) and a last stage runs its F and B unfused, each backward reading
+    residuals written several calls earlier; under 1F1B at most ``S - s`` are held and the last stage
+    fuses F and B. In the quiet two-island run the last stage's unfused calls took 1.41-1.47x their
+    PREDICTED seconds and its fused calls 1.08x (docs/benchmarks.md, issue 13, session 13).
+
+    The smallest setting that has a schedule: the profiler's one-island runtime
+    (``_one_island_runtime``: one island of this process, one thread, two stages -- the layers split in
+    half, one device each -- 4 one-sample microbatches of ``seq_len`` tokens), GPipe and 1F1B, with
+    recompute ``none`` (phases ``F`` / ``B``) and ``full`` (``F_nosave`` / ``B_recompute``). Per round,
+    alternating: one step of each runtime, every F and B action's process CPU seconds
+    (``time.process_time``: one thread runs the island, so these are the action's compute and Python;
+    a ratio of CPU seconds in one alternation is not moved by other processes' load as wall seconds
+    are) and wall seconds, and each stage's two calls alone (F, then B on one warm set of residuals).
+    A last stage's fused F+B is left out (no microbatch is held across it). Stage 0 is position
+    ``"first"``, stage 1 ``"last"``. ``repeats`` rounds after one untimed round (compilation).
+
+    Returns one ``{"kind": "in_flight", "position", "phase", "count", "ratio_cpu", "ratio_wall",
+    "cpu_s", "alone_cpu_s", "wall_s", "alone_wall_s", "calls"}`` per position, phase and count: the
+    medians over rounds of (the round's mean over the actions at that count) / (the round's call
+    alone), and of the seconds. Empty with fewer than 2 devices.
+    """
+    if len(devices) < 2:
+        return []
+    out = []
+    for recompute, (f_phase, b_phase) in (("none", ("F", "B")), ("full", ("F_nosave", "B_recompute"))):
+        rts = [_one_island_runtime(cfg, devices, sched, seq_len, recompute) for sched in ("gpipe", "1f1b")]
+        per_round: List[Dict[tuple, list]] = []
+        for i in range(repeats + 1):
+            t: Dict[tuple, list] = {}
+            for rt, batch in rts:
+                recs: List[tuple] = []
+                undo = _record_cpu(rt, recs)
+                try:
+                    rt.train_step(batch)
+                finally:
+                    undo()
+                acts = rt.train_actions[0]
+                for s, lst in enumerate(acts):
+                    counts = in_flight_counts(lst)
+                    mine = [r for r in recs if r[0] == s]
+                    fused = {j for j in range(len(lst) - 1) if s == len(acts) - 1 and rt.fuse_last_stage
+                             and str(lst[j].kind) == "F" and str(lst[j + 1].kind) == "B"
+                             and lst[j + 1].microbatch == lst[j].microbatch}
+                    for j, (a, n, r) in enumerate(zip(lst, counts, mine)):
+                        if n is None or j in fused or j - 1 in fused:
+                            continue
+                        t.setdefault((s, f_phase if str(a.kind) == "F" else b_phase, n), []).append(r[2:])
+            st = {s: rts[0][0]._stages[(0, s)] for s in range(2)}
+            for s, stage in st.items():
+                calls = _phase_calls(stage, cfg, seq_len)
+                for phase in (f_phase, b_phase):
+                    # a last stage's B_recompute in _phase_calls is the fused F+B; unfused it is backward_recompute
+                    fn = (_last_backward_recompute(stage, cfg, seq_len) if phase == "B_recompute" and stage.is_last
+                          else calls[phase])
+                    fn()
+                    for _ in range(2):
+                        c0, w0 = time.process_time(), time.perf_counter()
+                        fn()
+                        t.setdefault((s, phase, 0), []).append((time.process_time() - c0, time.perf_counter() - w0))
+            if i:
+                per_round.append(t)
+        for s in range(2):
+            for phase in (f_phase, b_phase):
+                for n in sorted({k[2] for t in per_round for k in t if k[:2] == (s, phase) and k[2] > 0}):
+                    mean = lambda t, j, key: float(np.mean([x[j] for x in t[key]]))  # noqa: E731
+                    rounds = [t for t in per_round if (s, phase, n) in t and (s, phase, 0) in t]
+                    row = {"kind": "in_flight", "position": "first" if s == 0 else "last", "phase": phase,
+                           "count": n, "calls": sum(len(t[(s, phase, n)]) for t in rounds)}
+                    for j, unit in ((0, "cpu"), (1, "wall")):
+                        row[f"ratio_{unit}"] = float(np.median([
+                            mean(t, j, (s, phase, n)) / max(mean(t, j, (s, phase, 0)), 1e-12) for t in rounds]))
+                        row[f"{unit}_s"] = float(np.median([mean(t, j, (s, phase, n)) for t in rounds]))
+                        row[f"alone_{unit}_s"] = float(np.median([mean(t, j, (s, phase, 0)) for t in rounds]))
+                    out.append(row)
+        del rts
+    return out
+
+
+def _last_backward_recompute(st: Any, cfg: Any, seq_len: int) -> Callable[[], Any]:
+    """A last stage's ``backward_recompute`` on one one-sample microbatch (what the runtime runs for a
+    last stage's B under recompute ``full`` when it is not fused with its F), blocking."""
+    import jax
+    import jax.numpy as jnp
+
+    from hethub_jax.parallel.stage import StageInputs
+    tokens, pos, mask, x_dev = _inputs(st, cfg, 1, seq_len)
+    inputs = StageInputs(x_dev, st.place_tokens(pos), st.place_tokens(tokens), st.place_tokens(mask))
+    g, no, box = jnp.ones((), jnp.float32), np.bool_(False), {"acc": st.new_grad_buffer()}
+
+    def call():
+        box["acc"] = st.backward_recompute(st.params, inputs, g, box["acc"], no).acc
+        jax.block_until_ready(box["acc"])
+    return call
+
+
+def fit_in_flight(samples: List[dict]) -> Optional[Dict[str, Any]]:
+    """``{"factors": {position: {phase: [[count, factor], ...]}}, "method"}`` (positions ``first``,
+    ``last``; counts ascending): per stage position, phase and microbatches in flight the MEASURED
+    factor of a runtime call's seconds over the same call alone, :func:`measure_in_flight`'s
+    ``ratio_cpu`` (process CPU seconds), floored at 0.5 (lower is noise); None without samples.
+    ``DeviceCosts.in_flight_factor`` reads it."""
+    out: Dict[str, Dict[str, list]] = {}
+    for s in sorted(samples, key=lambda s: int(s["count"])):
+        out.setdefault(s["position"], {}).setdefault(s["phase"], []).append(
+            [int(s["count"]), max(0.5, float(s["ratio_cpu"]))])
+    if not out:
+        return None
+    return {"factors": out,
+            "method": ("process CPU seconds of each F / B action of a one-island, one-thread PipelineRuntime step "
+                       "(two stages, 4 one-sample microbatches, GPipe and 1F1B, recompute none and full) with n "
+                       "microbatches in flight over the same call alone, median over rounds "
+                       "(profile.measure_in_flight)")}
+
+
 def measure_local_bridge(sizes: Sequence[int], repeats: int) -> List[dict]:
     """Seconds of an all-reduce (``allreduce_tree``, sum) of ``n`` float32 bytes between two threads
     over ``LocalCommunicator``: the bridge of islands that are threads of one process (as in
@@ -1094,16 +1252,18 @@ def measure_local_bridge(sizes: Sequence[int], repeats: int) -> List[dict]:
     return out
 
 
-def _one_island_runtime(cfg: Any, devices: Sequence[Any], schedule: str, seq_len: int):
+def _one_island_runtime(cfg: Any, devices: Sequence[Any], schedule: str, seq_len: int, recompute: str = "none"):
     """``(runtime, batch)``: one island of this process on two devices, two stages (the layers split in
-    half), ``schedule``, 4 one-sample microbatches of ``seq_len`` random tokens (seed 0); no action
-    waits on another process. For the profiler's measurements of the runtime's own seconds."""
+    half), ``schedule``, 4 one-sample microbatches of ``seq_len`` random tokens (seed 0), recompute
+    policy ``recompute``; no action waits on another process. For the profiler's measurements of the
+    runtime's own seconds."""
     from hethub_jax.optim import OptimConfig
     from hethub_jax.parallel.plan import Plan
     from hethub_jax.parallel.runtime import PipelineRuntime
     n, half = cfg.num_hidden_layers, cfg.num_hidden_layers // 2
     plan = Plan.from_dict({"islands": [{"name": "p", "platform": devices[0].platform, "devices_per_process": 2}],
-                           "global_batch_size": 4, "microbatch_size": 1, "schedule": schedule, "stages": [
+                           "global_batch_size": 4, "microbatch_size": 1, "schedule": schedule,
+                           "recompute": recompute, "stages": [
                                {"island": "p", "first_layer": 0, "last_layer": half - 1},
                                {"island": "p", "first_layer": half, "last_layer": n - 1}]})
     rt = PipelineRuntime(plan, cfg, OptimConfig(), devices=list(devices[:2]))
@@ -1379,6 +1539,7 @@ def build_profile(cfg: Any, args: Any, samples: List[dict], updates: List[dict],
                  "corun_update": fit_corun_update([c for c in corun if c["kind"] in ("corun_update", "corun_tail")]),
                  "runtime": fit_runtime_overhead([c for c in corun if c["kind"] == "runtime_overhead"]),
                  "cold": fit_cold([c for c in corun if c["kind"] == "cold"]),
+                 "in_flight": fit_in_flight([c for c in corun if c["kind"] == "in_flight"]),
                  "actions": fit_action_costs([c for c in corun if c["kind"] == "action_costs"]),
                  "emulated_wait": fit_emulated_wait([c for c in corun if c["kind"] == "emulated_wait"]),
                  "bridge_local": line([c for c in corun if c["kind"] == "bridge_local"], "bytes"),
@@ -1461,6 +1622,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     corun += measure_launch(cfg, devices, args.seq_len, args.repeats)  # islands as threads: one launcher
     corun += [] if args.no_runtime else measure_runtime_overhead(cfg, devices, args.repeats)
     corun += [] if args.no_runtime else measure_cold(cfg, devices, args.seq_len, args.repeats)
+    corun += [] if args.no_runtime else measure_in_flight(cfg, devices, args.seq_len, args.repeats)
     corun += [] if args.no_runtime else measure_action_costs(cfg, devices, args.seq_len, args.repeats)
     corun += [] if args.no_runtime else measure_emulated_wait(max(args.repeats, 20))
     act = args.seq_len * cfg.hidden_size * analytic.dtype_bytes(cfg.dtype)

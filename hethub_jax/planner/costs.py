@@ -175,6 +175,13 @@ class DeviceCosts:
         placement of every gradient leaf back onto the stage's sharding) with the stages on that mesh over
         on one device each (``fits.shared_sum_mesh``, ``profile.measure_shared_sum_mesh``); it scales
         :meth:`shared_sum_s` for holders on that mesh. Empty: 1 (catalog, older profiles).
+      in_flight: per stage position (``"first"``, ``"last"``; ``"middle"`` if measured) and phase, the
+        MEASURED factor of a stage call's seconds as the runtime makes it with ``n`` microbatches in
+        flight (forwards run whose backward has not, its own included) over the same call alone (what
+        the compute fits time): ``((n, factor), ...)`` ascending in ``n`` (``fits.in_flight`` of a
+        profile, ``profile.measure_in_flight``: a one-island GPipe and 1F1B runtime's F and B actions
+        against the calls alone, process CPU seconds); read by :meth:`in_flight_factor`. Empty (factor
+        1) for the catalog and for profiles without the measurement.
       process: name of the process whose islands given costs with the same ``process`` are threads
         of (None: each island is a process of its own). Set with :meth:`in_process`; with
         :attr:`serial_launch` the predictor runs those islands' multi-device compute actions one
@@ -211,6 +218,47 @@ class DeviceCosts:
     action_costs: Dict[str, float] = field(default_factory=dict)
     emulated_wait_fit: Optional[_Linear] = None
     shared_sum_mesh: Dict[Tuple[int, int], float] = field(default_factory=dict)
+    in_flight: Dict[str, Dict[str, Tuple[Tuple[int, float], ...]]] = field(default_factory=dict)
+
+    def in_flight_factor(self, is_first: bool, is_last: bool, phase: str, count: int) -> float:
+        """Factor (> 0) of an unfused stage call's seconds (phase in :data:`PHASES`) when ``count``
+        microbatches are in flight on its stage (forwards run whose backward has not, the call's own
+        microbatch included; ``count`` >= 1), from the MEASURED :attr:`in_flight` points of the
+        stage's position (``"last"`` for a last stage, ``"first"`` for a first, else ``"middle"``,
+        and a middle stage without its own points takes the first stage's: both lack the LM head):
+        linear in ``count`` between measured counts, the end points' factor beyond them; 1.0 when
+        not measured (catalog, older profiles).
+
+        Why: under GPipe a stage holds every microbatch's residuals until its backwards and a last
+        stage runs F and B unfused; the runtime's calls then cost more than the same calls alone
+        (docs/benchmarks.md, issue 13, session 13).
+
+        Raises:
+          ValueError: for an unknown phase or ``count < 1``.
+        """
+        if count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        pts = self.in_flight_points(is_first, is_last, phase)
+        if not pts:
+            return 1.0
+        if count <= pts[0][0]:
+            return pts[0][1]
+        for (n0, f0), (n1, f1) in zip(pts, pts[1:]):
+            if count <= n1:
+                return f0 + (f1 - f0) * (count - n0) / (n1 - n0)
+        return pts[-1][1]
+
+    def in_flight_points(self, is_first: bool, is_last: bool, phase: str) -> Tuple[Tuple[int, float], ...]:
+        """The MEASURED ``((count, factor), ...)`` of :attr:`in_flight` that :meth:`in_flight_factor` reads
+        for a stage at that position and phase (a middle stage without points: the first stage's); ()
+        when not measured.
+
+        Raises:
+          ValueError: for an unknown phase."""
+        _check_phase(phase)
+        pos = "last" if is_last else "first" if is_first else "middle"
+        by_phase = self.in_flight.get(pos) or (self.in_flight.get("first") if pos == "middle" else None) or {}
+        return tuple(by_phase.get(phase, ()))
 
     def between_actions_s(self) -> float:
         """Seconds the runtime spends between two actions' records, per action: the measured
@@ -436,7 +484,8 @@ class DeviceCosts:
                    serial_launch=bool((fits_in.get("launch") or {}).get("serial", False)),
                    shared_sum_mesh={tuple(int(x) for x in m.split("x")): float(v["factor"])
                                     for m, v in (fits_in.get("shared_sum_mesh") or {}).items() if v},
-                   token_parts=_token_parts(profile.get("samples") or ()))
+                   token_parts=_token_parts(profile.get("samples") or ()),
+                   in_flight=_in_flight(fits_in.get("in_flight")))
 
     # ---- DP meshes ---------------------------------------------------------------------------------
     def measured_dp_degrees(self, tp: int) -> Tuple[int, ...]:
@@ -703,6 +752,20 @@ def _action_costs(d: Optional[Mapping[str, Any]]) -> Dict[str, float]:
     if not d:
         return {}
     return {k: max(0.0, float(d[k])) for k in ("send_s", "recv_s", "fused_b_s", "gap_s") if k in d}
+
+
+def _in_flight(d: Optional[Mapping[str, Any]]) -> Dict[str, Dict[str, Tuple[Tuple[int, float], ...]]]:
+    """The profile's measured ``fits.in_flight.factors`` as ``{position: {phase: ((count, factor), ...)}}``,
+    counts ascending, factors > 0 (empty when absent: profiles made before session 13)."""
+    out: Dict[str, Dict[str, Tuple[Tuple[int, float], ...]]] = {}
+    for pos, phases in ((d or {}).get("factors") or {}).items():
+        if pos not in ("first", "middle", "last") or not isinstance(phases, Mapping):
+            continue
+        for ph, pts in phases.items():
+            pts = sorted((int(n), float(f)) for n, f in pts if int(n) >= 1 and float(f) > 0)
+            if ph in PHASES and pts:
+                out.setdefault(pos, {})[ph] = tuple(pts)
+    return out
 
 
 def _stage_shapes(samples: Any) -> Dict[Tuple[int, bool, bool, int, int, str], Tuple[Tuple[float, float], ...]]:

@@ -305,6 +305,8 @@ class _StageCtx:
     cold_fused: float = 0.0
     warm_repeats: bool = False
     t_fused_b: float = 0.0  # the B record after a fused F+B: the runtime's Python only (measured), emulated
+    phase_f: str = "F"      # the phases of the stage's F and B calls (recompute none: F / B; full: F_nosave /
+    phase_b: str = "B"      # B_recompute), for the measured in-flight factors (DeviceCosts.in_flight_factor)
 
 
 def _stage_ctx(cfg: Any, plan: Any, r: int, s: int, costs: Mapping[str, DeviceCosts], seq_len: int,
@@ -330,7 +332,7 @@ def _stage_ctx(cfg: Any, plan: Any, r: int, s: int, costs: Mapping[str, DeviceCo
     fused_b = em(c.message_action_s("fused_b")) if c.action_costs else 0.0
     return _StageCtx((r, s), spec, isl, c, factor, tokens, em(t_f), em(t_b), em(t_fb),
                      n, bool(spec.is_last), cold(f_phase, t_f), cold(b_phase, t_b), cold("B_recompute", t_fb),
-                     bool(warm_repeats), fused_b)
+                     bool(warm_repeats), fused_b, f_phase, b_phase)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -353,6 +355,28 @@ def _cold_calls(arr: ScheduleArrays, s: int, is_last: bool, warm_repeats: bool) 
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=4096)
+def _in_flight_calls(arr: ScheduleArrays, s: int, is_last: bool) -> Tuple[Tuple[int, int, int], ...]:
+    """``(local index, kind, count)`` of stage ``s``'s F (kind 0) and B (kind 1) calls that the runtime
+    does NOT fuse (a last stage's F directly followed by the B of its microbatch, and that B, are left
+    out): ``count`` = microbatches in flight while the call runs (forwards run whose backward has not,
+    its own included), from the schedule's own action list (``arr.lists[s]``, as the runtime runs it)."""
+    fused = set(arr.fused_f[s]) if is_last else set()
+    live, out = set(), []
+    for i, a in enumerate(arr.lists[s]):
+        if a.kind == ActionKind.F:
+            live.add(a.microbatch)
+            n = len(live)
+        elif a.kind == ActionKind.B:
+            n = len(live)
+            live.discard(a.microbatch)
+        else:
+            continue
+        if i not in fused and i - 1 not in fused:
+            out.append((i, 0 if a.kind == ActionKind.F else 1, n))
+    return tuple(out)
+
+
 def _fused(ctx: _StageCtx, acts: Sequence[Action], i: int) -> bool:
     """The runtime fuses a last stage's F with the directly following B of the same microbatch."""
     a = acts[i]
@@ -367,8 +391,12 @@ def _stage_times(ctx: _StageCtx, arr: ScheduleArrays, s: int, host_s: float, bri
     optimizer update before the stage's last B), the B ``t_fused_b``: the runtime's measured Python of
     that record, 0 when not measured); SEND: the runtime's measured SEND record
     (``DeviceCosts.message_action_s``) + the sender's copy to the host when the peer is on another
-    island; RECV: the measured RECV record + the copy onto the stage's devices. delivery (SENDs): the
-    bridge when the peer is on another island, else 0.
+    island; RECV: the measured RECV record + the copy onto the stage's devices. An unfused F or B is
+    multiplied by the MEASURED factor of its stage position, phase and the microbatches in flight
+    while it runs (``DeviceCosts.in_flight_factor``, :func:`_in_flight_calls`; the profile measured it
+    on calls that follow other calls, so such a call takes no cold-call extra besides); a call of a
+    profile without that measurement takes the cold-call extra (:func:`_cold_calls`). delivery (SENDs):
+    the bridge when the peer is on another island, else 0.
 
     Raises:
       ValueError: if a time is negative or not finite.
@@ -390,10 +418,19 @@ def _stage_times(ctx: _StageCtx, arr: ScheduleArrays, s: int, host_s: float, bri
         t[i], t[i + 1] = ctx.t_fused + 0.0, ctx.t_fused_b
     if last >= 0:
         t[last] = ctx.t_fused + fused_update_s
+    scaled = set()
+    if getattr(ctx.costs, "in_flight", None):  # the measured cost of holding microbatches in flight (unfused F and B calls)
+        spec, c = ctx.spec, ctx.costs
+        measured = [bool(c.in_flight_points(spec.is_first, spec.is_last, ph)) for ph in (ctx.phase_f, ctx.phase_b)]
+        for i, kind, n in (_in_flight_calls(arr, s, ctx.is_last) if any(measured) else ()):
+            if measured[kind]:
+                t[i] *= c.in_flight_factor(spec.is_first, spec.is_last, ctx.phase_b if kind else ctx.phase_f, n)
+                scaled.add(i)
     if ctx.cold_f > 0 or ctx.cold_b > 0 or ctx.cold_fused > 0:  # the measured cost of a call after another
         extra = (ctx.cold_f, ctx.cold_b, ctx.cold_fused)
         for i, kind in _cold_calls(arr, s, ctx.is_last, ctx.warm_repeats):
-            t[i] += extra[kind]
+            if i not in scaled:  # the in-flight factor was measured on calls that follow other calls
+                t[i] += extra[kind]
     return t, list(map(dtab.__getitem__, codes))
 
 
