@@ -324,9 +324,11 @@ def _resolve_plan(cfg, platform: str):
 
 
 def _prepare_devices(plan_path: str | None, island: str | None) -> None:
-    """Before any JAX backend starts: in a single CPU process running a multi-device plan, ask XLA for
-    enough host devices (``--xla_force_host_platform_device_count``). Reads the plan JSON with the
-    pure-Python plan module; errors are left to the validated load later."""
+    """Before any JAX backend starts: in a CPU process running a multi-device plan, ask XLA for
+    enough host devices (``--xla_force_host_platform_device_count``): the most any island of this
+    process needs (under ``mpiexec``, this rank's island: ``island``, ``$HETHUB_ISLAND`` or the plan's
+    island of the launcher's rank, so that no rank gets devices it leaves idle). Reads the plan JSON
+    with the pure-Python plan module; errors are left to the validated load later."""
     if plan_path is None or "--xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
         return
     try:
@@ -334,6 +336,11 @@ def _prepare_devices(plan_path: str | None, island: str | None) -> None:
         plan = Plan.from_json(plan_path)
     except Exception:  # reported properly by _resolve_plan
         return
+    island = island or os.environ.get("HETHUB_ISLAND")
+    if island is None and mpi_world_size() > 1 and plan.world_size == mpi_world_size():
+        from hethub_jax.cluster import launcher_rank
+        rank = launcher_rank()  # this rank's island in the plan: it gets only the devices that island uses
+        island = plan.rank_island(rank).name if rank is not None and 0 <= rank < plan.world_size else None
     islands = [i for i in plan.islands if island is None or i.name == island]
     cpu = [i.devices_per_process for i in islands if i.platform == "cpu"]
     if cpu and max(cpu) > 1 and all(i.platform == "cpu" for i in islands):
@@ -547,27 +554,33 @@ def _check_launch(run: _Run) -> None:
         raise _ConfigError(f"--island {run.args.island}: the plan has {plan.world_size} ranks; run it under "
                            f"mpiexec -n {plan.world_size}, or without --island to run every island in one "
                            f"process")
-    _check_devices(run)
+    counts = _check_devices(run)
     if run.comm is not None:
         import jax
 
         from hethub_jax import cluster
         digest = cluster.config_hash(run.cfg.to_dict(), plan.to_dict())
         try:
-            cluster.handshake(run.comm, cluster.handshake_record(
+            records = cluster.handshake(run.comm, cluster.handshake_record(
                 digest, run.island.name, run.island.platform, jax.local_device_count(),
                 config={"config": run.cfg.to_dict(), "plan": plan.to_dict()}),
                 timeout=run.cfg.train.message_timeout_s)
         except cluster.HandshakeError as e:
             raise _ConfigError(str(e)) from None
+        counts = {r: rec["local_device_count"] for r, rec in enumerate(records)}
+    note = unused_devices_note(plan, counts, built_in=run.cfg.train.plan is None)
+    if note:
+        run.plan_notes.append(note)
 
 
-def _check_devices(run: _Run) -> None:
+def _check_devices(run: _Run) -> dict:
     """The islands this process runs (all of them without MPI) have their platform here and no more
-    devices per process than this process has."""
+    devices per process than this process has. Returns the devices this process has: ``{platform:
+    count}`` without MPI, ``{rank: count}`` (this rank's local devices) under MPI."""
     import jax
 
     islands = [run.plan.island(run.island.name)] if run.island is not None else list(run.plan.islands)
+    counts: dict = {}
     for isl in islands:
         try:
             devs = jax.devices(isl.platform) if run.island is None else jax.local_devices()
@@ -577,6 +590,74 @@ def _check_devices(run: _Run) -> None:
         if isl.devices_per_process > len(devs):
             raise _ConfigError(f"island {isl.name!r} needs devices_per_process={isl.devices_per_process} "
                                f"{isl.platform} devices, this process has {len(devs)}")
+        counts[isl.platform if run.island is None else run.rank] = len(devs)
+    return counts
+
+
+def used_device_indices(plan, island: str, process: int | None = None) -> set[int]:
+    """The island-local device indices (``Plan.stage_devices``) that the stages of ``island`` run on;
+    with ``process``, only that process's (indices ``process * devices_per_process`` onwards), counted
+    from 0 inside the process."""
+    isl = plan.island(island)
+    used = {i for r, rep in enumerate(plan.replicas) for s, st in enumerate(rep.stages) if st.island == island
+            for i in plan.stage_devices(r, s)}
+    if process is None:
+        return used
+    lo = process * isl.devices_per_process
+    return {i - lo for i in used if lo <= i < lo + isl.devices_per_process}
+
+
+def _ranges(idx: Sequence[int]) -> str:
+    """``[1, 2, 3, 5]`` -> ``"1-3, 5"``."""
+    out: list[str] = []
+    for i in sorted(idx):
+        if out and out[-1].split("-")[-1] == str(i - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ", ".join(out)
+
+
+def unused_devices_note(plan, counts: dict, built_in: bool = False) -> str | None:
+    """A WARNING line when processes of the run have JAX devices that no stage of ``plan`` uses, else
+    None. A warning, not an error: the plan is explicit (unlike MaxText, whose mesh is derived from
+    every visible device and which fails when the product of the parallel degrees differs from the
+    device count, or Megatron, which derives DP from the world size), and the built-in one-device plan
+    must run on a multi-device machine; but idle accelerators are almost never what a user wants.
+
+    Args:
+      plan: the validated plan.
+      counts: devices present: ``{platform: count}`` for a single process running every island (the
+        islands of one platform then share that process's devices, indices from 0), or ``{rank:
+        count}`` (local devices of each MPI rank, from the start-up handshake).
+      built_in: the plan is the built-in default (no ``--plan``): the advice says so.
+    """
+    parts = []
+    if all(isinstance(k, str) for k in counts):  # one process runs every island
+        for platform, have in counts.items():
+            used = set().union(*(used_device_indices(plan, i.name) for i in plan.islands if i.platform == platform))
+            idle = [i for i in range(have) if i not in used]
+            if idle:
+                parts.append(f"this process has {have} {platform} device(s), the plan uses {len(used)} "
+                             f"(indices {_ranges(sorted(used))}); unused: {_ranges(idle)}")
+    else:
+        for rank, have in sorted(counts.items()):
+            isl = plan.rank_island(rank)
+            used = used_device_indices(plan, isl.name, plan.process_index(rank))
+            idle = [i for i in range(have) if i not in used]
+            if idle:
+                parts.append(f"rank {rank} (island {isl.name}) has {have} {isl.platform} device(s), the plan "
+                             f"uses {len(used)}; unused local device(s): {_ranges(idle)}")
+    if not parts:
+        return None
+    head = "the built-in plan (one island, one stage, one device)" if built_in else "the plan"
+    return (f"WARNING: unused devices: {'; '.join(parts)}. They stay idle: {head} does not use them. To use "
+            f"them, give a plan whose stages cover them (python -m hethub_jax.train --plan PLAN.json): more data "
+            f"parallelism (a stage's dp), tensor parallelism (tp) or more stages on the island, with its "
+            f"devices_per_process raised to the devices each process has (docs/plan_format.md), or let the "
+            f"planner choose (--cluster CLUSTER.yaml, docs/planner.md); to silence this, hide them "
+            f"(CUDA_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES, or XLA_FLAGS "
+            f"--xla_force_host_platform_device_count for CPU devices)")
 
 
 def _check_outputs(run: _Run) -> None:

@@ -1,0 +1,64 @@
+"""New-user leftovers of session 13 (s13-misc): unused devices are named, the plan CLI heads the chosen
+plan as such, input errors print once under mpiexec, the outputs line keeps the user's path forms.
+
+References are independent of the code under test: device counts and stage layouts read from the plan
+JSON files themselves, the forced XLA host device count the test sets, the paths the test passes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hethub_jax.parallel.plan import Plan
+
+ROOT = Path(__file__).resolve().parents[1]
+TWO_ISLAND = ROOT / "configs" / "plans" / "tiny_2island.json"
+
+
+def _train(args, env_extra=None, timeout=240, cwd=ROOT):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "hethub_jax.train", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=cwd)
+
+
+# ---- 1. devices the plan leaves idle are named, with the way to use them ---------------------------
+
+def test_unused_devices_note_names_the_idle_indices_of_one_process():
+    from hethub_jax.train import default_plan, unused_devices_note
+    plan = default_plan(8, 4, 6)
+    note = unused_devices_note(plan, {"cpu": 4}, built_in=True)
+    assert note.startswith("WARNING: unused devices") and "has 4 cpu device(s), the plan uses 1" in note, note
+    assert "unused: 1-3" in note and "built-in plan" in note and "dp" in note and "--cluster" in note, note
+    assert unused_devices_note(plan, {"cpu": 1}, built_in=True) is None
+    raw = json.loads(TWO_ISLAND.read_text())
+    two = Plan.from_dict(raw)
+    # one process runs both islands on the same devices (indices from 0): the widest island's dp*tp
+    widest = max(s["dp"] * s["tp"] for s in raw["stages"])
+    assert unused_devices_note(two, {"cpu": widest}) is None
+    assert f"unused: {widest}" in unused_devices_note(two, {"cpu": widest + 1})
+
+
+def test_unused_devices_note_per_mpi_rank():
+    from hethub_jax.train import unused_devices_note
+    raw = json.loads(TWO_ISLAND.read_text())
+    plan = Plan.from_dict(raw)
+    need = [i["devices_per_process"] for i in raw["islands"]]  # ranks in island order, one process each
+    assert unused_devices_note(plan, dict(enumerate(need))) is None
+    note = unused_devices_note(plan, {0: need[0], 1: need[1] + 2})
+    name = raw["islands"][1]["name"]
+    assert f"rank 1 (island {name}) has {need[1] + 2} cpu device(s), the plan uses {need[1]}" in note, note
+    assert "rank 0" not in note
+
+
+def test_train_warns_about_unused_forced_host_devices(tmp_path):
+    p = _train(["--steps", "1", "--no-checkpoint", "--no-progress", "--metrics-file", str(tmp_path / "m.jsonl"),
+                "--set", "train.eval_at_start=false", "--set", "model.num_hidden_layers=1"],
+               {"XLA_FLAGS": "--xla_force_host_platform_device_count=3"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = next(x for x in p.stdout.splitlines() if "unused devices" in x)
+    assert "3 cpu device(s), the plan uses 1" in line and "unused: 1-2" in line, line
