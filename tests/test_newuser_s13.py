@@ -62,3 +62,28 @@ def test_train_warns_about_unused_forced_host_devices(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     line = next(x for x in p.stdout.splitlines() if "unused devices" in x)
     assert "3 cpu device(s), the plan uses 1" in line and "unused: 1-2" in line, line
+
+
+# ---- 2. the plan CLI heads the chosen plan as such, the others as alternatives ---------------------
+
+def test_plan_cli_heads_the_written_plan_chosen_and_the_others_alternatives(tmp_path, capsys):
+    import re
+
+    from hethub_jax.plan import main as plan_main
+    out = tmp_path / "plan.json"
+    assert plan_main(["--model", "llama3-8b", "--cluster", str(ROOT / "configs/clusters/mixed_h100_mi300x.yaml"),
+                      "--global-batch", "64", "--seq-len", "2048", "--top", "2", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    heads = [x for x in text.splitlines() if " - PREDICTED: step " in x]
+    assert len(heads) == 2 and heads[0].startswith("Chosen plan (pipeline)"), heads
+    assert heads[1].startswith("Alternative 1 (pipeline; step +") and "Candidate" not in text, heads
+    steps = [float(re.search(r"PREDICTED: step ([\d.]+) s", h).group(1)) for h in heads]
+    pct = float(re.search(r"step \+([\d.]+)% vs the chosen plan", heads[1]).group(1))
+    assert abs(pct - 100 * (steps[1] / steps[0] - 1)) < 0.1 + 1e-9  # the printed step times round to 4 digits
+    # the chosen table is the plan --out wrote: its first stage's layer range and DP x TP
+    plan = json.loads(out.read_text())
+    st = plan["stages"][0] if "stages" in plan else plan["replicas"][0]["stages"][0]
+    chosen = text.split("Chosen plan (")[1].split("Alternative 1 (")[0]
+    row = next(x for x in chosen.splitlines() if re.match(r"\s+0\s+0\s", x))
+    assert f"{st['dp']} x {st['tp']}" in row and f"{st['first_layer']}-{st['last_layer']}" in row, (row, st)
+    assert f"chosen plan written to {out}" in text
