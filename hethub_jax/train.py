@@ -856,7 +856,7 @@ def _plan_from_cluster(args: argparse.Namespace, cfg):
         from hethub_jax import cluster
         rank = cluster.join_job()  # every rank passed its own checks before rank 0 profiles and plans
     t = cfg.train
-    out_dir = os.path.dirname(os.path.abspath(t.metrics_file)) if t.metrics_file else os.path.abspath("runs/planned")
+    out_dir = planned_dir(t.metrics_file)
     spec = cfg.model_spec
     preset = spec if isinstance(spec, str) else spec.get("preset", "tiny") if isinstance(spec, dict) else "tiny"
     say = (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None)
@@ -872,8 +872,18 @@ def _plan_from_cluster(args: argparse.Namespace, cfg):
     path, pred, lines = _agreed(True if size > 1 else None, plan_it, t.message_timeout_s)
     for line in lines:
         say(line)
-    args.plan = path
+    args.plan = os.path.normpath(path)
     return pred
+
+
+def planned_dir(metrics_file: str | None) -> str:
+    """Where plan-less training writes ``plan.json`` (and, without ``--profiles``, ``profiles/``): the
+    metrics file's directory in the form the user gave it (relative stays relative: every path the run
+    prints, e.g. its ``outputs:`` line, is as given or derived from one as given), ``os.curdir`` for a
+    metrics file without a directory part; ``runs/planned`` without a metrics file."""
+    if not metrics_file:
+        return os.path.join("runs", "planned")
+    return os.path.dirname(metrics_file) or os.curdir
 
 
 def _check_insight_deps(args: argparse.Namespace) -> None:

@@ -87,3 +87,30 @@ def test_plan_cli_heads_the_written_plan_chosen_and_the_others_alternatives(tmp_
     row = next(x for x in chosen.splitlines() if re.match(r"\s+0\s+0\s", x))
     assert f"{st['dp']} x {st['tp']}" in row and f"{st['first_layer']}-{st['last_layer']}" in row, (row, st)
     assert f"chosen plan written to {out}" in text
+
+
+# ---- 4. the outputs line keeps the path forms the user gave -----------------------------------------
+
+def test_planned_dir_keeps_the_metrics_file_form():
+    from hethub_jax.train import planned_dir
+    assert planned_dir("runs/x/m.jsonl") == "runs/x"
+    assert planned_dir("/abs/run/m.jsonl") == "/abs/run"
+    assert planned_dir("m.jsonl") == os.curdir and planned_dir(None) == os.path.join("runs", "planned")
+
+
+@pytest.mark.slow
+def test_planless_outputs_line_paths_are_as_given(tmp_path):
+    """Plan-less training with relative --metrics-file / --trace-file (from the saved profile, no
+    profiling): the ``outputs:`` line names every path relative, as given, including plan.json."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_train_insight import fixed_profile
+    (tmp_path / "prof").mkdir()
+    (tmp_path / "prof" / "cpu.json").write_text(json.dumps(fixed_profile()))
+    p = _train(["--cluster", str(ROOT / "configs/clusters/tiny_2island_cpu.yaml"), "--profiles", "prof",
+                "--steps", "1", "--global-batch-size", "4", "--seq-len", "16", "--no-checkpoint", "--no-progress",
+                "--set", "train.eval_at_start=false", "--metrics-file", "run/m.jsonl", "--trace-file", "run/t.json"],
+               cwd=tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    line = next(x for x in p.stdout.splitlines() if x.startswith("outputs: "))
+    assert "metrics run/m.jsonl" in line and "plan run/plan.json" in line and "trace run/t.json" in line, line
+    assert str(tmp_path) not in line and (tmp_path / "run" / "plan.json").exists(), line
