@@ -114,3 +114,20 @@ def test_planless_outputs_line_paths_are_as_given(tmp_path):
     line = next(x for x in p.stdout.splitlines() if x.startswith("outputs: "))
     assert "metrics run/m.jsonl" in line and "plan run/plan.json" in line and "trace run/t.json" in line, line
     assert str(tmp_path) not in line and (tmp_path / "run" / "plan.json").exists(), line
+
+
+# ---- 3. an error found by several ranks after MPI started is printed once ----------------------------
+
+def test_set_up_failed_prints_each_distinct_error_once_by_its_lowest_rank(capsys, monkeypatch):
+    from hethub_jax import cluster
+    from hethub_jax.train import EXIT_CONFIG_ERROR, _set_up_failed
+    failed = {0: "bad plan", 2: "bad plan", 3: "no devices"}
+    printed = {}
+    for rank in range(4):
+        monkeypatch.setenv("PMI_RANK", str(rank))
+        monkeypatch.setenv("PMI_SIZE", "4")
+        assert _set_up_failed(cluster.SetUpFailed(failed, rank, 4), None) == EXIT_CONFIG_ERROR
+        printed[rank] = capsys.readouterr().err
+    assert printed[1] == "" and printed[2] == ""  # healthy, and the same error as a lower rank: quiet
+    assert printed[0].count("error:") == 1 and "rank 0: bad plan (the same on rank(s) 2)" in printed[0]
+    assert printed[3].count("error:") == 1 and "rank 3: no devices" in printed[3] and "same on" not in printed[3]
