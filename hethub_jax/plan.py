@@ -249,7 +249,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                                      "evaluated": res.evaluated, "wall_s": res.wall_s},
                           "upper_bound_tokens_per_s": res.upper_bound_tokens_per_s,
                           "upper_bound_note": res.upper_bound_note,
-                          "candidates": [candidate_dict(c) for c in res.candidates]}, indent=2))
+                          "candidates": [{**candidate_dict(c), "chosen": i == 0}
+                                         for i, c in enumerate(res.candidates)]}, indent=2))
         return 0
     groups = {g.name: _GroupInfo(g, costs[g.name]) for g in cluster.groups}
     print(f"PREDICTED plans for {args.model} on {cluster.name} ({cluster.num_devices} devices), global batch "

@@ -87,6 +87,10 @@ def test_plan_cli_heads_the_written_plan_chosen_and_the_others_alternatives(tmp_
     row = next(x for x in chosen.splitlines() if re.match(r"\s+0\s+0\s", x))
     assert f"{st['dp']} x {st['tp']}" in row and f"{st['first_layer']}-{st['last_layer']}" in row, (row, st)
     assert f"chosen plan written to {out}" in text
+    assert plan_main(["--model", "llama3-8b", "--cluster", str(ROOT / "configs/clusters/mixed_h100_mi300x.yaml"),
+                      "--global-batch", "64", "--seq-len", "2048", "--top", "2", "--json", "--no-upper-bound"]) == 0
+    cands = json.loads(capsys.readouterr().out)["candidates"]
+    assert [c["chosen"] for c in cands] == [True, False] and cands[0]["plan"] == plan
 
 
 # ---- 4. the outputs line keeps the path forms the user gave -----------------------------------------
