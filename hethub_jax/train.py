@@ -802,7 +802,10 @@ def _set_up(args: argparse.Namespace) -> _Run:
         # CPU islands: the steady host allocator before the JAX backend starts (its threads then allocate
         # from the one glibc arena; hethub_jax.host_allocator); a JAX_PLATFORMS without cpu is left alone
         from hethub_jax.host_allocator import steady_host_allocator
-        steady_host_allocator()
+        try:
+            steady_host_allocator()
+        except ValueError as e:  # a malformed $HETHUB_HOST_ALLOCATOR_MMAP_MIB
+            raise _ConfigError(str(e)) from None
     planned = _plan_from_cluster(args, cfg) if args.cluster else None
     if planned is not None:
         cfg = _load_config(args)  # with train.plan = the written plan.json
