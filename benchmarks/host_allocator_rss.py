@@ -15,7 +15,8 @@ whole tiny model as one stage (embedding, 6 layers, LM head + loss on one CPU de
 (``F`` forward_saving, ``F_nosave`` forward, ``B`` backward_saved, ``B_recompute`` the fused
 forward_backward) at each microbatch size in turn, twice over the sizes (round 2: after every size
 has run once, the steady state of a process whose calls vary in size). Per variant: peak RSS
-(``ru_maxrss``, KiB -> GiB), per round, size and phase the median seconds and minor page faults per call
+(``ru_maxrss``, KiB -> GiB), per round, size and phase the median seconds, CPU seconds of the process
+(all its threads: less sensitive to a shared machine's load than wall time) and minor page faults per call
 (``ru_minflt`` deltas, ``--repeats`` calls after one untimed call), CPU seconds of the child. Figures
 are MEASURED on this machine; compare variants within one run (a shared machine's load changes
 between runs).
@@ -102,13 +103,15 @@ def child(variant: str, sizes: list[int], seq_len: int, repeats: int) -> dict:
                      "B_recompute": acc_call(lambda acc: st.forward_backward(st.params, args(), acc, no))}
             for phase, fn in calls.items():
                 fn()  # untimed (compilation in round 1)
-                secs, faults = [], []
+                secs, cpus, faults = [], [], []
                 for _ in range(repeats):
-                    r0, t0 = ru().ru_minflt, time.perf_counter()
+                    r0, c0, t0 = ru().ru_minflt, time.process_time(), time.perf_counter()
                     fn()
                     secs.append(time.perf_counter() - t0)
+                    cpus.append(time.process_time() - c0)
                     faults.append(ru().ru_minflt - r0)
                 rows.append({"round": rnd, "microbatch_size": mbs, "phase": phase, "median_s": float(np.median(secs)),
+                             "median_cpu_s": float(np.median(cpus)),
                              "min_s": min(secs), "median_faults": float(np.median(faults)), "max_faults": max(faults),
                              "maxrss_gib_so_far": ru().ru_maxrss / 2**20})
             saved_box.clear()
@@ -150,9 +153,11 @@ def main(argv=None) -> int:
         out["variants"][v] = d
         r2 = [r for r in d["rows"] if r["round"] == 2]
         step = {m: sum(r["median_s"] for r in r2 if r["microbatch_size"] == m) for m in sizes}
+        cpu = {m: sum(r["median_cpu_s"] for r in r2 if r["microbatch_size"] == m) for m in sizes}
         flt = {m: sum(r["median_faults"] for r in r2 if r["microbatch_size"] == m) for m in sizes}
         print(f"{v:>8}: peak RSS {d['peak_rss_gib']:.2f} GiB, CPU {d['cpu_s']:.1f} s, round-2 seconds of the 4 calls "
-              + ", ".join(f"mb{m} {step[m]:.3f}" for m in sizes) + "; faults per 4 calls "
+              + ", ".join(f"mb{m} {step[m]:.3f}" for m in sizes) + " (CPU "
+              + ", ".join(f"mb{m} {cpu[m]:.3f}" for m in sizes) + "); faults per 4 calls "
               + ", ".join(f"mb{m} {flt[m]:.0f}" for m in sizes) + f" (load {load0[0]:.1f})", flush=True)
     if a.json:
         with open(a.json, "w") as f:

@@ -25,6 +25,19 @@ for calls of varied large shapes: the profile of ``benchmarks/hetero_e2e.py``'s 
 ``malloc_trim`` between shapes did not lower it); set ``HETHUB_HOST_ALLOCATOR=default`` where host
 memory, not speed, is the limit.
 
+A fixed mmap threshold as the middle way (measured, session 13, ``benchmarks/host_allocator_rss.py``,
+docs/benchmarks.md issue 17 "Host allocator variants"): the tiny model as one stage, the profiler's four
+calls at microbatch 4, 8 and 16 (sequence 64), twice over the sizes, one child process per variant on a
+loaded shared machine (times not comparable, faults and RSS are). Peak RSS: steady 2.00-2.32 GiB, glibc's
+defaults 1.24 GiB; with the steady settings plus ``M_MMAP_THRESHOLD`` 256 MiB 1.62-1.80 GiB, but the
+fused forward + backward at microbatch 16 (its block over 256 MiB) then faulted 77,808 pages (304 MiB)
+on every call (about 0.12 s of CPU at 1.5 us a fault, against a 0.41 s call); at 64 MiB 1.50 GiB, and
+19,000-78,000 faults on most calls at every size; ``M_TRIM_THRESHOLD`` 256 MiB 2.15 GiB with the same
+77,808 faults per large call. The peak falls by exactly the blocks that then fault on every use: no
+setting lowered the peak without faults, so the default stays. ``HETHUB_HOST_ALLOCATOR_MMAP_MIB=N`` opts
+in to the threshold (blocks of N MiB and more mmapped, the rest as steady) where host memory is short:
+choose N above the blocks of the calls that dominate the step.
+
 Why ``M_ARENA_MAX`` too (measured, docs/benchmarks.md issue 17, session 12): XLA:CPU runs a call on
 its own threads, and glibc gives such a thread its own arena, whose heaps are at most 64 MiB
 (``HEAP_MAX_SIZE``); a larger block there is mmapped whatever ``M_MMAP_MAX`` says (``sysmalloc``'s
@@ -55,7 +68,8 @@ the profiler before JAX starts its threads; ``PipelineRuntime`` sets it when it 
 time earlier threads may hold arenas of their own).
 
 Only glibc has ``mallopt``; elsewhere nothing is changed (and the result says so). Set the
-environment variable ``HETHUB_HOST_ALLOCATOR=default`` to leave the C library's defaults.
+environment variable ``HETHUB_HOST_ALLOCATOR=default`` to leave the C library's defaults, or
+``HETHUB_HOST_ALLOCATOR_MMAP_MIB=N`` for the steady settings with blocks of N MiB and more mmapped.
 """
 from __future__ import annotations
 
