@@ -46,8 +46,8 @@ def _apply(variant: str) -> dict:
     extra = {}
     if variant.startswith("mmap"):
         mib = int(variant[4:])
-        extra = {"M_MMAP_MAX": lib.mallopt(M_MMAP_MAX, 65536), "M_MMAP_THRESHOLD": lib.mallopt(M_MMAP_THRESHOLD, mib << 20),
-                 "mmap_threshold_mib": mib}
+        extra = {"M_MMAP_MAX": lib.mallopt(M_MMAP_MAX, 65536),
+                 "M_MMAP_THRESHOLD": lib.mallopt(M_MMAP_THRESHOLD, mib << 20), "mmap_threshold_mib": mib}
     elif variant.startswith("trim"):
         mib = int(variant[4:])
         extra = {"M_TRIM_THRESHOLD": lib.mallopt(M_TRIM_THRESHOLD, mib << 20), "trim_threshold_mib": mib}
@@ -60,15 +60,13 @@ def child(variant: str, sizes: list[int], seq_len: int, repeats: int) -> dict:
     import resource
     settings = _apply(variant)
     import jax
+    import jax.numpy as jnp
     import numpy as np
 
-    from hethub_jax.models.config import PRESETS  # noqa: F401  (the preset table)
     from hethub_jax.optim import OptimConfig, make_optimizer
-    from hethub_jax.parallel.stage import PipelineStage
+    from hethub_jax.parallel.stage import PipelineStage, StageInputs
     from hethub_jax.planner import load_model
     from hethub_jax.profile import _inputs
-    from hethub_jax.parallel.stage import StageInputs
-    import jax.numpy as jnp
 
     cfg = load_model("tiny")
     st = PipelineStage(cfg, 0, cfg.num_hidden_layers - 1, jax.devices()[:1], 1, 1, seed=0, recompute=False,
