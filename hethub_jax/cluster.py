@@ -44,7 +44,7 @@ __all__ = [
     "ENV_ISLAND", "ENV_PLATFORM", "HandshakeError", "Island", "island_from_args", "platform_for",
     "set_jax_platform", "start", "config_hash", "package_versions", "handshake_record",
     "compare_records", "handshake", "install_abort_on_exception", "join_job", "launcher_rank",
-    "start_watchdog", "StartFailed", "MPI_INIT_TIMEOUT_S",
+    "start_watchdog", "StartFailed", "MPI_INIT_TIMEOUT_S", "agree_errors", "SetUpFailed",
 ]
 
 ENV_ISLAND = "HETHUB_ISLAND"
@@ -338,6 +338,61 @@ def join_job(error: str | None = None) -> int:
         raise StartFailed(failed, comm.Get_rank(), comm.Get_size())
     _joined = comm.Get_rank()
     return _joined
+
+
+_AGREE_BYTES = 2048  # per rank at an agreement point: 1 status byte + the start of its error (UTF-8)
+
+
+class SetUpFailed(Exception):
+    """Some ranks found an error at an agreement point (``agree_errors``); raised on every rank with
+    ``failed`` = ``{world rank: its error}``, ``rank`` and ``size`` as :class:`StartFailed`."""
+
+    def __init__(self, failed: Mapping[int, str], rank: int, size: int):
+        self.failed, self.rank, self.size = dict(failed), rank, size
+        super().__init__("; ".join(f"rank {r}: {m}" for r, m in sorted(self.failed.items())))
+
+    def first_rank_of_own_error(self) -> bool:
+        """True when this rank failed and no lower rank failed with the same message: the rank that
+        prints it (each distinct error once, by the lowest rank that found it)."""
+        mine = self.failed.get(self.rank)
+        return mine is not None and min(r for r, m in self.failed.items() if m == mine) == self.rank
+
+    def same_on(self) -> list[int]:
+        """The other ranks that failed with this rank's message."""
+        mine = self.failed.get(self.rank)
+        return [r for r, m in sorted(self.failed.items()) if m == mine and r != self.rank]
+
+
+def agree_errors(error: str | None, timeout: float) -> None:
+    """An agreement point after MPI started: a collective over ``MPI.COMM_WORLD`` (an allgather of a
+    fixed ``2048``-byte record per rank) at which every rank says whether its set-up step failed
+    (``error``: its message, cut to 2047 UTF-8 bytes; ``None``: it is fine). Every rank of the job must
+    call it at the same points, in the same order, with no other collective in between that only some
+    ranks reach. Returns when no rank failed.
+
+    Raises:
+      SetUpFailed: on every rank, when at least one rank gave an error.
+      TimeoutError: a rank did not arrive within ``timeout`` seconds (it died or hangs; the caller's
+        uncaught-exception hook then aborts the job instead of waiting forever).
+    """
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    mine = np.zeros(_AGREE_BYTES, np.uint8)
+    if error is not None:
+        raw = error.encode()[:_AGREE_BYTES - 1]
+        mine[0], mine[1:1 + len(raw)] = 1, np.frombuffer(raw, np.uint8)
+    table = np.zeros((comm.Get_size(), _AGREE_BYTES), np.uint8)
+    req = comm.Iallgather([mine, MPI.BYTE], [table, MPI.BYTE])
+    deadline = time.monotonic() + timeout
+    while not req.Test():  # polls with a sleep: no core spins while a peer is still busy
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {comm.Get_rank()}: no answer from every rank at a set-up agreement point "
+                               f"within {timeout:g} s (a rank died or hangs)")
+        time.sleep(0.005)
+    failed = {r: bytes(row[1:]).rstrip(b"\0").decode(errors="replace") for r, row in enumerate(table) if row[0]}
+    if failed:
+        raise SetUpFailed(failed, comm.Get_rank(), comm.Get_size())
 
 
 _WATCHDOG_CHILD = r"""

@@ -25,6 +25,19 @@ for calls of varied large shapes: the profile of ``benchmarks/hetero_e2e.py``'s 
 ``malloc_trim`` between shapes did not lower it); set ``HETHUB_HOST_ALLOCATOR=default`` where host
 memory, not speed, is the limit.
 
+A fixed mmap threshold as the middle way (measured, session 13, ``benchmarks/host_allocator_rss.py``,
+docs/benchmarks.md issue 17 "Host allocator variants"): the tiny model as one stage, the profiler's four
+calls at microbatch 4, 8 and 16 (sequence 64), twice over the sizes, one child process per variant on a
+loaded shared machine (times not comparable, faults and RSS are). Peak RSS: steady 2.00-2.32 GiB, glibc's
+defaults 1.24 GiB; with the steady settings plus ``M_MMAP_THRESHOLD`` 256 MiB 1.62-1.80 GiB, but the
+fused forward + backward at microbatch 16 (its block over 256 MiB) then faulted 77,808 pages (304 MiB)
+on every call (about 0.12 s of CPU at 1.5 us a fault, against a 0.41 s call); at 64 MiB 1.50 GiB, and
+19,000-78,000 faults on most calls at every size; ``M_TRIM_THRESHOLD`` 256 MiB 2.15 GiB with the same
+77,808 faults per large call. The peak falls by exactly the blocks that then fault on every use: no
+setting lowered the peak without faults, so the default stays. ``HETHUB_HOST_ALLOCATOR_MMAP_MIB=N`` opts
+in to the threshold (blocks of N MiB and more mmapped, the rest as steady) where host memory is short:
+choose N above the blocks of the calls that dominate the step.
+
 Why ``M_ARENA_MAX`` too (measured, docs/benchmarks.md issue 17, session 12): XLA:CPU runs a call on
 its own threads, and glibc gives such a thread its own arena, whose heaps are at most 64 MiB
 (``HEAP_MAX_SIZE``); a larger block there is mmapped whatever ``M_MMAP_MAX`` says (``sysmalloc``'s
@@ -55,7 +68,8 @@ the profiler before JAX starts its threads; ``PipelineRuntime`` sets it when it 
 time earlier threads may hold arenas of their own).
 
 Only glibc has ``mallopt``; elsewhere nothing is changed (and the result says so). Set the
-environment variable ``HETHUB_HOST_ALLOCATOR=default`` to leave the C library's defaults.
+environment variable ``HETHUB_HOST_ALLOCATOR=default`` to leave the C library's defaults, or
+``HETHUB_HOST_ALLOCATOR_MMAP_MIB=N`` for the steady settings with blocks of N MiB and more mmapped.
 """
 from __future__ import annotations
 
@@ -67,13 +81,17 @@ import sys
 import threading
 from typing import Dict, Optional
 
-__all__ = ["steady_host_allocator", "current", "ENV", "M_MMAP_MAX", "M_TRIM_THRESHOLD", "M_ARENA_MAX",
-           "TRIM_THRESHOLD_BYTES", "ARENA_MAX"]
+__all__ = ["steady_host_allocator", "current", "ENV", "ENV_MMAP_MIB", "M_MMAP_MAX", "M_TRIM_THRESHOLD",
+           "M_ARENA_MAX", "M_MMAP_THRESHOLD", "TRIM_THRESHOLD_BYTES", "ARENA_MAX", "mmap_threshold_mib"]
 
 #: environment variable: ``default`` leaves the C library's allocator settings alone
 ENV = "HETHUB_HOST_ALLOCATOR"
+#: environment variable: N > 0 (MiB) keeps the steady settings but serves blocks of N MiB and more with
+#: ``mmap`` again (``M_MMAP_THRESHOLD``; unset or 0: none mmapped, the default): lower peak memory, and
+#: every call using such a block faults its pages in again (module docstring, measured)
+ENV_MMAP_MIB = "HETHUB_HOST_ALLOCATOR_MMAP_MIB"
 #: glibc ``mallopt`` parameter numbers (malloc.h)
-M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -3, -4, -8
 #: the arena count set: one (the main heap, which obeys ``M_MMAP_MAX``; glibc's default is 8 per core)
 ARENA_MAX = 1
 #: the trim threshold set (bytes): the heap's free top up to this size stays with the process
@@ -94,6 +112,20 @@ def _libc() -> Optional[ctypes.CDLL]:
     return lib if hasattr(lib, "mallopt") and hasattr(lib, "gnu_get_libc_version") else None
 
 
+def mmap_threshold_mib() -> int:
+    """The opt-in mmap threshold from :data:`ENV_MMAP_MIB` (MiB; 0 when unset: no block mmapped).
+
+    Raises:
+      ValueError: the variable is set to something other than a whole number >= 0.
+    """
+    raw = os.environ.get(ENV_MMAP_MIB, "").strip()
+    if not raw:
+        return 0
+    if not raw.isdigit():
+        raise ValueError(f"${ENV_MMAP_MIB} must be a whole number of MiB >= 0 (0: no block mmapped), got {raw!r}")
+    return int(raw)
+
+
 def steady_host_allocator(enable: Optional[bool] = None) -> Dict[str, object]:
     """Sets the C library's allocator so that large blocks are neither mmapped nor trimmed (module
     docstring: why). Idempotent and thread-safe; call it early in a process that runs CPU islands
@@ -107,8 +139,12 @@ def steady_host_allocator(enable: Optional[bool] = None) -> Dict[str, object]:
         systems; glibc's adaptive threshold does not come back); None
         (default): steady unless the environment variable :data:`ENV` is ``default``.
 
+    With :data:`ENV_MMAP_MIB` set to N > 0 the steady settings serve blocks of N MiB and more with
+    ``mmap`` (``M_MMAP_MAX`` 65536, ``M_MMAP_THRESHOLD`` N MiB): ``allocator`` is then
+    ``"steady-mmapN"``.
+
     Returns:
-      ``{"allocator": "steady" | "default", "applied": bool, "reason": str}``: which settings are in
+      ``{"allocator": "steady" | "steady-mmapN" | "default", "applied": bool, "reason": str}``: which settings are in
       force, whether this call changed them (False when they were already in force), and what was set
       (not glibc, or ``mallopt`` refused: ``applied`` False and ``allocator`` ``"default"``); when this
       call set them, also ``"backend_started": bool`` (True: the JAX backend had started before, so
@@ -116,25 +152,29 @@ def steady_host_allocator(enable: Optional[bool] = None) -> Dict[str, object]:
     """
     if enable is None:
         enable = os.environ.get(ENV, "steady").strip().lower() != "default"
-    want = "steady" if enable else "default"
+    mib = mmap_threshold_mib() if enable else 0
+    want = ("steady" if not mib else f"steady-mmap{mib}") if enable else "default"
     with _lock:
         if _state.get("allocator", "default") == want:
             return dict(_state, allocator=want, applied=False, reason=_state.get("reason", "glibc's own settings"))
         lib = _libc()
         if lib is None:
             return {"allocator": "default", "applied": False, "reason": "not glibc: mallopt unavailable"}
-        ok = (lib.mallopt(M_MMAP_MAX, 0 if enable else 65536) == 1
+        mmap_max = 0 if enable and not mib else 65536
+        ok = (lib.mallopt(M_MMAP_MAX, mmap_max) == 1
               and lib.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES if enable else 128 * 1024) == 1
-              and lib.mallopt(M_ARENA_MAX, ARENA_MAX if enable else _default_arena_max()) == 1)
+              and lib.mallopt(M_ARENA_MAX, ARENA_MAX if enable else _default_arena_max()) == 1
+              and (not mib or lib.mallopt(M_MMAP_THRESHOLD, mib << 20) == 1))
         if not ok:
             return {"allocator": "default", "applied": False, "reason": "mallopt refused the settings"}
         if not enable and hasattr(lib, "malloc_trim"):
             lib.malloc_trim(0)
         lib.gnu_get_libc_version.restype = ctypes.c_char_p
         _state.update(allocator=want, reason=f"glibc {lib.gnu_get_libc_version().decode()} mallopt: M_MMAP_MAX "
-                                             f"{0 if enable else 65536}, M_TRIM_THRESHOLD "
+                                             f"{mmap_max}, M_TRIM_THRESHOLD "
                                              f"{TRIM_THRESHOLD_BYTES if enable else 128 * 1024}, M_ARENA_MAX "
-                                             f"{ARENA_MAX if enable else _default_arena_max()}")
+                                             f"{ARENA_MAX if enable else _default_arena_max()}"
+                                             + (f", M_MMAP_THRESHOLD {mib << 20} (${ENV_MMAP_MIB}={mib})" if mib else ""))
         return dict(_state, applied=True, backend_started=_jax_backend_started())
 
 
@@ -158,5 +198,6 @@ def _jax_backend_started() -> bool:
 
 
 def current() -> str:
-    """``"steady"`` or ``"default"``: what :func:`steady_host_allocator` last set in this process."""
+    """``"steady"``, ``"steady-mmapN"`` or ``"default"``: what :func:`steady_host_allocator` last set in
+    this process."""
     return str(_state.get("allocator", "default"))

@@ -5,11 +5,13 @@ Usage::
     python -m hethub_jax.plan --model PRESET_OR_CONFIG --cluster CLUSTER.yaml --global-batch N
         [--seq-len N] [--memory-headroom F] [--profiles DIR] [--out plan.json] [--top K] [--json]
 
-Prints one table per candidate (best first): per stage its device type, devices, DP x TP, layers,
+Prints the chosen plan (least PREDICTED step time; the one ``--out`` writes) headed ``Chosen plan``, then
+up to ``--top - 1`` alternatives headed ``Alternative 1``, ``Alternative 2``, ... (next best first, each with
+its step time relative to the chosen plan's), one table each: per stage its device type, devices, DP x TP, layers,
 predicted compute (forward + backward) per microbatch, memory per device and bubble; the step time
 (pipeline + gradient all-reduce across stages/replicas and global norm + optimizer update), tokens/s, MFU and the
 fraction of the cluster's upper bound (sum of each group's best homogeneous tokens/s). Every figure is
-PREDICTED by ``hethub_jax.planner.predictor``, none is measured. ``--out`` writes the best plan, which
+PREDICTED by ``hethub_jax.planner.predictor``, none is measured. ``--out`` writes the chosen plan, which
 ``python -m hethub_jax.train --plan`` runs unchanged (the plan records its ``seq_len``; training
 refuses a longer ``data.seq_len`` and warns for a shorter one). Memory figures are binary (GiB = 2**30
 bytes); a stage fits when its memory per device is at most ``1 - --memory-headroom`` (default 0.05) of
@@ -28,7 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from hethub_jax.parallel.rules import check_runtime_support
 
-__all__ = ["main", "format_candidate", "candidate_dict", "cost_source_lines"]
+__all__ = ["main", "format_candidate", "candidate_heading", "candidate_dict", "cost_source_lines"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,8 +45,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="fraction of each device's memory kept free for allocator fragmentation and XLA "
                         "workspace, in [0, 1) (default 0.05: a stage may use 95%% of the capacity)")
     p.add_argument("--profiles", default=None, help="folder of measured profiles <device>.json / <group>.json")
-    p.add_argument("--out", default=None, help="write the best plan (JSON) here")
-    p.add_argument("--top", type=int, default=3, help="candidates to keep and print (default 3)")
+    p.add_argument("--out", default=None, help="write the chosen plan (JSON; the first printed) here")
+    p.add_argument("--top", type=int, default=3, help="plans to print: the chosen one and up to K-1 alternatives (default 3)")
     p.add_argument("--max-stages-per-group", type=int, default=4, help="most stages one group may hold (default 4)")
     p.add_argument("--microbatch-sizes", type=int, nargs="+", default=None,
                    help="candidate microbatch sizes (default: every divisor of the global batch)")
@@ -68,15 +70,32 @@ def devices_used(plan: Any) -> int:
     return sum(st.num_devices for rep in plan.replicas for st in rep.stages)
 
 
+def candidate_heading(i: int, kind: str, chosen_step_s: Optional[float] = None,
+                      step_s: Optional[float] = None) -> str:
+    """``"Chosen plan (pipeline)"`` for the search's best candidate (``i`` 0), else ``"Alternative i
+    (kind)"`` (``i`` >= 1: the next best first) with, given both PREDICTED step times (seconds), the step's
+    difference from the chosen plan's in percent: ``"Alternative 1 (pipeline; step +2.9% vs the chosen
+    plan)"``. ``kind``: the candidate's family (``pipeline``, ``hetero-dp``)."""
+    if i == 0:
+        return f"Chosen plan ({kind})"
+    if chosen_step_s and step_s is not None:
+        return f"Alternative {i} ({kind}; step {100 * (step_s / chosen_step_s - 1):+.1f}% vs the chosen plan)"
+    return f"Alternative {i} ({kind})"
+
+
 def format_candidate(i: int, c: Any, groups: Dict[str, Any], ub: Optional[float],
-                     ub_note: Optional[str] = None, cluster_devices: Optional[int] = None) -> str:
-    """The readable table of one candidate (every figure PREDICTED); ``ub_note``: why the upper bound
-    ``ub`` is None (``SearchResult.upper_bound_note``); ``cluster_devices``: the cluster's accelerators,
-    to say how many the plan leaves idle (MFU counts only the plan's devices)."""
+                     ub_note: Optional[str] = None, cluster_devices: Optional[int] = None,
+                     chosen_step_s: Optional[float] = None) -> str:
+    """The readable table of the ``i``-th candidate of a search, best first (every figure PREDICTED),
+    headed by :func:`candidate_heading` (``i`` 0: ``Chosen plan``; else ``Alternative i``);
+    ``ub_note``: why the upper bound ``ub`` is None (``SearchResult.upper_bound_note``);
+    ``cluster_devices``: the cluster's accelerators, to say how many the plan leaves idle (MFU counts
+    only the plan's devices); ``chosen_step_s``: the chosen plan's PREDICTED step time (seconds), for an
+    alternative's relative step time."""
     pred, plan = c.prediction, c.plan
     frac = f"{c.upper_bound_fraction:.3f} of the cluster's upper bound ({ub:,.0f} tokens/s)" if ub else \
         (ub_note or "upper bound not computed")
-    lines = [f"Candidate {i + 1} ({c.kind}) - PREDICTED: step {pred.step_time_s:.4g} s, "
+    lines = [f"{candidate_heading(i, c.kind, chosen_step_s, pred.step_time_s)} - PREDICTED: step {pred.step_time_s:.4g} s, "
              f"{pred.tokens_per_s:,.0f} tokens/s, MFU {_mfu_text(c)}, {frac}",
              f"  microbatch {plan.microbatch_size}, global batch {plan.global_batch_size}, schedule {plan.schedule}, "
              f"recompute {plan.recompute}; pipeline {pred.pipeline_s:.4g} s + gradient all-reduce {pred.allreduce_s:.3g} s "
@@ -230,7 +249,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                                      "evaluated": res.evaluated, "wall_s": res.wall_s},
                           "upper_bound_tokens_per_s": res.upper_bound_tokens_per_s,
                           "upper_bound_note": res.upper_bound_note,
-                          "candidates": [candidate_dict(c) for c in res.candidates]}, indent=2))
+                          "candidates": [{**candidate_dict(c), "chosen": i == 0}
+                                         for i, c in enumerate(res.candidates)]}, indent=2))
         return 0
     groups = {g.name: _GroupInfo(g, costs[g.name]) for g in cluster.groups}
     print(f"PREDICTED plans for {args.model} on {cluster.name} ({cluster.num_devices} devices), global batch "
@@ -247,9 +267,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(format_candidate(i, c, groups, res.upper_bound_tokens_per_s,
                                res.upper_bound_note or ("upper bound skipped (--no-upper-bound)"
                                                         if args.no_upper_bound else None),
-                               cluster.num_devices))
+                               cluster.num_devices, res.best.prediction.step_time_s))
     if args.out:
-        print(f"\nbest plan written to {args.out}")
+        print(f"\nchosen plan written to {args.out}")
     return 0
 
 

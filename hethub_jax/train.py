@@ -226,6 +226,19 @@ def _peers_failed(e) -> int:
     return EXIT_CONFIG_ERROR
 
 
+def _set_up_failed(e, args: argparse.Namespace | None) -> int:
+    """Some ranks of an MPI job found a configuration error after MPI started (``cluster.SetUpFailed``,
+    raised on every rank at an agreement point): each distinct error is printed once, as one line by
+    the lowest rank that found it (naming the other ranks that found the same); every other rank,
+    failed with the same error or healthy, ends quietly. Returns 2 on every rank (no MPI abort: every
+    rank ends by itself, so ``mpiexec`` exits with 2)."""
+    if e.first_rank_of_own_error():
+        others = e.same_on()
+        also = f" (the same on rank(s) {', '.join(map(str, others))})" if others else ""
+        _say(f"{_PROG}: error: {_rank_label(args)}{e.failed[e.rank]}{also}")
+    return EXIT_CONFIG_ERROR
+
+
 def _say(line: str) -> None:
     """``line`` and its newline to stderr in one write: ``print`` writes the newline separately, and
     mpiexec, forwarding several ranks' stderr, then merged two ranks' lines into one."""
@@ -324,9 +337,11 @@ def _resolve_plan(cfg, platform: str):
 
 
 def _prepare_devices(plan_path: str | None, island: str | None) -> None:
-    """Before any JAX backend starts: in a single CPU process running a multi-device plan, ask XLA for
-    enough host devices (``--xla_force_host_platform_device_count``). Reads the plan JSON with the
-    pure-Python plan module; errors are left to the validated load later."""
+    """Before any JAX backend starts: in a CPU process running a multi-device plan, ask XLA for
+    enough host devices (``--xla_force_host_platform_device_count``): the most any island of this
+    process needs (under ``mpiexec``, this rank's island: ``island``, ``$HETHUB_ISLAND`` or the plan's
+    island of the launcher's rank, so that no rank gets devices it leaves idle). Reads the plan JSON
+    with the pure-Python plan module; errors are left to the validated load later."""
     if plan_path is None or "--xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
         return
     try:
@@ -334,6 +349,11 @@ def _prepare_devices(plan_path: str | None, island: str | None) -> None:
         plan = Plan.from_json(plan_path)
     except Exception:  # reported properly by _resolve_plan
         return
+    island = island or os.environ.get("HETHUB_ISLAND")
+    if island is None and mpi_world_size() > 1 and plan.world_size == mpi_world_size():
+        from hethub_jax.cluster import launcher_rank
+        rank = launcher_rank()  # this rank's island in the plan: it gets only the devices that island uses
+        island = plan.rank_island(rank).name if rank is not None and 0 <= rank < plan.world_size else None
     islands = [i for i in plan.islands if island is None or i.name == island]
     cpu = [i.devices_per_process for i in islands if i.platform == "cpu"]
     if cpu and max(cpu) > 1 and all(i.platform == "cpu" for i in islands):
@@ -356,9 +376,11 @@ def start_mpi(plan_path: str | None, island: str | None, size: int, timeout: flo
     platform, split the world by island (``hethub_jax.cluster.start``). Returns the Island.
 
     Raises:
-      ValueError: no plan, an island not in the plan, or a rank/island mismatch with the plan (the
-        first two before MPI starts: the caller reports them with ``cluster.join_job(error)``).
+      ValueError: no plan, an unreadable plan or a job size other than the plan's (before MPI starts:
+        the caller reports them with ``cluster.join_job(error)``).
       hethub_jax.cluster.StartFailed: another rank failed before MPI started.
+      hethub_jax.cluster.SetUpFailed: on every rank, when a rank's island is not in the plan or
+        disagrees with the plan's island of its rank (an agreement point after MPI started).
     """
     from hethub_jax.parallel.plan import Plan
 
@@ -376,12 +398,14 @@ def start_mpi(plan_path: str | None, island: str | None, size: int, timeout: flo
     rank = cluster.join_job()  # MPI_Init and the start-up gate (raises cluster.StartFailed)
 
     name = island or os.environ.get(cluster.ENV_ISLAND) or plan.rank_island(rank).name
+    error = None
     if name not in [i.name for i in plan.islands]:
-        raise ValueError(f"--island {name!r} is not an island of the plan: {[i.name for i in plan.islands]}")
-    if plan.rank_island(rank).name != name:
-        raise ValueError(f"rank {rank} runs island {name!r} but the plan gives rank {rank} to island "
-                         f"{plan.rank_island(rank).name!r} (islands take consecutive ranks in plan order; "
-                         f"list the mpiexec parts in that order)")
+        error = f"--island {name!r} is not an island of the plan: {[i.name for i in plan.islands]}"
+    elif plan.rank_island(rank).name != name:
+        error = (f"rank {rank} runs island {name!r} but the plan gives rank {rank} to island "
+                 f"{plan.rank_island(rank).name!r} (islands take consecutive ranks in plan order; "
+                 f"list the mpiexec parts in that order)")
+    cluster.agree_errors(error, timeout)  # every rank ends (cluster.SetUpFailed) if one found an error
     cluster.install_abort_on_exception(rank=rank, island=name)
     island_ = cluster.start(island=name, platform=plan.island(name).platform, timeout=timeout)
     # one line per rank, so that a launcher's report of a dead pid ("BAD TERMINATION ... PID 4852")
@@ -547,27 +571,36 @@ def _check_launch(run: _Run) -> None:
         raise _ConfigError(f"--island {run.args.island}: the plan has {plan.world_size} ranks; run it under "
                            f"mpiexec -n {plan.world_size}, or without --island to run every island in one "
                            f"process")
-    _check_devices(run)
+    counts = _agreed(run.comm, lambda: _check_devices(run), run.cfg.train.message_timeout_s)
     if run.comm is not None:
         import jax
 
         from hethub_jax import cluster
         digest = cluster.config_hash(run.cfg.to_dict(), plan.to_dict())
-        try:
-            cluster.handshake(run.comm, cluster.handshake_record(
-                digest, run.island.name, run.island.platform, jax.local_device_count(),
-                config={"config": run.cfg.to_dict(), "plan": plan.to_dict()}),
-                timeout=run.cfg.train.message_timeout_s)
-        except cluster.HandshakeError as e:
-            raise _ConfigError(str(e)) from None
+
+        def shake():
+            try:
+                return cluster.handshake(run.comm, cluster.handshake_record(
+                    digest, run.island.name, run.island.platform, jax.local_device_count(),
+                    config={"config": run.cfg.to_dict(), "plan": plan.to_dict()}),
+                    timeout=run.cfg.train.message_timeout_s)
+            except cluster.HandshakeError as e:  # the same message on every rank: printed once
+                raise _ConfigError(str(e)) from None
+        records = _agreed(run.comm, shake, run.cfg.train.message_timeout_s)
+        counts = {r: rec["local_device_count"] for r, rec in enumerate(records)}
+    note = unused_devices_note(plan, counts, built_in=run.cfg.train.plan is None)
+    if note:
+        run.plan_notes.append(note)
 
 
-def _check_devices(run: _Run) -> None:
+def _check_devices(run: _Run) -> dict:
     """The islands this process runs (all of them without MPI) have their platform here and no more
-    devices per process than this process has."""
+    devices per process than this process has. Returns the devices this process has: ``{platform:
+    count}`` without MPI, ``{rank: count}`` (this rank's local devices) under MPI."""
     import jax
 
     islands = [run.plan.island(run.island.name)] if run.island is not None else list(run.plan.islands)
+    counts: dict = {}
     for isl in islands:
         try:
             devs = jax.devices(isl.platform) if run.island is None else jax.local_devices()
@@ -577,13 +610,81 @@ def _check_devices(run: _Run) -> None:
         if isl.devices_per_process > len(devs):
             raise _ConfigError(f"island {isl.name!r} needs devices_per_process={isl.devices_per_process} "
                                f"{isl.platform} devices, this process has {len(devs)}")
+        counts[isl.platform if run.island is None else run.rank] = len(devs)
+    return counts
+
+
+def used_device_indices(plan, island: str, process: int | None = None) -> set[int]:
+    """The island-local device indices (``Plan.stage_devices``) that the stages of ``island`` run on;
+    with ``process``, only that process's (indices ``process * devices_per_process`` onwards), counted
+    from 0 inside the process."""
+    isl = plan.island(island)
+    used = {i for r, rep in enumerate(plan.replicas) for s, st in enumerate(rep.stages) if st.island == island
+            for i in plan.stage_devices(r, s)}
+    if process is None:
+        return used
+    lo = process * isl.devices_per_process
+    return {i - lo for i in used if lo <= i < lo + isl.devices_per_process}
+
+
+def _ranges(idx: Sequence[int]) -> str:
+    """``[1, 2, 3, 5]`` -> ``"1-3, 5"``."""
+    out: list[str] = []
+    for i in sorted(idx):
+        if out and out[-1].split("-")[-1] == str(i - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ", ".join(out)
+
+
+def unused_devices_note(plan, counts: dict, built_in: bool = False) -> str | None:
+    """A WARNING line when processes of the run have JAX devices that no stage of ``plan`` uses, else
+    None. A warning, not an error: the plan is explicit (unlike MaxText, whose mesh is derived from
+    every visible device and which fails when the product of the parallel degrees differs from the
+    device count, or Megatron, which derives DP from the world size), and the built-in one-device plan
+    must run on a multi-device machine; but idle accelerators are almost never what a user wants.
+
+    Args:
+      plan: the validated plan.
+      counts: devices present: ``{platform: count}`` for a single process running every island (the
+        islands of one platform then share that process's devices, indices from 0), or ``{rank:
+        count}`` (local devices of each MPI rank, from the start-up handshake).
+      built_in: the plan is the built-in default (no ``--plan``): the advice says so.
+    """
+    parts = []
+    if all(isinstance(k, str) for k in counts):  # one process runs every island
+        for platform, have in counts.items():
+            used = set().union(*(used_device_indices(plan, i.name) for i in plan.islands if i.platform == platform))
+            idle = [i for i in range(have) if i not in used]
+            if idle:
+                parts.append(f"this process has {have} {platform} device(s), the plan uses {len(used)} "
+                             f"(indices {_ranges(sorted(used))}); unused: {_ranges(idle)}")
+    else:
+        for rank, have in sorted(counts.items()):
+            isl = plan.rank_island(rank)
+            used = used_device_indices(plan, isl.name, plan.process_index(rank))
+            idle = [i for i in range(have) if i not in used]
+            if idle:
+                parts.append(f"rank {rank} (island {isl.name}) has {have} {isl.platform} device(s), the plan "
+                             f"uses {len(used)}; unused local device(s): {_ranges(idle)}")
+    if not parts:
+        return None
+    head = "the built-in plan (one island, one stage, one device)" if built_in else "the plan"
+    return (f"WARNING: unused devices: {'; '.join(parts)}. They stay idle: {head} does not use them. To use "
+            f"them, give a plan whose stages cover them (python -m hethub_jax.train --plan PLAN.json): more data "
+            f"parallelism (a stage's dp), tensor parallelism (tp) or more stages on the island, with its "
+            f"devices_per_process raised to the devices each process has (docs/plan_format.md), or let the "
+            f"planner choose (--cluster CLUSTER.yaml, docs/planner.md); to silence this, hide them "
+            f"(CUDA_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES, or XLA_FLAGS "
+            f"--xla_force_host_platform_device_count for CPU devices)")
 
 
 def _check_outputs(run: _Run) -> None:
     """Before anything is compiled: the logging rank locks the output directories (checkpoint
     directory; the metrics file's directory) against a second run (``checkpoint.DirLock``); every rank
-    probes that the checkpoint directory is writable with free space (``checkpoint.probe_writable``);
-    ``--resume`` (without ``--resume-or-start``) needs a complete checkpoint."""
+    probes that the checkpoint directory is writable with free space (``checkpoint.probe_writable``).
+    Then (``_check_resume``) ``--resume`` (without ``--resume-or-start``) needs a complete checkpoint."""
     from hethub_jax import checkpoint as ckpt
 
     t = run.cfg.train
@@ -599,6 +700,14 @@ def _check_outputs(run: _Run) -> None:
                 run.locks.append(ckpt.DirLock(lock))
         except (OSError, ckpt.CheckpointError) as e:
             raise _ConfigError(f"{field}: {e}") from None
+
+
+def _check_resume(run: _Run) -> None:
+    """``--resume`` (without ``--resume-or-start``) needs a complete checkpoint; a checkpoint to resume
+    from must be of this model and data set-up (``checkpoint.check_compatible``)."""
+    from hethub_jax import checkpoint as ckpt
+
+    t = run.cfg.train
     steps = _resolve_resume(run)
     if t.resume and not t.resume_or_start and not steps:
         raise _ConfigError(f"train.resume: no complete checkpoint in {t.checkpoint_dir} to resume from "
@@ -658,6 +767,29 @@ def _resolve_resume(run: _Run) -> list[int]:
     return steps
 
 
+def _agreed(comm, step, timeout: float):
+    """``step()``'s result. Under MPI (``comm`` not None: every rank started) every rank then passes an
+    agreement point (``cluster.agree_errors``), so that a configuration error found by some ranks ends
+    every rank with status 2 (``main`` prints each distinct error once) and none waits in a later
+    collective. Without MPI a ``_ConfigError`` propagates as it is.
+
+    Raises:
+      _ConfigError: without MPI, ``step``'s.
+      hethub_jax.cluster.SetUpFailed: under MPI, on every rank, when ``step`` failed on any rank.
+    """
+    if comm is None:
+        return step()
+    from hethub_jax import cluster
+
+    error, result = None, None
+    try:
+        result = step()
+    except _ConfigError as e:
+        error = str(e)
+    cluster.agree_errors(error, timeout)
+    return result
+
+
 def _set_up(args: argparse.Namespace) -> _Run:
     """Config, processes, plan, data, launch checks and the pipeline runtime, in that order.
 
@@ -670,23 +802,31 @@ def _set_up(args: argparse.Namespace) -> _Run:
         # CPU islands: the steady host allocator before the JAX backend starts (its threads then allocate
         # from the one glibc arena; hethub_jax.host_allocator); a JAX_PLATFORMS without cpu is left alone
         from hethub_jax.host_allocator import steady_host_allocator
-        steady_host_allocator()
+        try:
+            steady_host_allocator()
+        except ValueError as e:  # a malformed $HETHUB_HOST_ALLOCATOR_MMAP_MIB
+            raise _ConfigError(str(e)) from None
     planned = _plan_from_cluster(args, cfg) if args.cluster else None
     if planned is not None:
         cfg = _load_config(args)  # with train.plan = the written plan.json
     comm, rank, world_size, island = _start_processes(cfg, args)
-    plan, notes, train_ds, val_ds = _load_plan_and_data(cfg)
+    timeout = cfg.train.message_timeout_s
+    plan, notes, train_ds, val_ds = _agreed(comm, lambda: _load_plan_and_data(cfg), timeout)
     run = _Run(args=args, cfg=cfg, plan=plan, plan_notes=notes, comm=comm, rank=rank,
                world_size=world_size, island=island, train_ds=train_ds, val_ds=val_ds)
     _check_launch(run)
     try:
-        _check_outputs(run)
+        _agreed(comm, lambda: _check_outputs(run), timeout)
+        _agreed(comm, lambda: _check_resume(run), timeout)
         from hethub_jax.parallel.runtime import PipelineRuntime
-        try:
-            run.rt = PipelineRuntime(plan, cfg.model, cfg.optim, seed=cfg.train.seed, comm=comm, rank=rank,
-                                     timeout_s=cfg.train.message_timeout_s)
-        except ValueError as e:
-            raise _ConfigError(str(e)) from None
+
+        def runtime():
+            try:
+                return PipelineRuntime(plan, cfg.model, cfg.optim, seed=cfg.train.seed, comm=comm, rank=rank,
+                                       timeout_s=timeout)
+            except ValueError as e:
+                raise _ConfigError(str(e)) from None
+        run.rt = _agreed(comm, runtime, timeout)
         run.rt.set_grad_buckets(cfg.train.grad_bucket_mb)
         run.log = run.rt.is_logging_rank
         run.emulation = run.rt.emulation_lines()
@@ -706,7 +846,8 @@ def _release_locks(run: _Run) -> None:
 def _plan_from_cluster(args: argparse.Namespace, cfg):
     """``--cluster``: rank 0 profiles (or reuses ``--profiles``) and plans, every rank gets the same plan
     (``train_predict.plan_from_cluster``); sets ``args.plan`` to the written plan.json. Returns the
-    ``RunPrediction``. Raises _ConfigError for ``--plan`` with ``--cluster`` or a planning error."""
+    ``RunPrediction``. Raises _ConfigError for ``--plan`` with ``--cluster`` or (one process) a planning
+    error; under MPI a planning error ends every rank at an agreement point (``cluster.SetUpFailed``)."""
     from hethub_jax.config import DEFAULT_BATCH_SIZE
     from hethub_jax.train_predict import plan_from_cluster
 
@@ -718,21 +859,34 @@ def _plan_from_cluster(args: argparse.Namespace, cfg):
         from hethub_jax import cluster
         rank = cluster.join_job()  # every rank passed its own checks before rank 0 profiles and plans
     t = cfg.train
-    out_dir = os.path.dirname(os.path.abspath(t.metrics_file)) if t.metrics_file else os.path.abspath("runs/planned")
+    out_dir = planned_dir(t.metrics_file)
     spec = cfg.model_spec
     preset = spec if isinstance(spec, str) else spec.get("preset", "tiny") if isinstance(spec, dict) else "tiny"
     say = (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None)
-    try:
-        path, pred, lines = plan_from_cluster(
-            cfg.model, preset, args.cluster, global_batch=t.global_batch_size or DEFAULT_BATCH_SIZE,
-            seq_len=cfg.data.seq_len, microbatch_size=t.microbatch_size, profiles_dir=args.profiles,
-            out_dir=out_dir, rank=rank, world_size=size, log=say)
-    except (ValueError, OSError) as e:
-        raise _ConfigError(str(e)) from None
+
+    def plan_it():
+        try:
+            return plan_from_cluster(
+                cfg.model, preset, args.cluster, global_batch=t.global_batch_size or DEFAULT_BATCH_SIZE,
+                seq_len=cfg.data.seq_len, microbatch_size=t.microbatch_size, profiles_dir=args.profiles,
+                out_dir=out_dir, rank=rank, world_size=size, log=say)
+        except (ValueError, OSError) as e:  # a planning error is shared by every rank: printed once
+            raise _ConfigError(str(e)) from None
+    path, pred, lines = _agreed(True if size > 1 else None, plan_it, t.message_timeout_s)
     for line in lines:
         say(line)
-    args.plan = path
+    args.plan = os.path.normpath(path)
     return pred
+
+
+def planned_dir(metrics_file: str | None) -> str:
+    """Where plan-less training writes ``plan.json`` (and, without ``--profiles``, ``profiles/``): the
+    metrics file's directory in the form the user gave it (relative stays relative: every path the run
+    prints, e.g. its ``outputs:`` line, is as given or derived from one as given), ``os.curdir`` for a
+    metrics file without a directory part; ``runs/planned`` without a metrics file."""
+    if not metrics_file:
+        return os.path.join("runs", "planned")
+    return os.path.dirname(metrics_file) or os.curdir
 
 
 def _check_insight_deps(args: argparse.Namespace) -> None:
@@ -1093,7 +1247,7 @@ def _train_loop(run: _Run, hooks: list[Hook], console: Console) -> TrainState:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run training. Returns the exit status: 0 success, 2 configuration error (one line on stderr),
     1 training failure (non-finite loss). Other exceptions propagate with their traceback."""
-    from hethub_jax.cluster import StartFailed
+    from hethub_jax.cluster import SetUpFailed, StartFailed
 
     import contextlib
     import io
@@ -1117,6 +1271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(str(e), args)
     except StartFailed as e:
         return _peers_failed(e)
+    except SetUpFailed as e:
+        return _set_up_failed(e, args)
     try:
         return _main(run, args)
     except _ConfigError as e:

@@ -476,6 +476,7 @@ class ConsoleHook(_NoOp):
 def outputs_line(outputs: Sequence[tuple[str, str | None]]) -> str | None:
     """``"outputs: metrics runs/tiny/metrics.jsonl; plan ...; trace ...; ..."``: every ``(label, path)``
     whose path exists at the end of the run (written by it or kept from before: checkpoints), in the
-    given order; None when there is none."""
+    given order, each path as given (the training entry point passes them as the user gave them, or
+    derived from one as given: relative stays relative); None when there is none."""
     have = [f"{label} {path}" for label, path in outputs if path and os.path.exists(path)]
     return f"outputs: {'; '.join(have)}" if have else None

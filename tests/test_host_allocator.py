@@ -172,3 +172,54 @@ def test_steady_allocator_reuses_pages_in_other_threads():
     assert new["info"]["allocator"] == "steady" and "M_ARENA_MAX 1" in new["info"]["reason"]
     assert old["faults"] > 0.8 * old["pages"]
     assert new["faults"] < 0.05 * new["pages"]
+
+
+_SIZES_CHILD = r"""
+import ctypes, json, resource, sys
+from hethub_jax import host_allocator
+info = host_allocator.steady_host_allocator()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+flt = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+out = {"info": info}
+for mib in (16, 64):
+    n = mib << 20
+    def use(value):
+        p = libc.malloc(n)
+        ctypes.memset(p, value, n)
+        libc.free(p)
+    use(1)
+    f0 = flt()
+    use(2)
+    out[str(mib)] = {"faults": flt() - f0, "pages": n // resource.getpagesize()}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or host_allocator._libc() is None, reason="glibc only")
+def test_opt_in_mmap_threshold_mmaps_only_blocks_above_it():
+    """$HETHUB_HOST_ALLOCATOR_MMAP_MIB=32: a 64 MiB block is mmapped afresh (its second use faults every
+    page again), a 16 MiB block stays in the heap (almost no fault); unset, neither faults again."""
+    def run(mib):
+        env = dict(os.environ, PYTHONPATH=ROOT)
+        env.pop(host_allocator.ENV, None)
+        env.pop(host_allocator.ENV_MMAP_MIB, None)
+        if mib is not None:
+            env[host_allocator.ENV_MMAP_MIB] = str(mib)
+        out = subprocess.run([sys.executable, "-c", _SIZES_CHILD], env=env, capture_output=True, text=True,
+                             timeout=120, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    mm, steady = run(32), run(None)
+    assert mm["info"]["allocator"] == "steady-mmap32" and "M_MMAP_THRESHOLD 33554432" in mm["info"]["reason"]
+    assert mm["64"]["faults"] > 0.8 * mm["64"]["pages"] and mm["16"]["faults"] < 0.05 * mm["16"]["pages"]
+    assert steady["info"]["allocator"] == "steady"
+    assert steady["64"]["faults"] < 0.05 * steady["64"]["pages"] and steady["16"]["faults"] < 0.05 * steady["16"]["pages"]
+
+
+def test_mmap_threshold_variable_is_validated(monkeypatch):
+    monkeypatch.setenv(host_allocator.ENV_MMAP_MIB, "lots")
+    with pytest.raises(ValueError, match="HETHUB_HOST_ALLOCATOR_MMAP_MIB must be a whole number"):
+        host_allocator.mmap_threshold_mib()
+    monkeypatch.setenv(host_allocator.ENV_MMAP_MIB, "256")
+    assert host_allocator.mmap_threshold_mib() == 256

@@ -305,7 +305,8 @@ def test_cli_prints_predicted_tables_and_writes_a_valid_plan(tmp_path, capsys):
     assert main(["--model", "tiny", "--cluster", str(TINY2), "--global-batch", "8", "--seq-len", "32",
                  "--top", "2", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert text.count("PREDICTED") >= 3 and "Candidate 2" in text and "upper bound" in text
+    assert text.count("PREDICTED") >= 3 and "Alternative 1 (" in text and "upper bound" in text
+    assert text.count("Chosen plan (") == 1 and text.index("Chosen plan (") < text.index("Alternative 1 (")
     Plan.from_json(out).validate(load_model("tiny"))
     assert main(["--model", "tiny", "--cluster", str(TINY2), "--global-batch", "8", "--seq-len", "32",
                  "--json", "--no-upper-bound"]) == 0
