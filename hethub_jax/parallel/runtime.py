@@ -170,6 +170,12 @@ class PipelineRuntime:
         # stage whose value the others receive) is then that replica's first holder. See `_set_owners`.
         self.zero1 = plan.sharded_update()
         self.owner_of: dict[str, int] = {}
+        # ZeRO-1 ownership weights (`set_update_weights`); None: the batch shares
+        self.update_weights: list[float] | None = None
+        # `measure_step_costs`' raw figures of its last call: busy_s (each replica's F/B seconds per
+        # step at the shares of that call) and update_s (its whole-update seconds), for
+        # `plan.balanced_update_fractions`
+        self.last_step_costs: dict[str, list[float]] | None = None
         self._full_reduce = False  # True: every holder gets every gradient sum (`gradients`)
         self._set_owners()
         self._group_comms: dict[tuple[int, ...], Any] = {}
@@ -494,10 +500,12 @@ class PipelineRuntime:
     # ---- sharded optimizer update (ZeRO-1) ------------------------------------------------------
     def _set_owners(self) -> None:
         """Sets `owner_of` (parameter name -> owning replica: `plan.zero1_owners` of the parameter
-        bytes and the current shares; empty when the update is replicated) and `norm_owner` (the
+        bytes and the current shares, or the `update_weights` when set; empty when the update is
+        replicated) and `norm_owner` (the
         first holder, in the owning replica under ZeRO-1). The same on every rank."""
         if self.zero1:
-            self.owner_of = zero1_owners(self._param_bytes, self.shares)
+            weights = self.shares if self.update_weights is None else self.update_weights
+            self.owner_of = zero1_owners(self._param_bytes, weights)
             self.norm_owner = {n: next(k for k in h if k[0] == self.owner_of[n]) for n, h in self._holders.items()}
         else:
             self.owner_of = {}
@@ -883,6 +891,10 @@ class PipelineRuntime:
         is added to its seconds per sample and its fixed seconds are 0 (the parameter exchange that
         follows is the same for every replica, like the all-reduce's tail).
 
+        The raw figures (each replica's F/B seconds per step at the current shares, and its whole
+        update's seconds) are kept in `last_step_costs` for `plan.balanced_update_fractions`
+        (`set_update_weights`).
+
         Returns:
           (unit_s, fixed_s): seconds per sample and seconds per step, one per replica.
         """
@@ -906,11 +918,38 @@ class PipelineRuntime:
                 fixed[k] = (time.perf_counter() - t0) if self._counts(k) else 0.0
                 del p, o, out
         busy, fixed = self._allreduce_world(busy), self._allreduce_world(fixed)
+        self.last_step_costs = {"busy_s": [float(busy[r].max()) / steps for r in range(R)],
+                                "update_s": [float(fixed[r].max()) for r in range(R)]}
         unit = [float(busy[r].max()) / (steps * self.shares[r]) for r in range(R)]
         if self.zero1:  # each replica updates a share of the parameters proportional to its batch share
             gbs = self.plan.global_batch_size
             return [u + float(fixed[r].max()) / gbs for r, u in enumerate(unit)], [0.0] * R
         return unit, [float(fixed[r].max()) for r in range(R)]
+
+    def set_update_weights(self, weights: list[float] | None) -> None:
+        """ZeRO-1: the replicas' weights for the ownership of the update (`plan.zero1_owners`: replica
+        ``r`` owns about a fraction ``weights[r] / sum(weights)`` of the parameter bytes). None (the
+        default): the batch shares. Measured weights, `plan.balanced_update_fractions` of
+        `last_step_costs` at the final shares, put the update where the replicas would otherwise idle
+        (the whole-microbatch shares rarely balance the step exactly); the result does not change
+        (every parameter is updated once, by its owner, with the same arithmetic). No-op for a
+        replicated update. Collective under ZeRO-1 after steps (the moments are synchronised first,
+        `sync_optimizer_state`): every rank calls it with the same weights.
+
+        Raises:
+          ValueError: if not one weight per replica, each finite and > 0.
+        """
+        if weights is not None:
+            if len(weights) != self.plan.num_replicas or not all(
+                    math.isfinite(w) and w > 0 for w in weights):
+                raise ValueError(f"update weights must be {self.plan.num_replicas} finite values > 0 "
+                                 f"(one per replica), got {weights}")
+            weights = [float(w) for w in weights]
+        self.wait_params()
+        if self.zero1 and self.step > 0:
+            self.sync_optimizer_state()  # the owners change: every moment must be current first
+        self.update_weights = weights
+        self._set_owners()
 
     def set_batch_shares(self, shares: list[int]) -> None:
         """Changes the replicas' shares of the global batch (samples). Each share must be a multiple
