@@ -438,3 +438,29 @@ def test_zero1_multi_stage_replicas_checkpoint_round_trip_over_two_islands():
         for n, p in o["params"].items():
             np.testing.assert_array_equal(o["fresh"][n], p)
     assert_holders_bitwise_equal({k: v for o in out.values() for k, v in o["state"].items()})
+
+
+def test_measured_update_fractions_feed_the_ownership_and_stay_exact(monkeypatch):
+    """`measure_step_costs` keeps each replica's F/B seconds per step and whole-update seconds
+    (`last_step_costs`); `balanced_update_fractions` of them, set as update weights, trains as the
+    replicated run does. The emulated waits are recorded, not slept (no timing asserted)."""
+    from hethub_jax.parallel import runtime as rtm
+    waits = []
+    monkeypatch.setattr(rtm, "emulated_wait", waits.append)
+    cfg = model_config(False)
+    data = batches(10, n=3, padded=True, seed=4)
+    runs = [PipelineRuntime(with_sharding(dp_plan([3.0, 1.0], slowdown=3.0), m), cfg, OPTIM, seed=2)
+            for m in ("zero1", "replicated")]
+    runs[0].measure_step_costs(data[0], steps=3)
+    costs = runs[0].last_step_costs
+    assert set(costs) == {"busy_s", "update_s"} and all(len(v) == 2 for v in costs.values())
+    assert all(v > 0 for vs in costs.values() for v in vs)
+    assert waits and all(w >= 0 for w in waits)  # island i1's actions and update were stretched
+    x = balanced_update_fractions(costs["busy_s"], costs["update_s"])
+    runs[0].set_update_weights(x)
+    assert runs[0].update_weights == pytest.approx(x)
+    for b in data:
+        losses = [rt.train_step(b).loss for rt in runs]
+        assert_rel(losses[0], losses[1], "loss")
+    for n, p in runs[1].params().items():
+        assert_rel(runs[0].params()[n], p, f"parameter {n}")

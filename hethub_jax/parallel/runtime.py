@@ -881,9 +881,10 @@ class PipelineRuntime:
         untimed pass that compiles. Per sample: the replica's busiest stage's compute time (F and B
         actions, emulated slowdowns included) / its share; the device->host copies and bridge
         traffic of the buckets that overlap the backward run on the same cores, so what they cost the
-        replica is in that time. Fixed: the optimizer update of that stage, timed once after a
+        replica is in that time. Fixed: the optimizer update of that stage, timed twice after a
         compiling run on copies of the parameters and optimizer state (the real ones are not changed;
-        the copies cost their memory for the duration), emulated slowdown included. The all-reduce's
+        the copies cost their memory for the duration), emulated slowdown included; the faster of the
+        two (a load spike lengthens one run, never shortens it). The all-reduce's
         exposed tail, after the last replica's last bucket, is the same for every replica and so does
         not move the balance: it is not counted. Under the sharded update (ZeRO-1) a replica updates
         the parameters it owns, in proportion to its share (`plan.zero1_owners`): its update then
@@ -891,8 +892,8 @@ class PipelineRuntime:
         is added to its seconds per sample and its fixed seconds are 0 (the parameter exchange that
         follows is the same for every replica, like the all-reduce's tail).
 
-        The raw figures (each replica's F/B seconds per step at the current shares, and its whole
-        update's seconds) are kept in `last_step_costs` for `plan.balanced_update_fractions`
+        The raw figures (each replica's F/B seconds per step at the current shares, the median over
+        the steps, and its whole update's seconds) are kept in `last_step_costs` for `plan.balanced_update_fractions`
         (`set_update_weights`).
 
         Returns:
@@ -901,26 +902,30 @@ class PipelineRuntime:
         self._forward_backward(batch)
         R = self.plan.num_replicas
         S = max(self.plan.num_stages(r) for r in range(R))
-        busy, fixed = np.zeros((R, S)), np.zeros((R, S))
-        for _ in range(steps):
+        busy, fixed = np.zeros((steps, R, S)), np.zeros((R, S))
+        for i in range(steps):
             acc, _, num_tokens, norm, records, _ = self._forward_backward(batch)
             for rec in records:
                 if rec.action[0] in "FB" and self._counts((rec.replica, rec.stage)):
-                    busy[rec.replica, rec.stage] += rec.end_s - rec.start_s
+                    busy[i, rec.replica, rec.stage] += rec.end_s - rec.start_s
         inv, gnorm = jnp.float32(1.0 / num_tokens), jnp.float32(norm)
         for k in self.local_keys:
-            st = self._stages[k]
-            for _ in range(2):  # the first run compiles
+            st, runs = self._stages[k], []
+            for _ in range(3):  # the first run compiles; the faster of the other two (load spikes)
                 p, o = jax.tree.map(jnp.copy, (st.params, st.opt_state))
                 t0 = time.perf_counter()
                 out = st.update(p, o, acc[k], inv, gnorm)  # the whole update (ZeRO-1: per sample below)
                 self._emulate(k, out, t0)
-                fixed[k] = (time.perf_counter() - t0) if self._counts(k) else 0.0
+                runs.append(time.perf_counter() - t0)
                 del p, o, out
-        busy, fixed = self._allreduce_world(busy), self._allreduce_world(fixed)
-        self.last_step_costs = {"busy_s": [float(busy[r].max()) / steps for r in range(R)],
+            fixed[k] = min(runs[1:]) if self._counts(k) else 0.0
+        busy = self._allreduce_world(busy.reshape(-1)).reshape(busy.shape)
+        fixed = self._allreduce_world(fixed)
+        per_step = busy.max(axis=2)  # [step, replica]: each replica's busiest stage
+        self.last_step_costs = {"busy_s": [float(np.median(per_step[:, r])) for r in range(R)],
                                 "update_s": [float(fixed[r].max()) for r in range(R)]}
-        unit = [float(busy[r].max()) / (steps * self.shares[r]) for r in range(R)]
+        total = busy.sum(axis=0)  # [replica, stage] over the steps
+        unit = [float(total[r].max()) / (steps * self.shares[r]) for r in range(R)]
         if self.zero1:  # each replica updates a share of the parameters proportional to its batch share
             gbs = self.plan.global_batch_size
             return [u + float(fixed[r].max()) / gbs for r, u in enumerate(unit)], [0.0] * R
