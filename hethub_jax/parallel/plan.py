@@ -339,7 +339,8 @@ class Plan(StrictModel):
         :data:`OPTIMIZER_SHARDINGS`: ``"replicated"``: every replica all-reduces every gradient and
         updates every parameter; ``"zero1"``: optimizer-state partitioning (ZeRO stage 1, Rajbhandari
         et al. 2020, section 5.1, P_os): each parameter tensor is updated by one replica, its owner
-        (:func:`zero1_owners`: parameter bytes in proportion to the replicas' batch shares), which
+        (:func:`zero1_owners`: parameter bytes in proportion to the replicas' batch shares, or to
+        measured weights set with ``PipelineRuntime.set_update_weights``), which
         receives the gradient sum (a reduce to the owner instead of an all-reduce where the runtime
         can) and then sends the updated tensor to the other replicas; ``"auto"`` (default): zero1
         where it applies (:meth:`sharded_update`). The result is the same as replicated (float32
