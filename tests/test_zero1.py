@@ -13,7 +13,7 @@ import pytest
 
 from hethub_jax.comm import LocalCommunicator
 from hethub_jax.parallel import zero
-from hethub_jax.parallel.plan import Plan, zero1_owners
+from hethub_jax.parallel.plan import Plan, balanced_update_fractions, zero1_owners
 from hethub_jax.parallel.runtime import PipelineRuntime
 from test_hetero_dp import STEPS, assert_replicas_bitwise_equal, check_steps_against, dp_plan, single_device_run
 from test_runtime_equivalence import OPTIM, assert_rel, batches, model_config
@@ -28,7 +28,7 @@ def test_owners_follow_the_shares_by_hand():
     assert zero1_owners({"a": 6, "b": 3, "c": 1}, [3, 1]) == {"a": 0, "b": 0, "c": 1}
     assert zero1_owners({"a": 6, "b": 3, "c": 1}, [1, 1]) == {"a": 0, "b": 1, "c": 1}
     assert zero1_owners({"x": 5}, [1, 4]) == {"x": 1}  # 5/4 < 5/1
-    with pytest.raises(ValueError, match="one share >= 1 per replica"):
+    with pytest.raises(ValueError, match="one share >= 1"):
         zero1_owners({"a": 1}, [2, 0])
 
 
@@ -38,6 +38,63 @@ def test_owned_bytes_are_close_to_the_share_fraction():
     owners = zero1_owners(sizes, [48, 16])
     owned = [sum(b for n, b in sizes.items() if owners[n] == r) for r in range(2)]
     assert abs(owned[0] / sum(owned) - 0.75) < 100 / sum(owned)  # within one tensor
+
+
+def test_owners_accept_real_weights_by_hand():
+    """Weights other than batch shares (`PipelineRuntime.set_update_weights`): same greedy, exact."""
+    assert zero1_owners({"a": 6, "b": 3, "c": 1}, [0.75, 0.25]) == {"a": 0, "b": 0, "c": 1}  # as [3, 1]
+    assert zero1_owners({"a": 6, "b": 3, "c": 1}, [0.99, 0.01]) == {"a": 0, "b": 0, "c": 0}  # 1/0.01 > 10/0.99
+    # a: 6/0.9 < 6/0.1 -> 1; b: (6+3)/0.9 = 10 < 3/0.1 = 30 -> 1; c: 1/0.1 = 10 < 10/0.9 -> 0
+    assert zero1_owners({"a": 6, "b": 3, "c": 1}, [0.1, 0.9]) == {"a": 1, "b": 1, "c": 0}
+    for bad in ([1.0, 0.0], [1.0, float("nan")], [1.0, -0.5]):
+        with pytest.raises(ValueError, match="weight > 0"):
+            zero1_owners({"a": 1}, bad)
+
+
+def test_balanced_update_fractions_by_hand():
+    """Water-filling of the update into idle time, checked by hand (docstring examples)."""
+    x = balanced_update_fractions([0.40, 0.40], [0.02, 0.06])  # (T - 0.4) (1/0.02 + 1/0.06) = 1
+    assert x == pytest.approx([0.75, 0.25], rel=1e-9)
+    x = balanced_update_fractions([0.40, 0.44], [0.02, 0.06])  # replica 0 finishes at 0.4198 < 0.44
+    assert x == pytest.approx([0.99, 0.01], rel=1e-9)
+    x = balanced_update_fractions([0.40, 0.44], [0.02, 0.06], min_fraction=0.2)
+    assert x == pytest.approx([0.8, 0.2], rel=1e-9)
+    # three replicas, none clipped: x_r = (T - b_r) / u_r, b = (0, 1, 2), u = (6, 3, 2), sum 1:
+    # T (1/6 + 1/3 + 1/2) - (0 + 1/3 + 1) = 1 -> T = 7/3
+    x = balanced_update_fractions([0.0, 1.0, 2.0], [6.0, 3.0, 2.0], min_fraction=0.01)
+    assert x == pytest.approx([(7 / 3) / 6, (4 / 3) / 3, (1 / 3) / 2], rel=1e-9)
+    assert sum(x) == pytest.approx(1.0)
+    for args, msg in ((([0.1], [0.1, 0.2]), "one busy_s and one update_s"), (([0.1, -1.0], [1.0, 1.0]), "busy_s"),
+                      (([0.1, 0.1], [1.0, 0.0]), "update_s"), (([0.1, 0.1], [1.0, 1.0], 0.6), "min_fraction")):
+        with pytest.raises(ValueError, match=msg):
+            balanced_update_fractions(*args)
+
+
+@pytest.mark.parametrize("weights", [[0.99, 0.01], [1e-9, 1.0], [1.0, 1e-9], [0.2, 0.8]])
+def test_update_weights_keep_the_update_exact(weights):
+    """`set_update_weights` moves ownership (here after two steps, moments synchronised first; a
+    weight of 1e-9 leaves replica 0 or 1 owning no tensor at all): loss and parameters stay the
+    replicated run's (reference: the same plan with `optimizer_sharding: replicated`), replicas
+    bitwise equal."""
+    cfg = model_config(False)
+    data = batches(10, n=4, padded=True, seed=11)
+    runs = [PipelineRuntime(with_sharding(dp_plan([3.0, 1.0]), m), cfg, OPTIM, seed=5) for m in ("zero1", "replicated")]
+    for i, b in enumerate(data):
+        if i == 2:
+            runs[0].set_update_weights(weights)
+            sizes = runs[0]._param_bytes
+            owned = [sum(sizes[n] for n, r in runs[0].owner_of.items() if r == j) for j in range(2)]
+            if min(weights) < 1e-6:  # one replica owns everything
+                assert owned[weights.index(min(weights))] == 0
+            else:  # within one tensor of the weight's fraction
+                assert abs(owned[0] / sum(owned) - weights[0] / sum(weights)) <= max(sizes.values()) / sum(owned)
+        losses = [rt.train_step(b).loss for rt in runs]
+        assert_rel(losses[0], losses[1], f"loss of step {i}")
+    for n, p in runs[1].params().items():
+        assert_rel(runs[0].params()[n], p, f"parameter {n}")
+    assert_replicas_bitwise_equal(runs[0])
+    with pytest.raises(ValueError, match="one per replica"):
+        runs[0].set_update_weights([1.0])
 
 
 # ---- the plan field ---------------------------------------------------------------------------
@@ -381,3 +438,29 @@ def test_zero1_multi_stage_replicas_checkpoint_round_trip_over_two_islands():
         for n, p in o["params"].items():
             np.testing.assert_array_equal(o["fresh"][n], p)
     assert_holders_bitwise_equal({k: v for o in out.values() for k, v in o["state"].items()})
+
+
+def test_measured_update_fractions_feed_the_ownership_and_stay_exact(monkeypatch):
+    """`measure_step_costs` keeps each replica's F/B seconds per step and whole-update seconds
+    (`last_step_costs`); `balanced_update_fractions` of them, set as update weights, trains as the
+    replicated run does. The emulated waits are recorded, not slept (no timing asserted)."""
+    from hethub_jax.parallel import runtime as rtm
+    waits = []
+    monkeypatch.setattr(rtm, "emulated_wait", waits.append)
+    cfg = model_config(False)
+    data = batches(10, n=3, padded=True, seed=4)
+    runs = [PipelineRuntime(with_sharding(dp_plan([3.0, 1.0], slowdown=3.0), m), cfg, OPTIM, seed=2)
+            for m in ("zero1", "replicated")]
+    runs[0].measure_step_costs(data[0], steps=3)
+    costs = runs[0].last_step_costs
+    assert set(costs) == {"busy_s", "update_s"} and all(len(v) == 2 for v in costs.values())
+    assert all(v > 0 for vs in costs.values() for v in vs)
+    assert waits and all(w >= 0 for w in waits)  # island i1's actions and update were stretched
+    x = balanced_update_fractions(costs["busy_s"], costs["update_s"])
+    runs[0].set_update_weights(x)
+    assert runs[0].update_weights == pytest.approx(x)
+    for b in data:
+        losses = [rt.train_step(b).loss for rt in runs]
+        assert_rel(losses[0], losses[1], "loss")
+    for n, p in runs[1].params().items():
+        assert_rel(runs[0].params()[n], p, f"parameter {n}")

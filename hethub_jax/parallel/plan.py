@@ -28,7 +28,8 @@ from hethub_jax.parallel.rules import check_batch, check_shares, check_tp
 from hethub_jax.typed import Float, StrictModel, TupleOf, validate_model
 
 __all__ = ["IslandSpec", "StageSpec", "ReplicaSpec", "Plan", "proportional_shares", "SCHEDULE_NAMES",
-           "RECOMPUTE_POLICIES", "OPTIMIZER_SHARDINGS", "zero1_owners"]
+           "RECOMPUTE_POLICIES", "OPTIMIZER_SHARDINGS", "zero1_owners",
+           "balanced_update_fractions"]
 
 SCHEDULE_NAMES = ("gpipe", "1f1b")
 RECOMPUTE_POLICIES = ("none", "full")
@@ -222,12 +223,73 @@ def balanced_shares(global_units: int, unit_s: Sequence[float], fixed_s: Sequenc
     return shares
 
 
-def zero1_owners(sizes: Mapping[str, int], shares: Sequence[int]) -> Dict[str, int]:
+def balanced_update_fractions(busy_s: Sequence[float], update_s: Sequence[float],
+                              min_fraction: float = 0.01) -> List[float]:
+    """Fractions of the optimizer update (of the parameter bytes) each replica should own under ZeRO-1
+    so that the replicas finish their step together: water-filling of the update into the replicas'
+    idle time.
+
+    Replica ``r`` is busy ``busy_s[r]`` seconds before its update (its forward/backward at its batch
+    share, emulated slowdown included) and would take ``update_s[r]`` seconds to update ALL parameters
+    (AdamW is elementwise: its time is about proportional to the bytes updated). Owning a fraction
+    ``x_r`` of the bytes it finishes at ``busy_s[r] + x_r * update_s[r]``; the fractions minimise the
+    latest finish: ``x_r = clip((T - busy_s[r]) / update_s[r], min_fraction, 1)`` with the level ``T``
+    chosen so that they sum to 1 (found by bisection to 1e-12 relative). A replica whose batch share
+    already makes it the last to finish keeps ``min_fraction`` (a positive weight for
+    :func:`zero1_owners`: it may then own no tensor at all). The whole-batch shares themselves come in
+    whole microbatches (:func:`balanced_shares`); the update, cut at tensor granularity, fills what that
+    coarse split leaves idle (ZeRO-1 needs no equal partitions: Rajbhandari et al. 2020, section 5.1,
+    partition the states; which replica holds which partition is free).
+
+    Example: busy (0.40, 0.44) s, update (0.02, 0.06) s, min_fraction 0.01: replica 0 takes 0.99 and
+    finishes at 0.40 + 0.99 * 0.02 = 0.4198 s, replica 1 keeps 0.01 (0.44 + 0.01 * 0.06 = 0.4406 s,
+    against 0.44 + 0.25 * 0.06 = 0.455 s with the shares' 1/4): -> (0.99, 0.01). Busy (0.40, 0.40), update (0.02, 0.06) -> T with
+    (T - 0.4) / 0.02 + (T - 0.4) / 0.06 = 1: T = 0.415, (0.75, 0.25).
+
+    Returns:
+      one fraction per replica, each in [min_fraction, 1], summing to 1 (to float rounding).
+
+    Raises:
+      ValueError: if the lists differ in length or are empty, a ``busy_s`` is not finite and >= 0, an
+        ``update_s`` is not finite and > 0, or ``min_fraction`` is not in (0, 1 / number of replicas].
+    """
+    n = len(busy_s)
+    if n == 0 or len(update_s) != n:
+        raise ValueError(f"balanced_update_fractions needs one busy_s and one update_s per replica, got "
+                         f"{n} and {len(update_s)}")
+    for i, (b, u) in enumerate(zip(busy_s, update_s)):
+        if not (isinstance(b, numbers.Real) and math.isfinite(b) and b >= 0):
+            raise ValueError(f"busy_s of replica {i} must be finite and >= 0 seconds, got {b!r}")
+        if not (isinstance(u, numbers.Real) and math.isfinite(u) and u > 0):
+            raise ValueError(f"update_s of replica {i} must be finite and > 0 seconds, got {u!r}")
+    if not (0 < min_fraction <= 1.0 / n):
+        raise ValueError(f"min_fraction must be in (0, 1/{n}], got {min_fraction!r}")
+
+    def fractions(level: float) -> List[float]:
+        return [min(1.0, max(min_fraction, (level - b) / u)) for b, u in zip(busy_s, update_s)]
+    lo, hi = min(busy_s), max(b + u for b, u in zip(busy_s, update_s))
+    for _ in range(200):  # sum(fractions) is continuous and non-decreasing in the level
+        mid = 0.5 * (lo + hi)
+        if sum(fractions(mid)) < 1.0:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-12 * max(hi, 1e-30):
+            break
+    x = fractions(hi)
+    total = sum(x)
+    return [v / total for v in x]
+
+
+def zero1_owners(sizes: Mapping[str, int], shares: Sequence[float]) -> Dict[str, int]:
     """The replica that updates each parameter tensor under ZeRO-1 (``optimizer_sharding``).
 
     Whole tensors, never parts of one. Replica ``r`` should own a fraction ``shares[r] / sum(shares)``
     of the bytes, so that its update time (proportional to the bytes it owns) scales with its batch
     share, as its compute does: a replica k times slower gets k times fewer samples and parameters.
+    ``shares`` may also be other positive weights, e.g. the measured fractions of
+    :func:`balanced_update_fractions` (``PipelineRuntime.set_update_weights``); the default everywhere is
+    the batch shares.
     Greedy (largest tensor first, ties by name): each tensor goes to the replica whose owned bytes
     after taking it, divided by its share, are smallest (ties: lower index). The same on every rank.
 
@@ -236,20 +298,23 @@ def zero1_owners(sizes: Mapping[str, int], shares: Sequence[int]) -> Dict[str, i
 
     Args:
       sizes: flat parameter name -> size (bytes or elements: only ratios matter), >= 0.
-      shares: batch share of each replica (samples), each >= 1.
+      shares: batch share of each replica (samples), each >= 1; or weights, each finite and > 0
+        (any float; compared exactly as ``fractions.Fraction``).
 
     Returns:
       name -> owning replica index.
 
     Raises:
-      ValueError: if there are no shares or a share is < 1.
+      ValueError: if there are no shares, an integer share is < 1, or a weight is not finite and > 0.
     """
-    if not shares or any(s < 1 for s in shares):
-        raise ValueError(f"zero1_owners needs one share >= 1 per replica, got {list(shares)}")
+    if not shares or any((isinstance(s, numbers.Integral) and s < 1)
+                         or not (isinstance(s, numbers.Real) and math.isfinite(s) and s > 0) for s in shares):
+        raise ValueError(f"zero1_owners needs one share >= 1 (or weight > 0) per replica, got {list(shares)}")
+    weights = [Fraction(s) if isinstance(s, numbers.Integral) else Fraction(float(s)) for s in shares]
     owned = [0] * len(shares)
     out: Dict[str, int] = {}
     for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
-        r = min(range(len(shares)), key=lambda j: (Fraction(owned[j] + sizes[name], shares[j]), j))
+        r = min(range(len(shares)), key=lambda j: (Fraction(owned[j] + sizes[name]) / weights[j], j))
         owned[r] += sizes[name]
         out[name] = r
     return out
@@ -274,7 +339,8 @@ class Plan(StrictModel):
         :data:`OPTIMIZER_SHARDINGS`: ``"replicated"``: every replica all-reduces every gradient and
         updates every parameter; ``"zero1"``: optimizer-state partitioning (ZeRO stage 1, Rajbhandari
         et al. 2020, section 5.1, P_os): each parameter tensor is updated by one replica, its owner
-        (:func:`zero1_owners`: parameter bytes in proportion to the replicas' batch shares), which
+        (:func:`zero1_owners`: parameter bytes in proportion to the replicas' batch shares, or to
+        measured weights set with ``PipelineRuntime.set_update_weights``), which
         receives the gradient sum (a reduce to the owner instead of an all-reduce where the runtime
         can) and then sends the updated tensor to the other replicas; ``"auto"`` (default): zero1
         where it applies (:meth:`sharded_update`). The result is the same as replicated (float32

@@ -170,6 +170,12 @@ class PipelineRuntime:
         # stage whose value the others receive) is then that replica's first holder. See `_set_owners`.
         self.zero1 = plan.sharded_update()
         self.owner_of: dict[str, int] = {}
+        # ZeRO-1 ownership weights (`set_update_weights`); None: the batch shares
+        self.update_weights: list[float] | None = None
+        # `measure_step_costs`' raw figures of its last call: busy_s (each replica's F/B seconds per
+        # step at the shares of that call) and update_s (its whole-update seconds), for
+        # `plan.balanced_update_fractions`
+        self.last_step_costs: dict[str, list[float]] | None = None
         self._full_reduce = False  # True: every holder gets every gradient sum (`gradients`)
         self._set_owners()
         self._group_comms: dict[tuple[int, ...], Any] = {}
@@ -494,10 +500,12 @@ class PipelineRuntime:
     # ---- sharded optimizer update (ZeRO-1) ------------------------------------------------------
     def _set_owners(self) -> None:
         """Sets `owner_of` (parameter name -> owning replica: `plan.zero1_owners` of the parameter
-        bytes and the current shares; empty when the update is replicated) and `norm_owner` (the
+        bytes and the current shares, or the `update_weights` when set; empty when the update is
+        replicated) and `norm_owner` (the
         first holder, in the owning replica under ZeRO-1). The same on every rank."""
         if self.zero1:
-            self.owner_of = zero1_owners(self._param_bytes, self.shares)
+            weights = self.shares if self.update_weights is None else self.update_weights
+            self.owner_of = zero1_owners(self._param_bytes, weights)
             self.norm_owner = {n: next(k for k in h if k[0] == self.owner_of[n]) for n, h in self._holders.items()}
         else:
             self.owner_of = {}
@@ -873,9 +881,10 @@ class PipelineRuntime:
         untimed pass that compiles. Per sample: the replica's busiest stage's compute time (F and B
         actions, emulated slowdowns included) / its share; the device->host copies and bridge
         traffic of the buckets that overlap the backward run on the same cores, so what they cost the
-        replica is in that time. Fixed: the optimizer update of that stage, timed once after a
+        replica is in that time. Fixed: the optimizer update of that stage, timed twice after a
         compiling run on copies of the parameters and optimizer state (the real ones are not changed;
-        the copies cost their memory for the duration), emulated slowdown included. The all-reduce's
+        the copies cost their memory for the duration), emulated slowdown included; the faster of the
+        two (a load spike lengthens one run, never shortens it). The all-reduce's
         exposed tail, after the last replica's last bucket, is the same for every replica and so does
         not move the balance: it is not counted. Under the sharded update (ZeRO-1) a replica updates
         the parameters it owns, in proportion to its share (`plan.zero1_owners`): its update then
@@ -883,34 +892,69 @@ class PipelineRuntime:
         is added to its seconds per sample and its fixed seconds are 0 (the parameter exchange that
         follows is the same for every replica, like the all-reduce's tail).
 
+        The raw figures (each replica's F/B seconds per step at the current shares, the median over
+        the steps, and its whole update's seconds) are kept in `last_step_costs` for `plan.balanced_update_fractions`
+        (`set_update_weights`).
+
         Returns:
           (unit_s, fixed_s): seconds per sample and seconds per step, one per replica.
         """
         self._forward_backward(batch)
         R = self.plan.num_replicas
         S = max(self.plan.num_stages(r) for r in range(R))
-        busy, fixed = np.zeros((R, S)), np.zeros((R, S))
-        for _ in range(steps):
+        busy, fixed = np.zeros((steps, R, S)), np.zeros((R, S))
+        for i in range(steps):
             acc, _, num_tokens, norm, records, _ = self._forward_backward(batch)
             for rec in records:
                 if rec.action[0] in "FB" and self._counts((rec.replica, rec.stage)):
-                    busy[rec.replica, rec.stage] += rec.end_s - rec.start_s
+                    busy[i, rec.replica, rec.stage] += rec.end_s - rec.start_s
         inv, gnorm = jnp.float32(1.0 / num_tokens), jnp.float32(norm)
         for k in self.local_keys:
-            st = self._stages[k]
-            for _ in range(2):  # the first run compiles
+            st, runs = self._stages[k], []
+            for _ in range(3):  # the first run compiles; the faster of the other two (load spikes)
                 p, o = jax.tree.map(jnp.copy, (st.params, st.opt_state))
                 t0 = time.perf_counter()
                 out = st.update(p, o, acc[k], inv, gnorm)  # the whole update (ZeRO-1: per sample below)
                 self._emulate(k, out, t0)
-                fixed[k] = (time.perf_counter() - t0) if self._counts(k) else 0.0
+                runs.append(time.perf_counter() - t0)
                 del p, o, out
-        busy, fixed = self._allreduce_world(busy), self._allreduce_world(fixed)
-        unit = [float(busy[r].max()) / (steps * self.shares[r]) for r in range(R)]
+            fixed[k] = min(runs[1:]) if self._counts(k) else 0.0
+        busy = self._allreduce_world(busy.reshape(-1)).reshape(busy.shape)
+        fixed = self._allreduce_world(fixed)
+        per_step = busy.max(axis=2)  # [step, replica]: each replica's busiest stage
+        self.last_step_costs = {"busy_s": [float(np.median(per_step[:, r])) for r in range(R)],
+                                "update_s": [float(fixed[r].max()) for r in range(R)]}
+        total = busy.sum(axis=0)  # [replica, stage] over the steps
+        unit = [float(total[r].max()) / (steps * self.shares[r]) for r in range(R)]
         if self.zero1:  # each replica updates a share of the parameters proportional to its batch share
             gbs = self.plan.global_batch_size
             return [u + float(fixed[r].max()) / gbs for r, u in enumerate(unit)], [0.0] * R
         return unit, [float(fixed[r].max()) for r in range(R)]
+
+    def set_update_weights(self, weights: list[float] | None) -> None:
+        """ZeRO-1: the replicas' weights for the ownership of the update (`plan.zero1_owners`: replica
+        ``r`` owns about a fraction ``weights[r] / sum(weights)`` of the parameter bytes). None (the
+        default): the batch shares. Measured weights, `plan.balanced_update_fractions` of
+        `last_step_costs` at the final shares, put the update where the replicas would otherwise idle
+        (the whole-microbatch shares rarely balance the step exactly); the result does not change
+        (every parameter is updated once, by its owner, with the same arithmetic). No-op for a
+        replicated update. Collective under ZeRO-1 after steps (the moments are synchronised first,
+        `sync_optimizer_state`): every rank calls it with the same weights.
+
+        Raises:
+          ValueError: if not one weight per replica, each finite and > 0.
+        """
+        if weights is not None:
+            if len(weights) != self.plan.num_replicas or not all(
+                    math.isfinite(w) and w > 0 for w in weights):
+                raise ValueError(f"update weights must be {self.plan.num_replicas} finite values > 0 "
+                                 f"(one per replica), got {weights}")
+            weights = [float(w) for w in weights]
+        self.wait_params()
+        if self.zero1 and self.step > 0:
+            self.sync_optimizer_state()  # the owners change: every moment must be current first
+        self.update_weights = weights
+        self._set_owners()
 
     def set_batch_shares(self, shares: list[int]) -> None:
         """Changes the replicas' shares of the global batch (samples). Each share must be a multiple
