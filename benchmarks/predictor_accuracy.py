@@ -45,9 +45,10 @@
    the model before session 11). ``fitted_lines_mape`` / ``without_update_pair_mape`` (per row
    ``fitted_lines_ape``, ``without_update_pair_ape``): without session 12's terms, one at a time (the
    fitted lines between profiled microbatch sizes instead of the measured calls, ``DeviceCosts.token_parts``;
-   the tail's co-run at the stage-call factor instead of the measured update pair); ``symmetric_corun_mape``
-   (``symmetric_corun_ape``): the pipelines' co-run at the one symmetric factor ``fits.corun.factor``
-   instead of the measured slowdown by the pair's size ratio (``fits.corun.relation``).
+   the tail's co-run at the stage-call factor instead of the measured update pair); ``size_ratio_corun_mape``
+   (``size_ratio_corun_ape``): the pipelines' co-run by the measured slowdown by the pair's size ratio
+   (``fits.corun.relation``, session 12) instead of the one measured factor ``fits.corun.factor`` (the
+   model since session 13, ``DeviceCosts.from_profile``'s ``corun_by_size``).
 
 The host allocator (``--host-allocator``, default ``steady``, ``hethub_jax.host_allocator``): glibc
 settings under which XLA:CPU's large buffers are not mmapped and unmapped on every call; the runtime
@@ -278,6 +279,7 @@ def predict_row(name: str, cfg, costs, base, bridge, args) -> tuple:
     from dataclasses import replace
 
     from hethub_jax.parallel.plan import Plan
+    from hethub_jax.planner.costs import _corun_relation
     from hethub_jax.planner.predictor import predict
     plan = Plan.from_dict(configs()[name]).validate(cfg)
     pred = predict(cfg, plan, {i.name: costs for i in plan.islands}, seq_len=args.seq, bridge=bridge)
@@ -292,9 +294,11 @@ def predict_row(name: str, cfg, costs, base, bridge, args) -> tuple:
     pred_lines = predict(cfg, plan, {i.name: lines for i in plan.islands}, seq_len=args.seq, bridge=bridge)
     nopair = replace(costs, corun_update_factor=0.0)
     pred_nopair = predict(cfg, plan, {i.name: nopair for i in plan.islands}, seq_len=args.seq, bridge=bridge)
-    sym = replace(costs, corun_relation=())  # the pipelines' co-run at the one symmetric factor
-    pred_sym = predict(cfg, plan, {i.name: sym for i in plan.islands}, seq_len=args.seq, bridge=bridge)
-    variants = {"fitted_lines": pred_lines, "without_update_pair": pred_nopair, "symmetric_corun": pred_sym}
+    # the pipelines' co-run by the pair's size ratio (fits.corun.relation; DeviceCosts.from_profile reads it only
+    # with corun_by_size: the one measured factor is the model since session 13)
+    by_size = replace(costs, corun_relation=_corun_relation((costs.profile or {}).get("fits", {}).get("corun")))
+    pred_size = predict(cfg, plan, {i.name: by_size for i in plan.islands}, seq_len=args.seq, bridge=bridge)
+    variants = {"fitted_lines": pred_lines, "without_update_pair": pred_nopair, "size_ratio_corun": pred_size}
     return plan, pred, pred_base, pred_warm, pred_plain, variants
 
 
@@ -331,7 +335,7 @@ def finish_row(name: str, pred, pred_base, rounds: list, args, pred_warm=None, p
            "without_action_costs_ape": None if pred_plain is None else abs(pred_plain.step_time_s - meas) / meas,
            # session 12's terms left out one at a time: "fitted_lines" (no interpolation of the measured calls
            # between profiled microbatch sizes), "without_update_pair" (the tail at the stage-call co-run factor),
-           # "symmetric_corun" (the pipelines' co-run at the one factor, not by the pair's size ratio)
+           # "size_ratio_corun" (the pipelines' co-run by the pair's size ratio, not at the one factor)
            **{f"{k}_step_s": v.step_time_s for k, v in (variants or {}).items()},
            **{f"{k}_ape": abs(v.step_time_s - meas) / meas for k, v in (variants or {}).items()},
            "rounds_steps_s": [r["steps_s"] for r in rounds],
@@ -372,7 +376,7 @@ def summary(rows: list, names_by_round: list) -> dict:
             "without_cold_mape": (sum(r["without_cold_ape"] for r in rows) / n
                                   if all(r.get("without_cold_ape") is not None for r in rows) else None),
             **{f"{k}_mape": sum(r[f"{k}_ape"] for r in rows) / n for k in ("fitted_lines", "without_update_pair",
-                                                                         "symmetric_corun")
+                                                                         "size_ratio_corun")
                if all(f"{k}_ape" in r for r in rows)},
             "without_action_costs_mape": (sum(r["without_action_costs_ape"] for r in rows) / n
                                           if all(r.get("without_action_costs_ape") is not None for r in rows)
@@ -476,8 +480,8 @@ def main() -> None:
              f"; with the fitted lines between profiled microbatch sizes {100 * figures['fitted_lines_mape']:.1f}%")
           + ("" if "without_update_pair_mape" not in figures else
              f"; without the update-pair factor {100 * figures['without_update_pair_mape']:.1f}%")
-          + ("" if "symmetric_corun_mape" not in figures else
-             f"; with the one symmetric co-run factor {100 * figures['symmetric_corun_mape']:.1f}%")
+          + ("" if "size_ratio_corun_mape" not in figures else
+             f"; with the co-run by the pair's size ratio {100 * figures['size_ratio_corun_mape']:.1f}%")
           + ("" if figures["others_cpu_share"] is None else
              f"; other processes used {100 * figures['others_cpu_share']:.0f}% of the CPUs during the run")
           + ("" if share_profile is None else f" ({100 * share_profile:.0f}% while profiling)")
