@@ -9,7 +9,9 @@ stage (layers 0-2, embedding) F and B on one fake CPU device (``hethub_jax.profi
 times them), each timed alternately alone and beside the neighbour: the last stage (layers 3-5, LM head) fused
 F+B, started when the timed call starts (a pipeline's phase, docs/benchmarks.md issue 13 session 12 s12-corun),
 run by a second thread of this process (``thread``: as the benchmark's islands) or by a second process (``process``:
-as islands under mpiexec; a pipe carries the start and end; both processes unpinned, sharing the cores). And
+as islands under mpiexec; a pipe carries the start and end; both processes unpinned, sharing the cores), or only
+the runtime's idle loop (``poll``: a thread sleeping 0.2 ms between checks, as ``PipelineRuntime``'s executor waits
+when no stage can advance). And
 the neighbour's fused F+B timed the other way round (beside the first stage's F then B started with it). Prints
 medians of wall seconds alone / beside and their ratio, and the CPU seconds of this process per timed call
 (``time.process_time``) alone / beside (in ``process`` mode the neighbour's CPU is not included). The steady
@@ -68,7 +70,7 @@ def child() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--neighbour", choices=("thread", "process"), default="thread")
+    ap.add_argument("--neighbour", choices=("thread", "process", "poll"), default="thread")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -77,7 +79,29 @@ def main() -> None:
     small, large = _stages()
     for f in (*small.values(), *large.values()):
         f()
-    if args.neighbour == "process":
+    if args.neighbour == "poll":
+        # the idle island of the runtime: PipelineRuntime's _StepExecutor._wait sleeps 0.2 ms between checks of its
+        # awaited messages while no stage can advance (threads of one process: it wakes on these cores)
+        polling, box = threading.Event(), {"n": 0}
+
+        def loop():
+            while True:
+                polling.wait()
+                if box.get("quit"):
+                    return
+                time.sleep(0.0002)
+                box["n"] += 1  # the check (a few attribute reads in the runtime)
+        th = threading.Thread(target=loop, daemon=True)
+        th.start()
+
+        def start(kind):
+            if kind == b"q":
+                box["quit"] = True
+            polling.set()
+
+        def wait():
+            polling.clear()
+    elif args.neighbour == "process":
         p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child"], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=ROOT))
         assert p.stdout.read(1) == b"r"
@@ -129,6 +153,8 @@ def main() -> None:
     if args.neighbour == "process":
         p.wait(10)
     med = lambda xs: sorted(xs)[(len(xs) - 1) // 2]
+    if args.neighbour == "poll":
+        print(f"poll wake-ups {box['n']} over the beside calls")
     print(f"neighbour {args.neighbour}, allocator {os.environ.get(host_allocator.ENV, 'steady')}, repeats "
           f"{args.repeats}, load {os.getloadavg()[0]:.2f}:")
     for name in (*small, *large):

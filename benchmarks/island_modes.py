@@ -15,7 +15,10 @@ host allocator (``hethub_jax.host_allocator``; ``HETHUB_HOST_ALLOCATOR=default``
 
 Prints, per configuration, every timed step's slowest island (seconds), their minimum and median, the
 CPU seconds of the island processes per timed step (``getrusage``, user + system: a count of work, less
-moved by other processes on the machine than wall time) and the minor page faults per step.
+moved by other processes on the machine than wall time), the minor page faults and the voluntary context
+switches per step (``ru_nvcsw``: a thread that blocks, e.g. on a contended lock, counts one).
+``ISLAND_MODES_ARENA_MAX=N`` sets glibc's ``M_ARENA_MAX`` to N after the steady settings (16: the settings
+before session 12, threads with arenas of their own).
 With ``--json`` the figures are written (rank 0). Diagnostic only: not a benchmark of record.
 """
 from __future__ import annotations
@@ -35,7 +38,11 @@ from benchmarks.common import CHILD_ENV, loadavg, mpi_rank_from_env, relaunch_un
 
 def _cpu() -> tuple:
     r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime, r.ru_minflt
+    return r.ru_utime + r.ru_stime, r.ru_minflt, r.ru_nvcsw
+
+
+#: ``ISLAND_MODES_ARENA_MAX=N``: M_ARENA_MAX N after the steady settings (before JAX starts its threads)
+_ARENA_MAX = int(os.environ.get("ISLAND_MODES_ARENA_MAX", "0"))
 
 
 def _kinds(records) -> dict:
@@ -71,6 +78,9 @@ def main() -> None:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + " --xla_force_host_platform_device_count=4").strip()
     import benchmarks.predictor_accuracy as pa  # noqa: F401  (XLA flags, steady allocator before JAX)
+    if _ARENA_MAX:  # e.g. 16: the steady settings without the one-arena limit (the runtime before session 12)
+        import ctypes
+        assert ctypes.CDLL("libc.so.6").mallopt(-8, _ARENA_MAX) == 1  # M_ARENA_MAX
     import jax
 
     from hethub_jax.models.config import get_preset
@@ -106,7 +116,7 @@ def main() -> None:
             for t in ts:
                 t.join()
             c0, c1 = marks[1 + args.warmup], marks[n_steps]
-            cpu_s, faults = c1[0] - c0[0], c1[1] - c0[1]
+            cpu_s, faults, vcsw = c1[0] - c0[0], c1[1] - c0[1], c1[2] - c0[2]
             timed = res[1 + args.warmup:]
             steps = [max(x[0] for x in row) for row in timed]
             kinds = [_merge(x[1] for x in row) for row in timed]
@@ -128,16 +138,17 @@ def main() -> None:
                 mine.append((r.step_time_s, _kinds(r.records)))
             world.Barrier()
             c1 = _cpu()
-            both = world.gather((mine, c1[0] - c0[0], c1[1] - c0[1]), root=0)
+            both = world.gather((mine, c1[0] - c0[0], c1[1] - c0[1], c1[2] - c0[2]), root=0)
             if rank != 0:
                 continue
             timed = list(zip(both[0][0], both[1][0]))[1 + args.warmup:]
             steps = [max(a[0], b[0]) for a, b in timed]
             kinds = [_merge((a[1], b[1])) for a, b in timed]
-            cpu_s, faults = both[0][1] + both[1][1], both[0][2] + both[1][2]
+            cpu_s, faults, vcsw = (both[0][1] + both[1][1], both[0][2] + both[1][2], both[0][3] + both[1][3])
         s = sorted(steps)
         row = {"mode": args.mode, "steps_s": steps, "min_s": s[0], "median_s": s[(len(s) - 1) // 2],
                "cpu_s_per_step": cpu_s / args.steps, "faults_per_step": faults / args.steps,
+               "voluntary_switches_per_step": vcsw / args.steps, "arena_max": _ARENA_MAX,
                "loadavg": loadavg(), "allocator": os.environ.get("HETHUB_HOST_ALLOCATOR", "steady"),
                "time": time.strftime("%H:%M:%S", time.gmtime()),
                # per island/stage/action kind: the median over timed steps of the step's summed record seconds
@@ -146,7 +157,8 @@ def main() -> None:
         out[name] = row
         print(f"{name} {args.mode} [{row['allocator']}]: min {1e3 * row['min_s']:.1f} median "
               f"{1e3 * row['median_s']:.1f} ms  cpu/step {1e3 * row['cpu_s_per_step']:.1f} ms  faults/step "
-              f"{row['faults_per_step']:.0f}  steps " + " ".join(f"{1e3 * x:.0f}" for x in steps)
+              f"{row['faults_per_step']:.0f}  vol. switches/step {row['voluntary_switches_per_step']:.0f}  arenas "
+              f"{_ARENA_MAX or 'steady'}  steps " + " ".join(f"{1e3 * x:.0f}" for x in steps)
               + f"  load {row['loadavg']}\n    " + "  ".join(f"{k} {v:.1f}" for k, v in row["kinds_ms"].items()),
               flush=True)
     if args.json and rank == 0:
