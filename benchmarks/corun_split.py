@@ -36,7 +36,7 @@ from hethub_jax import host_allocator  # noqa: E402
 host_allocator.steady_host_allocator()
 
 
-def _stages():
+def _stages(layers: int = 3):
     import jax
 
     from hethub_jax.models.config import get_preset
@@ -45,15 +45,16 @@ def _stages():
     from hethub_jax.profile import _stage_call
     cfg, tx = get_preset("tiny"), make_optimizer(OptimConfig())
     d = jax.devices()
-    first = PipelineStage(cfg, 0, 2, [d[0]], 1, 1, seed=0, recompute=False, optimizer=tx)
-    last = PipelineStage(cfg, 3, 5, [d[1]], 1, 1, seed=0, recompute=False, optimizer=tx)
+    L = cfg.num_hidden_layers
+    first = PipelineStage(cfg, 0, layers - 1, [d[0]], 1, 1, seed=0, recompute=False, optimizer=tx)
+    last = PipelineStage(cfg, L - layers, L - 1, [d[1]], 1, 1, seed=0, recompute=False, optimizer=tx)
     return {"first_F": _stage_call(first, cfg, 64, "F"), "first_B": _stage_call(first, cfg, 64, "B")}, \
         {"last_FB": _stage_call(last, cfg, 64, "B_recompute")}
 
 
 def child() -> None:
     """The neighbour process: runs the requested call on b'L' (last_FB) / b'S' (first F then B), answers b'd'."""
-    small, large = _stages()
+    small, large = _stages(int(os.environ.get("CORUN_SPLIT_LAYERS", "3")))
     for f in (*small.values(), *large.values()):
         f()
     sys.stdout.buffer.write(b"r")
@@ -72,11 +73,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--neighbour", choices=("thread", "process", "poll"), default="thread")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--layers", type=int, default=3,
+                    help="layers per stage (3: the pipeline's pp2 stages; 1: the profiler's measure_corun stages)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child()
-    small, large = _stages()
+    os.environ["CORUN_SPLIT_LAYERS"] = str(args.layers)
+    small, large = _stages(args.layers)
     for f in (*small.values(), *large.values()):
         f()
     if args.neighbour == "poll":
@@ -155,7 +159,7 @@ def main() -> None:
     med = lambda xs: sorted(xs)[(len(xs) - 1) // 2]
     if args.neighbour == "poll":
         print(f"poll wake-ups {box['n']} over the beside calls")
-    print(f"neighbour {args.neighbour}, allocator {os.environ.get(host_allocator.ENV, 'steady')}, repeats "
+    print(f"layers per stage {args.layers}, neighbour {args.neighbour}, allocator {os.environ.get(host_allocator.ENV, 'steady')}, repeats "
           f"{args.repeats}, load {os.getloadavg()[0]:.2f}:")
     for name in (*small, *large):
         a, b = med(wall[(name, False)]), med(wall[(name, True)])
