@@ -50,10 +50,15 @@
    (``fits.corun.relation``, session 12) instead of the one measured factor ``fits.corun.factor`` (the
    model since session 13, ``DeviceCosts.from_profile``'s ``corun_by_size``).
 
-The host allocator (``--host-allocator``, default ``steady``, ``hethub_jax.host_allocator``): glibc
+The host allocator (``--host-allocator``, default ``steady-arenas``, ``hethub_jax.host_allocator``): glibc
 settings under which XLA:CPU's large buffers are not mmapped and unmapped on every call; the runtime
-sets them for CPU islands, and the profile is made under the same settings. ``default`` leaves glibc's
-own (for A/B runs; the calls then fault in up to 20,000 pages each, depending on what ran before).
+sets them for CPU islands, and the profile is made under the same settings. ``steady-arenas`` (default since
+session 13, :func:`arenas_per_thread`): the same with glibc's own arena count, not ONE arena for the whole
+process: the islands here are threads of one process, and one arena made them wait on its lock, which islands in
+processes of their own (``hethub_jax.train`` under mpiexec) never share (measured nearly quiet, docs/benchmarks.md
+issue 13 session 13: the first stage's calls 1.35-1.5x slower, steps up to 1.27x). ``steady``: one arena (the
+runtime's setting, the benchmark's default in session 12); ``default`` leaves glibc's own (for A/B runs; the calls
+then fault in up to 20,000 pages each, depending on what ran before).
 
 Duration (measured, session 9, with ``--statistic min --profile-tp 1,2 --profile-mbs 1,4 --steps 3
 --rounds 3``): 322 s at load 0.7-2.6 (profile 91 s, 11 configurations x 3 rounds 231 s, about 7 s per
@@ -212,6 +217,23 @@ def measure_steps(plan, cfg, seq: int, steps: int, warmup: int, statistic: str =
             "faults_per_step": (faults[len(runs)] - faults[1 + warmup]) / max(1, steps),
             "records": [r for x in timed[pick] for r in x[2]], "t0": min(x[0] for x in timed[pick]),
             "islands": {plan.islands[i].name: (x[0], x[1]) for i, x in enumerate(timed[pick])}}
+
+
+def arenas_per_thread() -> dict:
+    """Sets glibc's ``M_ARENA_MAX`` back to its own default (8 per core) after the steady settings, so that this
+    process's threads (the islands' and XLA's) allocate from arenas of their own again, as islands that are
+    processes of their own do. Why (measured nearly quiet, docs/benchmarks.md issue 13, session 13): with one
+    arena for the whole process the first stage's calls of the two-island pipeline took 1.35-1.5x their time
+    with 16 arenas or with the islands as two processes, with 1.6-1.7x the voluntary context switches per step
+    (the arena's lock); the cost: minor page faults come back on some rows (up to ~5,500 per step).
+    Returns ``{"allocator": "steady-arenas", "arena_max": n}``, or ``{"arena_max": None}`` where ``mallopt``
+    is not available or refused."""
+    from hethub_jax import host_allocator
+    lib = host_allocator._libc()
+    n = host_allocator._default_arena_max()
+    if lib is None or lib.mallopt(host_allocator.M_ARENA_MAX, n) != 1:
+        return {"arena_max": None}
+    return {"allocator": "steady-arenas", "arena_max": n}
 
 
 _CANARY = {}
@@ -415,9 +437,11 @@ def main() -> None:
     ap.add_argument("--statistic", choices=("median", "min"), default="median",
                     help="statistic of the profile's calls and of each round's timed steps (min: on a machine "
                          "shared with other jobs; the issue's figure is the median)")
-    ap.add_argument("--host-allocator", choices=("steady", "default"), default="steady",
+    ap.add_argument("--host-allocator", choices=("steady", "steady-arenas", "default"), default="steady-arenas",
                     help="glibc allocator settings of this process (hethub_jax.host_allocator; the runtime "
-                         "sets steady for CPU islands unless default is asked for here)")
+                         "sets steady for CPU islands unless default is asked for here); steady-arenas: the steady "
+                         "settings with glibc's own arena count instead of one arena (islands as threads then do not "
+                         "share one arena lock, as islands in processes of their own do not)")
     args = ap.parse_args()
     from hethub_jax import host_allocator
     from hethub_jax.models.config import get_preset
@@ -427,6 +451,8 @@ def main() -> None:
     if args.host_allocator == "default":
         os.environ[host_allocator.ENV] = "default"
     alloc = host_allocator.steady_host_allocator()
+    if args.host_allocator == "steady-arenas":  # before the JAX backend starts its threads (main() starts it later)
+        alloc = dict(alloc, **arenas_per_thread())
     cfg = get_preset("tiny")
     load_before, t_start, snap0 = loadavg(), time.time(), cpu_snapshot()
     profiled = not (args.profile and os.path.exists(args.profile))
