@@ -50,15 +50,16 @@
    (``fits.corun.relation``, session 12) instead of the one measured factor ``fits.corun.factor`` (the
    model since session 13, ``DeviceCosts.from_profile``'s ``corun_by_size``).
 
-The host allocator (``--host-allocator``, default ``steady-arenas``, ``hethub_jax.host_allocator``): glibc
-settings under which XLA:CPU's large buffers are not mmapped and unmapped on every call; the runtime
-sets them for CPU islands, and the profile is made under the same settings. ``steady-arenas`` (default since
-session 13, :func:`arenas_per_thread`): the same with glibc's own arena count, not ONE arena for the whole
-process: the islands here are threads of one process, and one arena made them wait on its lock, which islands in
-processes of their own (``hethub_jax.train`` under mpiexec) never share (measured nearly quiet, docs/benchmarks.md
-issue 13 session 13: the first stage's calls 1.35-1.5x slower, steps up to 1.27x). ``steady``: one arena (the
-runtime's setting, the benchmark's default in session 12); ``default`` leaves glibc's own (for A/B runs; the calls
-then fault in up to 20,000 pages each, depending on what ran before).
+The host allocator (``--host-allocator``, default ``steady``, ``hethub_jax.host_allocator``): glibc
+settings under which XLA:CPU's large buffers are not mmapped and unmapped on every call, in ONE arena; the
+runtime sets them for CPU islands, and the profile is made under the same settings. The islands here are threads
+of one process, so one arena makes them wait on its lock, which islands in processes of their own
+(``hethub_jax.train`` under mpiexec) never share (measured nearly quiet, docs/benchmarks.md issue 13 session 13:
+the first stage's calls 1.35-1.5x slower than with 16 arenas or as two processes). ``steady-arenas``
+(:func:`arenas_per_thread`): the same settings with glibc's own arena count: no shared lock, but the threads'
+own arenas fault their large blocks in again (up to 37,000 minor faults per step at microbatch 4), so neither
+in-process setting is how separate islands run (each row A/B'd in docs/benchmarks.md). ``default`` leaves glibc's
+own (for A/B runs; the calls then fault in up to 20,000 pages each, depending on what ran before).
 
 Duration (measured, session 9, with ``--statistic min --profile-tp 1,2 --profile-mbs 1,4 --steps 3
 --rounds 3``): 322 s at load 0.7-2.6 (profile 91 s, 11 configurations x 3 rounds 231 s, about 7 s per
@@ -437,7 +438,7 @@ def main() -> None:
     ap.add_argument("--statistic", choices=("median", "min"), default="median",
                     help="statistic of the profile's calls and of each round's timed steps (min: on a machine "
                          "shared with other jobs; the issue's figure is the median)")
-    ap.add_argument("--host-allocator", choices=("steady", "steady-arenas", "default"), default="steady-arenas",
+    ap.add_argument("--host-allocator", choices=("steady", "steady-arenas", "default"), default="steady",
                     help="glibc allocator settings of this process (hethub_jax.host_allocator; the runtime "
                          "sets steady for CPU islands unless default is asked for here); steady-arenas: the steady "
                          "settings with glibc's own arena count instead of one arena (islands as threads then do not "
