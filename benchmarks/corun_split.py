@@ -159,7 +159,8 @@ def main() -> None:
     med = lambda xs: sorted(xs)[(len(xs) - 1) // 2]
     if args.neighbour == "poll":
         print(f"poll wake-ups {box['n']} over the beside calls")
-    print(f"layers per stage {args.layers}, neighbour {args.neighbour}, allocator {os.environ.get(host_allocator.ENV, 'steady')}, repeats "
+    print(f"layers per stage {args.layers}, neighbour {args.neighbour}, allocator "
+          f"{os.environ.get(host_allocator.ENV, 'steady')}, repeats "
           f"{args.repeats}, load {os.getloadavg()[0]:.2f}:")
     for name in (*small, *large):
         a, b = med(wall[(name, False)]), med(wall[(name, True)])
