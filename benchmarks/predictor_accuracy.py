@@ -45,15 +45,22 @@
    the model before session 11). ``fitted_lines_mape`` / ``without_update_pair_mape`` (per row
    ``fitted_lines_ape``, ``without_update_pair_ape``): without session 12's terms, one at a time (the
    fitted lines between profiled microbatch sizes instead of the measured calls, ``DeviceCosts.token_parts``;
-   the tail's co-run at the stage-call factor instead of the measured update pair); ``symmetric_corun_mape``
-   (``symmetric_corun_ape``): the pipelines' co-run at the one symmetric factor ``fits.corun.factor``
-   instead of the measured slowdown by the pair's size ratio (``fits.corun.relation``).
+   the tail's co-run at the stage-call factor instead of the measured update pair); ``size_ratio_corun_mape``
+   (``size_ratio_corun_ape``): the pipelines' co-run by the measured slowdown by the pair's size ratio
+   (``fits.corun.relation``, session 12) instead of the one measured factor ``fits.corun.factor`` (the
+   model since session 13, ``DeviceCosts.from_profile``'s ``corun_by_size``).
    ``without_in_flight_mape`` (``without_in_flight_ape``): without session 13's measured factor of a
    call with microbatches in flight (``fits.in_flight``, ``DeviceCosts.in_flight_factor``).
 
 The host allocator (``--host-allocator``, default ``steady``, ``hethub_jax.host_allocator``): glibc
-settings under which XLA:CPU's large buffers are not mmapped and unmapped on every call; the runtime
-sets them for CPU islands, and the profile is made under the same settings. ``default`` leaves glibc's
+settings under which XLA:CPU's large buffers are not mmapped and unmapped on every call, in ONE arena; the
+runtime sets them for CPU islands, and the profile is made under the same settings. The islands here are threads
+of one process, so one arena makes them wait on its lock, which islands in processes of their own
+(``hethub_jax.train`` under mpiexec) never share (measured nearly quiet, docs/benchmarks.md issue 13 session 13:
+the first stage's calls 1.35-1.5x slower than with 16 arenas or as two processes). ``steady-arenas``
+(:func:`arenas_per_thread`): the same settings with glibc's own arena count: no shared lock, but the threads'
+own arenas fault their large blocks in again (up to 37,000 minor faults per step at microbatch 4), so neither
+in-process setting is how separate islands run (each row A/B'd in docs/benchmarks.md). ``default`` leaves glibc's
 own (for A/B runs; the calls then fault in up to 20,000 pages each, depending on what ran before).
 
 Duration (measured, session 9, with ``--statistic min --profile-tp 1,2 --profile-mbs 1,4 --steps 3
@@ -215,6 +222,23 @@ def measure_steps(plan, cfg, seq: int, steps: int, warmup: int, statistic: str =
             "islands": {plan.islands[i].name: (x[0], x[1]) for i, x in enumerate(timed[pick])}}
 
 
+def arenas_per_thread() -> dict:
+    """Sets glibc's ``M_ARENA_MAX`` back to its own default (8 per core) after the steady settings, so that this
+    process's threads (the islands' and XLA's) allocate from arenas of their own again, as islands that are
+    processes of their own do. Why (measured nearly quiet, docs/benchmarks.md issue 13, session 13): with one
+    arena for the whole process the first stage's calls of the two-island pipeline took 1.35-1.5x their time
+    with 16 arenas or with the islands as two processes, with 1.6-1.7x the voluntary context switches per step
+    (the arena's lock); the cost: minor page faults come back on some rows (up to ~5,500 per step).
+    Returns ``{"allocator": "steady-arenas", "arena_max": n}``, or ``{"arena_max": None}`` where ``mallopt``
+    is not available or refused."""
+    from hethub_jax import host_allocator
+    lib = host_allocator._libc()
+    n = host_allocator._default_arena_max()
+    if lib is None or lib.mallopt(host_allocator.M_ARENA_MAX, n) != 1:
+        return {"arena_max": None}
+    return {"allocator": "steady-arenas", "arena_max": n}
+
+
 _CANARY = {}
 
 
@@ -280,6 +304,7 @@ def predict_row(name: str, cfg, costs, base, bridge, args) -> tuple:
     from dataclasses import replace
 
     from hethub_jax.parallel.plan import Plan
+    from hethub_jax.planner.costs import _corun_relation
     from hethub_jax.planner.predictor import predict
     plan = Plan.from_dict(configs()[name]).validate(cfg)
     pred = predict(cfg, plan, {i.name: costs for i in plan.islands}, seq_len=args.seq, bridge=bridge)
@@ -294,11 +319,13 @@ def predict_row(name: str, cfg, costs, base, bridge, args) -> tuple:
     pred_lines = predict(cfg, plan, {i.name: lines for i in plan.islands}, seq_len=args.seq, bridge=bridge)
     nopair = replace(costs, corun_update_factor=0.0)
     pred_nopair = predict(cfg, plan, {i.name: nopair for i in plan.islands}, seq_len=args.seq, bridge=bridge)
-    sym = replace(costs, corun_relation=())  # the pipelines' co-run at the one symmetric factor
-    pred_sym = predict(cfg, plan, {i.name: sym for i in plan.islands}, seq_len=args.seq, bridge=bridge)
+    # the pipelines' co-run by the pair's size ratio (fits.corun.relation; DeviceCosts.from_profile reads it only
+    # with corun_by_size: the one measured factor is the model since session 13)
+    by_size = replace(costs, corun_relation=_corun_relation((costs.profile or {}).get("fits", {}).get("corun")))
+    pred_size = predict(cfg, plan, {i.name: by_size for i in plan.islands}, seq_len=args.seq, bridge=bridge)
     flat = replace(costs, in_flight={})  # session 13: without the measured in-flight factors
     pred_flat = predict(cfg, plan, {i.name: flat for i in plan.islands}, seq_len=args.seq, bridge=bridge)
-    variants = {"fitted_lines": pred_lines, "without_update_pair": pred_nopair, "symmetric_corun": pred_sym,
+    variants = {"fitted_lines": pred_lines, "without_update_pair": pred_nopair, "size_ratio_corun": pred_size,
                 "without_in_flight": pred_flat}
     return plan, pred, pred_base, pred_warm, pred_plain, variants
 
@@ -336,7 +363,7 @@ def finish_row(name: str, pred, pred_base, rounds: list, args, pred_warm=None, p
            "without_action_costs_ape": None if pred_plain is None else abs(pred_plain.step_time_s - meas) / meas,
            # session 12's terms left out one at a time: "fitted_lines" (no interpolation of the measured calls
            # between profiled microbatch sizes), "without_update_pair" (the tail at the stage-call co-run factor),
-           # "symmetric_corun" (the pipelines' co-run at the one factor, not by the pair's size ratio);
+           # "size_ratio_corun" (the pipelines' co-run by the pair's size ratio, not at the one factor);
            # session 13's "without_in_flight" (no factor for microbatches in flight, fits.in_flight)
            **{f"{k}_step_s": v.step_time_s for k, v in (variants or {}).items()},
            **{f"{k}_ape": abs(v.step_time_s - meas) / meas for k, v in (variants or {}).items()},
@@ -378,7 +405,7 @@ def summary(rows: list, names_by_round: list) -> dict:
             "without_cold_mape": (sum(r["without_cold_ape"] for r in rows) / n
                                   if all(r.get("without_cold_ape") is not None for r in rows) else None),
             **{f"{k}_mape": sum(r[f"{k}_ape"] for r in rows) / n for k in ("fitted_lines", "without_update_pair",
-                                                                         "symmetric_corun", "without_in_flight")
+                                                                         "size_ratio_corun", "without_in_flight")
                if all(f"{k}_ape" in r for r in rows)},
             "without_action_costs_mape": (sum(r["without_action_costs_ape"] for r in rows) / n
                                           if all(r.get("without_action_costs_ape") is not None for r in rows)
@@ -417,9 +444,11 @@ def main() -> None:
     ap.add_argument("--statistic", choices=("median", "min"), default="median",
                     help="statistic of the profile's calls and of each round's timed steps (min: on a machine "
                          "shared with other jobs; the issue's figure is the median)")
-    ap.add_argument("--host-allocator", choices=("steady", "default"), default="steady",
+    ap.add_argument("--host-allocator", choices=("steady", "steady-arenas", "default"), default="steady",
                     help="glibc allocator settings of this process (hethub_jax.host_allocator; the runtime "
-                         "sets steady for CPU islands unless default is asked for here)")
+                         "sets steady for CPU islands unless default is asked for here); steady-arenas: the steady "
+                         "settings with glibc's own arena count instead of one arena (islands as threads then do not "
+                         "share one arena lock, as islands in processes of their own do not)")
     args = ap.parse_args()
     from hethub_jax import host_allocator
     from hethub_jax.models.config import get_preset
@@ -429,6 +458,8 @@ def main() -> None:
     if args.host_allocator == "default":
         os.environ[host_allocator.ENV] = "default"
     alloc = host_allocator.steady_host_allocator()
+    if args.host_allocator == "steady-arenas":  # before the JAX backend starts its threads (main() starts it later)
+        alloc = dict(alloc, **arenas_per_thread())
     cfg = get_preset("tiny")
     load_before, t_start, snap0 = loadavg(), time.time(), cpu_snapshot()
     profiled = not (args.profile and os.path.exists(args.profile))
@@ -482,8 +513,8 @@ def main() -> None:
              f"; with the fitted lines between profiled microbatch sizes {100 * figures['fitted_lines_mape']:.1f}%")
           + ("" if "without_update_pair_mape" not in figures else
              f"; without the update-pair factor {100 * figures['without_update_pair_mape']:.1f}%")
-          + ("" if "symmetric_corun_mape" not in figures else
-             f"; with the one symmetric co-run factor {100 * figures['symmetric_corun_mape']:.1f}%")
+          + ("" if "size_ratio_corun_mape" not in figures else
+             f"; with the co-run by the pair's size ratio {100 * figures['size_ratio_corun_mape']:.1f}%")
           + ("" if "without_in_flight_mape" not in figures else
              f"; without the in-flight factors {100 * figures['without_in_flight_mape']:.1f}%")
           + ("" if figures["others_cpu_share"] is None else

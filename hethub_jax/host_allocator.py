@@ -61,7 +61,10 @@ second use faulted again under the first two settings alone (20,480 of 20,480 pa
 arena (tests/test_host_allocator.py). In the two-island benchmark that was 1,600-37,000 minor faults
 per step (e.g. 37,357 at microbatch 4, quiet run of 2026-12-02), at about 1.5 us of CPU each on this
 VM (a fresh page touched, measured), none of which the one-island profile sees. One arena serialises
-the threads' ``malloc`` calls on its lock (XLA allocates a few buffers per call: negligible here).
+the threads' ``malloc`` calls on its lock, which is NOT negligible for islands as threads of one process
+(measured nearly quiet, docs/benchmarks.md issue 13 session 13: the two-island pipeline's first-stage calls took
+1.35-1.5x their time with 16 arenas or with the islands as two processes, with 1.6-1.7x the voluntary context
+switches); separate processes (``hethub_jax.train`` under mpiexec) each have their own arena and lock.
 ``M_ARENA_MAX`` takes effect for threads that have not allocated yet (a thread that already has an
 arena keeps it): set it at the process's start (``benchmarks/predictor_accuracy.py`` does at import,
 the profiler before JAX starts its threads; ``PipelineRuntime`` sets it when it is built, by which

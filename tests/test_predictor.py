@@ -481,7 +481,9 @@ def test_profiler_writes_dp_mesh_corun_runtime_and_local_bridge_fits(tmp_path):
     assert prof["others_cpu_share"] is None or 0.0 <= prof["others_cpu_share"] <= 1.0
     c = DeviceCosts.from_profile(prof)
     assert c.corun_factor >= 1.0 and c.action_overhead_s > 0 and c.local_bridge_link is not None
-    assert len(c.corun_relation) == 4  # first_F, first_B, last_FB beside the large neighbour; last_FB beside the small
+    assert c.corun_relation == ()  # the relation is read only when asked for (corun_by_size)
+    # first_F, first_B, last_FB beside the large neighbour; last_FB beside the small
+    assert len(DeviceCosts.from_profile(prof, corun_by_size=True).corun_relation) == 4
     assert c.corun_update_factor > 0 and [s["kind"] for s in prof["samples"]].count("corun_update") == 1
     # the tail's pair in the runtime's own two-island step, preferred by the fit
     assert [s["kind"] for s in prof["samples"]].count("corun_tail") == 1

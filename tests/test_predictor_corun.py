@@ -49,7 +49,7 @@ from hethub_jax.planner.predictor import _corun_factors
 def _relation_costs(relation, factor=1.5):
     prof = _prof(factor)
     prof["fits"]["corun"]["relation"] = relation
-    return DeviceCosts.from_profile(prof)
+    return DeviceCosts.from_profile(prof, corun_by_size=True)
 
 
 def test_corun_extra_interpolates_the_measured_points_in_log_ratio():
@@ -62,6 +62,18 @@ def test_corun_extra_interpolates_the_measured_points_in_log_ratio():
     assert _relation_costs([]).corun_extra(3.0) == pytest.approx(0.5)  # no relation: factor - 1
     with pytest.raises(ValueError, match="size_ratio"):
         c.corun_extra(0.0)
+
+
+def test_from_profile_reads_the_relation_only_when_asked_for():
+    """Default: the one measured factor at every size ratio (the relation was no better in the quiet run,
+    docs/benchmarks.md issue 13 session 13); ``corun_by_size=True``: the measured points."""
+    prof = _prof(1.5)
+    prof["fits"]["corun"]["relation"] = [[0.1, 1.0], [10.0, 0.0]]
+    c = DeviceCosts.from_profile(prof)
+    assert c.corun_relation == () and c.corun_factor == 1.5
+    assert c.corun_extra(0.1) == pytest.approx(0.5) and c.corun_extra(10.0) == pytest.approx(0.5)
+    by_size = DeviceCosts.from_profile(prof, corun_by_size=True)
+    assert by_size.corun_extra(0.1) == pytest.approx(1.0) and by_size.corun_extra(10.0) == 0.0
 
 
 def test_fit_corun_relation_is_each_pairs_size_ratio_and_extra():

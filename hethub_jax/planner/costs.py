@@ -102,8 +102,8 @@ class DeviceCosts:
       corun_relation: MEASURED co-run slowdown by the size of the pair (``fits.corun.relation``,
         ``profile.measure_corun``): ``((size_ratio, extra), ...)`` sorted by ``size_ratio`` = a call's
         alone seconds / its neighbour's alone seconds per call, ``extra`` = busy / alone - 1 beside
-        that neighbour (>= 0); empty when not measured (then ``corun_factor - 1`` at every ratio,
-        :meth:`corun_extra`).
+        that neighbour (>= 0); empty when not measured or not asked for (``from_profile``'s
+        ``corun_by_size``, off by default), then ``corun_factor - 1`` at every ratio (:meth:`corun_extra`).
       corun_update_factor: MEASURED slowdown of an island's optimizer update while another island of the
         host updates at the same time (``fits.corun_update.factor``: after the pipelines the islands start
         their updates together, and AdamW is bound by the memory bandwidth and cores they share): the
@@ -436,8 +436,17 @@ class DeviceCosts:
                    host_link=LinkModel(5e-6, spec.intra_node_bandwidth))
 
     @classmethod
-    def from_profile(cls, profile: Union[Mapping[str, Any], str, os.PathLike]) -> "DeviceCosts":
+    def from_profile(cls, profile: Union[Mapping[str, Any], str, os.PathLike],
+                     corun_by_size: bool = False) -> "DeviceCosts":
         """Costs from a profile written by ``python -m hethub_jax.profile`` (a dict or a JSON path).
+
+        ``corun_by_size``: read the profile's co-run slowdown by the pair's size ratio
+        (``fits.corun.relation`` into :attr:`corun_relation`). Off by default: islands on a shared host
+        are slowed by the one MEASURED factor ``fits.corun.factor``. Why (docs/benchmarks.md issue 13,
+        session 13): in the quiet run of 2026-12-03 the relation gave mape 19.6% against 19.4% with the
+        one factor, the one factor was as close or closer on 7 of 11 rows, and the relation's points (one
+        small call's slowdown beside a large one) moved 1.1-5.5x between consecutive measurements of the
+        same pair on the shared machine, against 1.1-1.6x for the factor's large pair.
 
         Raises:
           ValueError: if the profile's ``format`` is not :data:`PROFILE_FORMAT` or a fit is missing.
@@ -467,7 +476,7 @@ class DeviceCosts:
                    shared_sum_fit=_shared_fit(fits_in.get("shared_sum")),
                    host_link=link(host), bridge_link=link(br),
                    profile=dict(profile), corun_factor=_corun(fits_in.get("corun")),
-                   corun_relation=_corun_relation(fits_in.get("corun")),
+                   corun_relation=_corun_relation(fits_in.get("corun")) if corun_by_size else (),
                    corun_update_factor=(_corun(fits_in["corun_update"]) if fits_in.get("corun_update") else 0.0),
                    dp_fits=dp_fits,
                    update_dp_fits={int(k): lin(v) for k, v in (fits_in.get("update_dp") or {}).items()},
