@@ -325,19 +325,38 @@ def join_job(error: str | None = None) -> int:
         from mpi4py import MPI  # MPI_Init
 
         comm = MPI.COMM_WORLD
-        mine = np.zeros(_GATE_BYTES, np.uint8)
-        if error is not None:
-            raw = error.encode()[:_GATE_BYTES - 1]
-            mine[0], mine[1:1 + len(raw)] = 1, np.frombuffer(raw, np.uint8)
-        table = np.zeros((comm.Get_size(), _GATE_BYTES), np.uint8)
-        req = comm.Iallgather([mine, MPI.BYTE], [table, MPI.BYTE])
-        while not req.Test():  # polls with a sleep: the watchdog's deadline applies, no core spins
-            time.sleep(0.005)
-    failed = {r: bytes(row[1:]).rstrip(b"\0").decode(errors="replace") for r, row in enumerate(table) if row[0]}
+        # no deadline of its own: the watchdog's applies, and the poll sleeps (no core spins)
+        failed = _gather_errors(comm, error, _GATE_BYTES, deadline=None, what="")
     if failed:
         raise StartFailed(failed, comm.Get_rank(), comm.Get_size())
     _joined = comm.Get_rank()
     return _joined
+
+
+def _gather_errors(comm, error: str | None, nbytes: int, deadline: float | None, what: str) -> dict[int, str]:
+    """Allgathers one fixed ``nbytes`` record per rank (1 status byte + the start of ``error``, UTF-8,
+    cut to ``nbytes - 1`` bytes; ``None``: no error) and returns ``{world rank: its error}`` of the ranks
+    that gave one. Polls the non-blocking allgather with a 5 ms sleep, so no core spins while a peer is
+    busy.
+
+    Raises:
+      TimeoutError: ``deadline`` (``time.monotonic()`` seconds; ``None``: no deadline here) passed before
+        every rank answered; ``what`` names the point in the message.
+    """
+    from mpi4py import MPI
+
+    mine = np.zeros(nbytes, np.uint8)
+    if error is not None:
+        raw = error.encode()[:nbytes - 1]
+        mine[0], mine[1:1 + len(raw)] = 1, np.frombuffer(raw, np.uint8)
+    table = np.zeros((comm.Get_size(), nbytes), np.uint8)
+    req = comm.Iallgather([mine, MPI.BYTE], [table, MPI.BYTE])
+    while not req.Test():
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"rank {comm.Get_rank()}: no answer from every rank at {what} "
+                               "(a rank died or hangs)")
+        time.sleep(0.005)
+    return {r: bytes(row[1:]).rstrip(b"\0").decode(errors="replace") for r, row in enumerate(table) if row[0]}
 
 
 _AGREE_BYTES = 2048  # per rank at an agreement point: 1 status byte + the start of its error (UTF-8)
@@ -378,19 +397,8 @@ def agree_errors(error: str | None, timeout: float) -> None:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    mine = np.zeros(_AGREE_BYTES, np.uint8)
-    if error is not None:
-        raw = error.encode()[:_AGREE_BYTES - 1]
-        mine[0], mine[1:1 + len(raw)] = 1, np.frombuffer(raw, np.uint8)
-    table = np.zeros((comm.Get_size(), _AGREE_BYTES), np.uint8)
-    req = comm.Iallgather([mine, MPI.BYTE], [table, MPI.BYTE])
-    deadline = time.monotonic() + timeout
-    while not req.Test():  # polls with a sleep: no core spins while a peer is still busy
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"rank {comm.Get_rank()}: no answer from every rank at a set-up agreement point "
-                               f"within {timeout:g} s (a rank died or hangs)")
-        time.sleep(0.005)
-    failed = {r: bytes(row[1:]).rstrip(b"\0").decode(errors="replace") for r, row in enumerate(table) if row[0]}
+    failed = _gather_errors(comm, error, _AGREE_BYTES, deadline=time.monotonic() + timeout,
+                            what=f"a set-up agreement point within {timeout:g} s")
     if failed:
         raise SetUpFailed(failed, comm.Get_rank(), comm.Get_size())
 
