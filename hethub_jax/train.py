@@ -732,7 +732,8 @@ def _resolve_resume(run: _Run) -> list[int]:
     the same checkpoints (a shared file system).
 
     Raises:
-      _ConfigError: the ranks of an MPI job see different checkpoints."""
+      _ConfigError: the ranks of an MPI job see different complete steps (``checkpoint.agree_steps``),
+        with the same message on every rank."""
     import re
     from pathlib import Path
 
@@ -740,12 +741,10 @@ def _resolve_resume(run: _Run) -> list[int]:
 
     t = run.cfg.train
     steps = ckpt.complete_steps(t.checkpoint_dir, run.cfg.model.num_hidden_layers) if t.checkpoint_dir else []
-    if run.comm is not None and run.world_size > 1:
-        import numpy as np
-        seen = int(run.comm.allreduce(np.asarray([1 if steps else 0], np.int64), "sum")[0])
-        if 0 < seen < run.world_size:
-            raise _ConfigError(f"train.checkpoint_dir: {seen} of {run.world_size} ranks see a complete checkpoint in "
-                               f"{t.checkpoint_dir}: the ranks need one shared directory (or give --no-resume)")
+    try:
+        ckpt.agree_steps(run.comm, steps, t.checkpoint_dir)  # under MPI: every rank sees the same steps
+    except ckpt.CheckpointError as e:  # the same message on every rank: printed once
+        raise _ConfigError(f"train.checkpoint_dir: {e}") from None
     run.resuming = bool(t.resume) or (t.resume is None and bool(steps))
     say = (lambda m: print(m, flush=True)) if run.rank == 0 else (lambda m: None)
     if t.resume is None and steps:
@@ -962,10 +961,14 @@ def _plan_brief(plan: dict) -> str:
 def _resume(run: _Run) -> None:
     """With ``train.resume``: restore the newest complete, intact checkpoint into the runtime (under
     this run's plan, whatever plan wrote it) and set ``run.start_step`` to its step. Without one,
-    ``train.resume_or_start`` starts from step 0 (set-up already refused it otherwise).
+    ``train.resume_or_start`` starts from step 0 (set-up already refused it otherwise). Under MPI every
+    rank calls it (``checkpoint.restore_latest`` agrees on every step tried), and ``_main`` then passes an
+    agreement point, so that an error prints once and every rank ends with status 2.
 
     Raises:
-      _ConfigError: the checkpoint is of another model / data set-up, or every checkpoint is corrupt."""
+      _ConfigError: the checkpoint is of another model / data set-up, every checkpoint is corrupt, or
+        the ranks see different checkpoint steps (under MPI the same message on every rank, naming the
+        ranks that found each fault)."""
     from hethub_jax import checkpoint as ckpt
 
     t = run.cfg.train
@@ -973,7 +976,7 @@ def _resume(run: _Run) -> None:
     try:
         got = ckpt.restore_latest(run.rt, t.checkpoint_dir, run.cfg.to_dict(), run.plan.global_batch_size,
                                   warn=say)
-    except (ckpt.CheckpointMismatch, ckpt.CheckpointCorrupt) as e:
+    except (ckpt.CheckpointMismatch, ckpt.CheckpointError) as e:  # CheckpointCorrupt is a CheckpointError
         raise _ConfigError(f"train.resume: {e}") from None
     if got is None:
         if run.log:
@@ -1277,6 +1280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main(run, args)
     except _ConfigError as e:
         return _fail(str(e))
+    except SetUpFailed as e:  # resuming (``_resume``): printed once, every rank ends with status 2
+        return _set_up_failed(e, args)
     finally:
         _release_locks(run)
 
@@ -1286,7 +1291,7 @@ def _main(run: _Run, args: argparse.Namespace) -> int:
     _warm_up_batch_shares(run)
     t = run.cfg.train
     if run.resuming:
-        _resume(run)
+        _agreed(run.comm, lambda: _resume(run), t.message_timeout_s)
         if run.start_step >= t.steps:
             if run.log:
                 print(f"checkpoint step {run.start_step} already reaches train.steps={t.steps}; nothing to do "
