@@ -588,7 +588,7 @@ def _check_launch(run: _Run) -> None:
                 raise _ConfigError(str(e)) from None
         records = _agreed(run.comm, shake, run.cfg.train.message_timeout_s)
         counts = {r: rec["local_device_count"] for r, rec in enumerate(records)}
-    note = unused_devices_note(plan, counts, built_in=run.cfg.train.plan is None)
+    note = unused_devices_note(plan, counts, built_in=run.cfg.train.plan is None, planned=run.args.cluster)
     if note:
         run.plan_notes.append(note)
 
@@ -638,7 +638,7 @@ def _ranges(idx: Sequence[int]) -> str:
     return ", ".join(out)
 
 
-def unused_devices_note(plan, counts: dict, built_in: bool = False) -> str | None:
+def unused_devices_note(plan, counts: dict, built_in: bool = False, planned: str | None = None) -> str | None:
     """A WARNING line when processes of the run have JAX devices that no stage of ``plan`` uses, else
     None. A warning, not an error: the plan is explicit (unlike MaxText, whose mesh is derived from
     every visible device and which fails when the product of the parallel degrees differs from the
@@ -651,6 +651,9 @@ def unused_devices_note(plan, counts: dict, built_in: bool = False) -> str | Non
         islands of one platform then share that process's devices, indices from 0), or ``{rank:
         count}`` (local devices of each MPI rank, from the start-up handshake).
       built_in: the plan is the built-in default (no ``--plan``): the advice says so.
+      planned: the cluster spec of plan-less training (``--cluster``): the plan is the planner's choice,
+        which left the devices idle on purpose (the fastest plan it PREDICTED); the line is then a note
+        saying so and how to see the alternatives, not a WARNING advising ``--cluster``.
     """
     parts = []
     if all(isinstance(k, str) for k in counts):  # one process runs every island
@@ -670,6 +673,11 @@ def unused_devices_note(plan, counts: dict, built_in: bool = False) -> str | Non
                              f"uses {len(used)}; unused local device(s): {_ranges(idle)}")
     if not parts:
         return None
+    if planned is not None:
+        return (f"note: devices left idle by the planner: {'; '.join(parts)}: the plan it chose for {planned} "
+                f"(the least PREDICTED step time among the plans it predicted) does not use them (its "
+                f"'devices used' line above); the python -m hethub_jax.plan command printed with the chosen plan "
+                f"shows the alternatives with --top 3 (docs/planner.md)")
     head = "the built-in plan (one island, one stage, one device)" if built_in else "the plan"
     return (f"WARNING: unused devices: {'; '.join(parts)}. They stay idle: {head} does not use them. To use "
             f"them, give a plan whose stages cover them (python -m hethub_jax.train --plan PLAN.json): more data "
