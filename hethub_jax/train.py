@@ -652,8 +652,9 @@ def unused_devices_note(plan, counts: dict, built_in: bool = False, planned: str
         count}`` (local devices of each MPI rank, from the start-up handshake).
       built_in: the plan is the built-in default (no ``--plan``): the advice says so.
       planned: the cluster spec of plan-less training (``--cluster``): the plan is the planner's choice,
-        which left the devices idle on purpose (the fastest plan it PREDICTED); the line is then a note
-        saying so and how to see the alternatives, not a WARNING advising ``--cluster``.
+        which left the devices idle on purpose (the fastest plan it PREDICTED); the line (a plan note,
+        which the banner prints after ``note:``) then says so and how to see the alternatives, not a
+        WARNING advising ``--cluster``.
     """
     parts = []
     if all(isinstance(k, str) for k in counts):  # one process runs every island
@@ -674,7 +675,7 @@ def unused_devices_note(plan, counts: dict, built_in: bool = False, planned: str
     if not parts:
         return None
     if planned is not None:
-        return (f"note: devices left idle by the planner: {'; '.join(parts)}: the plan it chose for {planned} "
+        return (f"devices left idle by the planner: {'; '.join(parts)}: the plan it chose for {planned} "
                 f"(the least PREDICTED step time among the plans it predicted) does not use them (its "
                 f"'devices used' line above); the python -m hethub_jax.plan command printed with the chosen plan "
                 f"shows the alternatives with --top 3 (docs/planner.md)")

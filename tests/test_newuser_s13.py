@@ -149,7 +149,7 @@ def test_unused_devices_of_a_planner_chosen_plan_are_a_note_not_advice_to_use_th
                                         {"stages": [{"island": "slow", "first_layer": 0, "last_layer": 1}]}],
                            "global_batch_size": 4, "microbatch_size": 2})
     note = unused_devices_note(plan, {0: 2, 1: 1}, planned="c.yaml")
-    assert note.startswith("note: devices left idle by the planner: rank 0 (island fast) has 2 cpu device(s)")
+    assert note.startswith("devices left idle by the planner: rank 0 (island fast) has 2 cpu device(s)")
     assert "unused local device(s): 1" in note and "c.yaml" in note
     assert "WARNING" not in note and "--cluster CLUSTER.yaml" not in note
     assert unused_devices_note(plan, {0: 1, 1: 1}, planned="c.yaml") is None
