@@ -713,7 +713,8 @@ def _check_outputs(run: _Run) -> None:
 
 def _check_resume(run: _Run) -> None:
     """``--resume`` (without ``--resume-or-start``) needs a complete checkpoint; a checkpoint to resume
-    from must be of this model and data set-up (``checkpoint.check_compatible``)."""
+    from must be of this model and data set-up (``checkpoint.check_compatible``: the newest step whose
+    ``meta.json`` reads; an unreadable one is left to resuming, which falls back past it with a warning)."""
     from hethub_jax import checkpoint as ckpt
 
     t = run.cfg.train
@@ -722,10 +723,14 @@ def _check_resume(run: _Run) -> None:
         raise _ConfigError(f"train.resume: no complete checkpoint in {t.checkpoint_dir} to resume from "
                            f"(use --resume-or-start / train.resume_or_start to start from step 0 then)")
     try:
-        if steps and run.resuming:
-            where = f"checkpoint {ckpt.step_dir(t.checkpoint_dir, steps[0])}"
-            ckpt.check_compatible(ckpt.read_meta(t.checkpoint_dir, steps[0]), run.cfg.to_dict(),
-                                  run.plan.global_batch_size, where=where)
+        for step in steps if run.resuming else []:
+            try:
+                meta = ckpt.read_meta(t.checkpoint_dir, step)
+            except ckpt.CheckpointCorrupt:
+                continue  # resuming warns and falls back to the previous step (checkpoint.restore_latest)
+            ckpt.check_compatible(meta, run.cfg.to_dict(), run.plan.global_batch_size,
+                                  where=f"checkpoint {ckpt.step_dir(t.checkpoint_dir, step)}")
+            break
     except (ckpt.CheckpointMismatch, ckpt.CheckpointError) as e:
         hint = ("" if t.resume else f" (train.resume is null: a run resumes from the checkpoints in "
                 f"{t.checkpoint_dir} when there are any; --no-resume starts from step 0 and moves them aside, "
