@@ -527,9 +527,9 @@ def agree_steps(comm: Any, steps: list[int], root: str | os.PathLike) -> None:
         return
     seen = _gather_text(comm, ", ".join(map(str, steps)) or "none")
     if len(set(seen.values())) > 1:
-        raise CheckpointError(f"the ranks see different complete checkpoint steps in {root}: "
-                              f"{by_ranks({r: _steps_text(s) for r, s in seen.items()}, comm.size)} (the ranks need one "
-                              f"checkpoint directory that every rank sees whole: a shared file system)")
+        each = by_ranks({r: _steps_text(s) for r, s in seen.items()}, comm.size)
+        raise CheckpointError(f"the ranks see different complete checkpoint steps in {root}: {each} (the ranks "
+                              f"need one checkpoint directory that every rank sees whole: a shared file system)")
 
 
 def restore_latest(rt: Any, root: str | os.PathLike, config: Mapping[str, Any], global_batch_size: int,
