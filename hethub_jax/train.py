@@ -732,10 +732,15 @@ def _check_resume(run: _Run) -> None:
                                   where=f"checkpoint {ckpt.step_dir(t.checkpoint_dir, step)}")
             break
     except (ckpt.CheckpointMismatch, ckpt.CheckpointError) as e:
-        hint = ("" if t.resume else f" (train.resume is null: a run resumes from the checkpoints in "
-                f"{t.checkpoint_dir} when there are any; --no-resume starts from step 0 and moves them aside, "
-                f"or give another --checkpoint-dir)")
-        raise _ConfigError(f"train.resume: {e}{hint}") from None
+        raise _ConfigError(f"train.resume: {e}{_null_resume_hint(t)}") from None
+
+
+def _null_resume_hint(t) -> str:
+    """For an error about the checkpoints a run resumes from: with ``train.resume`` null (the run
+    resumes because it found them, not because it was asked), how to start from step 0 instead."""
+    return ("" if t.resume else f" (train.resume is null: a run resumes from the checkpoints in "
+            f"{t.checkpoint_dir} when there are any; --no-resume starts from step 0 and moves them aside, "
+            f"or give another --checkpoint-dir)")
 
 
 def _resolve_resume(run: _Run) -> list[int]:
@@ -991,7 +996,7 @@ def _resume(run: _Run) -> None:
         got = ckpt.restore_latest(run.rt, t.checkpoint_dir, run.cfg.to_dict(), run.plan.global_batch_size,
                                   warn=say)
     except (ckpt.CheckpointMismatch, ckpt.CheckpointError) as e:  # CheckpointCorrupt is a CheckpointError
-        raise _ConfigError(f"train.resume: {e}") from None
+        raise _ConfigError(f"train.resume: {e}{_null_resume_hint(t)}") from None
     if got is None:
         if run.log:
             print(f"resume: no complete checkpoint in {t.checkpoint_dir}; starting from step 0", flush=True)
