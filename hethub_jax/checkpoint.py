@@ -64,7 +64,8 @@ import numpy as np
 
 __all__ = ["CheckpointError", "CheckpointCorrupt", "CheckpointMismatch", "unit_of", "model_units",
            "step_dir", "complete_steps", "latest_step", "read_meta", "write_meta", "check_supported",
-           "check_compatible", "AsyncSaver", "runtime_units", "runtime_arrays", "restore_latest", "DirLock",
+           "check_compatible", "AsyncSaver", "runtime_units", "runtime_arrays", "restore_latest", "agree_steps",
+           "by_ranks", "DirLock",
            "probe_writable"]
 
 FORMAT = 2
@@ -464,37 +465,116 @@ def _read_step(rt: Any, root: Path, step: int) -> dict[tuple, dict]:
     return out
 
 
+#: bytes per rank of the record the ranks exchange while restoring (``_gather_text``): 1 status byte and
+#: the start of the rank's text (UTF-8)
+_RANK_TEXT_BYTES = 1024
+
+
+def _gather_text(comm: Any, text: str | None) -> dict[int, str]:
+    """``{rank: its text}`` of the ranks that gave one (``None``: nothing to say), through one allgather
+    of a fixed ``_RANK_TEXT_BYTES`` record per rank over ``comm`` (a ``hethub_jax.comm`` Communicator:
+    its own deadline applies; CommTimeoutError when a rank does not arrive). Every rank of ``comm`` must
+    call it at the same point. ``comm`` None (one process): ``{0: text}`` or ``{}``."""
+    if comm is None:
+        return {} if text is None else {0: text}
+    rec = np.zeros(_RANK_TEXT_BYTES, np.uint8)
+    if text is not None:
+        raw = text.encode()[:_RANK_TEXT_BYTES - 1]
+        rec[0], rec[1:1 + len(raw)] = 1, np.frombuffer(raw, np.uint8)
+    table = np.asarray(comm.allgather(rec))
+    return {r: bytes(row[1:]).rstrip(b"\0").decode(errors="replace") for r, row in enumerate(table) if row[0]}
+
+
+def _rank_ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    out, ranks = [], sorted(ranks)
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def by_ranks(texts: Mapping[int, str], size: int, limit: int = 400) -> str:
+    """One line for what ranks reported (``texts``: ``{rank: text}``, ``size``: the job's ranks): the
+    text alone when every rank of the job reported that one text (a job of one rank included); else
+    each distinct text once (cut to ``limit`` characters) after the ranks that reported it, in rank
+    order: ``"rank 0: A; ranks 1-3: B"``. The same on every rank that is given the same ``texts``."""
+    if len(texts) == size and len(set(texts.values())) == 1:
+        return next(iter(texts.values()))[:limit]
+    groups: dict[str, list[int]] = {}
+    for r in sorted(texts):
+        groups.setdefault(texts[r], []).append(r)
+    return "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_rank_ranges(rs)}: {t[:limit]}" for t, rs in groups.items())
+
+
+def _steps_text(steps: str) -> str:
+    return "no complete step" if steps == "none" else f"step {steps}" if "," not in steps else f"steps {steps}"
+
+
+def agree_steps(comm: Any, steps: list[int], root: str | os.PathLike) -> None:
+    """Under MPI (``comm`` not None) every rank must see the same complete steps (``steps``: this rank's,
+    from :func:`complete_steps`) in the checkpoint directory ``root``: one shared directory. A collective
+    over ``comm`` (:func:`_gather_text`).
+
+    Raises:
+      CheckpointError: on every rank, with the same message naming each rank's steps, when they differ.
+    """
+    if comm is None or comm.size <= 1:
+        return
+    seen = _gather_text(comm, ", ".join(map(str, steps)) or "none")
+    if len(set(seen.values())) > 1:
+        each = by_ranks({r: _steps_text(s) for r, s in seen.items()}, comm.size)
+        raise CheckpointError(f"the ranks see different complete checkpoint steps in {root}: {each} (the ranks "
+                              f"need one checkpoint directory that every rank sees whole: a shared file system)")
+
+
 def restore_latest(rt: Any, root: str | os.PathLike, config: Mapping[str, Any], global_batch_size: int,
                    warn: Callable[[str], None] = print) -> tuple[int, dict] | None:
     """Restore the newest complete, readable step of ``root`` into the runtime ``rt`` (every rank of
-    the job calls this; ranks agree on the step through ``rt.comm``).
+    the job calls this; under MPI the ranks agree through ``rt.comm``: first that they see the same
+    complete steps, then, for each step tried, every rank's outcome, so that every rank takes the same
+    path, raises the same error and no rank waits in a collective its peers left).
 
     Returns:
       ``(step, meta)``, or None if ``root`` holds no complete step.
 
     Raises:
-      CheckpointMismatch: the newest step was written for another model / data set-up.
-      CheckpointCorrupt: every complete step is corrupt (the message names each fault).
+      CheckpointError: the ranks see different complete steps (:func:`agree_steps`).
+      CheckpointMismatch: the step tried was written for another model / data set-up (on some rank).
+      CheckpointCorrupt: every complete step is corrupt (the message names each fault and the ranks
+        that found it).
+      All three with the same message on every rank.
     """
+    comm = rt.comm
+    size = comm.size if comm is not None else 1
     steps = complete_steps(root, rt.config.num_hidden_layers)
+    agree_steps(comm, steps, root)
     if not steps:
         return None
     errors = []
     for step in steps:
-        meta = read_meta(root, step)
-        check_compatible(meta, config, global_batch_size, where=f"checkpoint {step_dir(root, step)}")
+        trees, meta, mine = None, None, None
         try:
-            trees, err = _read_step(rt, Path(root), step), ""
+            meta = read_meta(root, step)
+            check_compatible(meta, config, global_batch_size, where=f"checkpoint {step_dir(root, step)}")
+            trees = _read_step(rt, Path(root), step)
+        except CheckpointMismatch as e:
+            mine = "M" + str(e)
         except CheckpointCorrupt as e:
-            trees, err = None, str(e)
-        bad = np.array([0.0 if trees is not None else 1.0])
-        if rt.comm is not None:
-            bad = np.asarray(rt.comm.allreduce(bad, op="sum"))
-        if bad[0] == 0:
+            mine = "C" + str(e)
+        found = _gather_text(comm, mine)
+        mismatched = {r: t[1:] for r, t in found.items() if t.startswith("M")}
+        if mismatched:
+            raise CheckpointMismatch(by_ranks(mismatched, size))
+        if not found:
             for key, t in trees.items():
                 _load_stage(rt.stages[key], t)
             return step, meta
-        errors.append(err or f"step {step}: corrupt on another rank")
+        errors.append(by_ranks({r: t[1:] for r, t in found.items()}, size))
         if step != steps[-1]:
             warn(f"warning: checkpoint step {step} is corrupt ({errors[-1]}); falling back to the previous "
                  f"complete step")

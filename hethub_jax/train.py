@@ -588,7 +588,7 @@ def _check_launch(run: _Run) -> None:
                 raise _ConfigError(str(e)) from None
         records = _agreed(run.comm, shake, run.cfg.train.message_timeout_s)
         counts = {r: rec["local_device_count"] for r, rec in enumerate(records)}
-    note = unused_devices_note(plan, counts, built_in=run.cfg.train.plan is None)
+    note = unused_devices_note(plan, counts, built_in=run.cfg.train.plan is None, planned=run.args.cluster)
     if note:
         run.plan_notes.append(note)
 
@@ -638,7 +638,7 @@ def _ranges(idx: Sequence[int]) -> str:
     return ", ".join(out)
 
 
-def unused_devices_note(plan, counts: dict, built_in: bool = False) -> str | None:
+def unused_devices_note(plan, counts: dict, built_in: bool = False, planned: str | None = None) -> str | None:
     """A WARNING line when processes of the run have JAX devices that no stage of ``plan`` uses, else
     None. A warning, not an error: the plan is explicit (unlike MaxText, whose mesh is derived from
     every visible device and which fails when the product of the parallel degrees differs from the
@@ -651,6 +651,10 @@ def unused_devices_note(plan, counts: dict, built_in: bool = False) -> str | Non
         islands of one platform then share that process's devices, indices from 0), or ``{rank:
         count}`` (local devices of each MPI rank, from the start-up handshake).
       built_in: the plan is the built-in default (no ``--plan``): the advice says so.
+      planned: the cluster spec of plan-less training (``--cluster``): the plan is the planner's choice,
+        which left the devices idle on purpose (the fastest plan it PREDICTED); the line (a plan note,
+        which the banner prints after ``note:``) then says so and how to see the alternatives, not a
+        WARNING advising ``--cluster``.
     """
     parts = []
     if all(isinstance(k, str) for k in counts):  # one process runs every island
@@ -670,6 +674,11 @@ def unused_devices_note(plan, counts: dict, built_in: bool = False) -> str | Non
                              f"uses {len(used)}; unused local device(s): {_ranges(idle)}")
     if not parts:
         return None
+    if planned is not None:
+        return (f"devices left idle by the planner: {'; '.join(parts)}: the plan it chose for {planned} "
+                f"(the least PREDICTED step time among the plans it predicted) does not use them (its "
+                f"'devices used' line above); the python -m hethub_jax.plan command printed with the chosen plan "
+                f"shows the alternatives with --top 3 (docs/planner.md)")
     head = "the built-in plan (one island, one stage, one device)" if built_in else "the plan"
     return (f"WARNING: unused devices: {'; '.join(parts)}. They stay idle: {head} does not use them. To use "
             f"them, give a plan whose stages cover them (python -m hethub_jax.train --plan PLAN.json): more data "
@@ -704,7 +713,8 @@ def _check_outputs(run: _Run) -> None:
 
 def _check_resume(run: _Run) -> None:
     """``--resume`` (without ``--resume-or-start``) needs a complete checkpoint; a checkpoint to resume
-    from must be of this model and data set-up (``checkpoint.check_compatible``)."""
+    from must be of this model and data set-up (``checkpoint.check_compatible``: the newest step whose
+    ``meta.json`` reads; an unreadable one is left to resuming, which falls back past it with a warning)."""
     from hethub_jax import checkpoint as ckpt
 
     t = run.cfg.train
@@ -713,15 +723,24 @@ def _check_resume(run: _Run) -> None:
         raise _ConfigError(f"train.resume: no complete checkpoint in {t.checkpoint_dir} to resume from "
                            f"(use --resume-or-start / train.resume_or_start to start from step 0 then)")
     try:
-        if steps and run.resuming:
-            where = f"checkpoint {ckpt.step_dir(t.checkpoint_dir, steps[0])}"
-            ckpt.check_compatible(ckpt.read_meta(t.checkpoint_dir, steps[0]), run.cfg.to_dict(),
-                                  run.plan.global_batch_size, where=where)
+        for step in steps if run.resuming else []:
+            try:
+                meta = ckpt.read_meta(t.checkpoint_dir, step)
+            except ckpt.CheckpointCorrupt:
+                continue  # resuming warns and falls back to the previous step (checkpoint.restore_latest)
+            ckpt.check_compatible(meta, run.cfg.to_dict(), run.plan.global_batch_size,
+                                  where=f"checkpoint {ckpt.step_dir(t.checkpoint_dir, step)}")
+            break
     except (ckpt.CheckpointMismatch, ckpt.CheckpointError) as e:
-        hint = ("" if t.resume else f" (train.resume is null: a run resumes from the checkpoints in "
-                f"{t.checkpoint_dir} when there are any; --no-resume starts from step 0 and moves them aside, "
-                f"or give another --checkpoint-dir)")
-        raise _ConfigError(f"train.resume: {e}{hint}") from None
+        raise _ConfigError(f"train.resume: {e}{_null_resume_hint(t)}") from None
+
+
+def _null_resume_hint(t) -> str:
+    """For an error about the checkpoints a run resumes from: with ``train.resume`` null (the run
+    resumes because it found them, not because it was asked), how to start from step 0 instead."""
+    return ("" if t.resume else f" (train.resume is null: a run resumes from the checkpoints in "
+            f"{t.checkpoint_dir} when there are any; --no-resume starts from step 0 and moves them aside, "
+            f"or give another --checkpoint-dir)")
 
 
 def _resolve_resume(run: _Run) -> list[int]:
@@ -732,7 +751,8 @@ def _resolve_resume(run: _Run) -> list[int]:
     the same checkpoints (a shared file system).
 
     Raises:
-      _ConfigError: the ranks of an MPI job see different checkpoints."""
+      _ConfigError: the ranks of an MPI job see different complete steps (``checkpoint.agree_steps``),
+        with the same message on every rank."""
     import re
     from pathlib import Path
 
@@ -740,12 +760,10 @@ def _resolve_resume(run: _Run) -> list[int]:
 
     t = run.cfg.train
     steps = ckpt.complete_steps(t.checkpoint_dir, run.cfg.model.num_hidden_layers) if t.checkpoint_dir else []
-    if run.comm is not None and run.world_size > 1:
-        import numpy as np
-        seen = int(run.comm.allreduce(np.asarray([1 if steps else 0], np.int64), "sum")[0])
-        if 0 < seen < run.world_size:
-            raise _ConfigError(f"train.checkpoint_dir: {seen} of {run.world_size} ranks see a complete checkpoint in "
-                               f"{t.checkpoint_dir}: the ranks need one shared directory (or give --no-resume)")
+    try:
+        ckpt.agree_steps(run.comm, steps, t.checkpoint_dir)  # under MPI: every rank sees the same steps
+    except ckpt.CheckpointError as e:  # the same message on every rank: printed once
+        raise _ConfigError(f"train.checkpoint_dir: {e}") from None
     run.resuming = bool(t.resume) or (t.resume is None and bool(steps))
     say = (lambda m: print(m, flush=True)) if run.rank == 0 else (lambda m: None)
     if t.resume is None and steps:
@@ -962,10 +980,14 @@ def _plan_brief(plan: dict) -> str:
 def _resume(run: _Run) -> None:
     """With ``train.resume``: restore the newest complete, intact checkpoint into the runtime (under
     this run's plan, whatever plan wrote it) and set ``run.start_step`` to its step. Without one,
-    ``train.resume_or_start`` starts from step 0 (set-up already refused it otherwise).
+    ``train.resume_or_start`` starts from step 0 (set-up already refused it otherwise). Under MPI every
+    rank calls it (``checkpoint.restore_latest`` agrees on every step tried), and ``_main`` then passes an
+    agreement point, so that an error prints once and every rank ends with status 2.
 
     Raises:
-      _ConfigError: the checkpoint is of another model / data set-up, or every checkpoint is corrupt."""
+      _ConfigError: the checkpoint is of another model / data set-up, every checkpoint is corrupt, or
+        the ranks see different checkpoint steps (under MPI the same message on every rank, naming the
+        ranks that found each fault)."""
     from hethub_jax import checkpoint as ckpt
 
     t = run.cfg.train
@@ -973,8 +995,8 @@ def _resume(run: _Run) -> None:
     try:
         got = ckpt.restore_latest(run.rt, t.checkpoint_dir, run.cfg.to_dict(), run.plan.global_batch_size,
                                   warn=say)
-    except (ckpt.CheckpointMismatch, ckpt.CheckpointCorrupt) as e:
-        raise _ConfigError(f"train.resume: {e}") from None
+    except (ckpt.CheckpointMismatch, ckpt.CheckpointError) as e:  # CheckpointCorrupt is a CheckpointError
+        raise _ConfigError(f"train.resume: {e}{_null_resume_hint(t)}") from None
     if got is None:
         if run.log:
             print(f"resume: no complete checkpoint in {t.checkpoint_dir}; starting from step 0", flush=True)
@@ -1277,6 +1299,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main(run, args)
     except _ConfigError as e:
         return _fail(str(e))
+    except SetUpFailed as e:  # resuming (``_resume``): printed once, every rank ends with status 2
+        return _set_up_failed(e, args)
     finally:
         _release_locks(run)
 
@@ -1286,7 +1310,7 @@ def _main(run: _Run, args: argparse.Namespace) -> int:
     _warm_up_batch_shares(run)
     t = run.cfg.train
     if run.resuming:
-        _resume(run)
+        _agreed(run.comm, lambda: _resume(run), t.message_timeout_s)
         if run.start_step >= t.steps:
             if run.log:
                 print(f"checkpoint step {run.start_step} already reaches train.steps={t.steps}; nothing to do "

@@ -1,7 +1,7 @@
 """The bad-input inventory (issue 16 part 3): every case below makes ``python -m hethub_jax.train`` exit
 with status 2 and one line ``python -m hethub_jax.train: error: ...`` naming the constraint, before it
-writes any metrics or checkpoint file (and before anything is compiled: all but the corrupt-checkpoint
-case fail in set-up, before the pipeline runtime exists).
+writes any metrics or checkpoint file (and before anything is compiled: all but the cases that read
+a checkpoint's arrays (corrupt, falling back) fail in set-up, before the pipeline runtime exists).
 
 ``docs/errors.md`` is generated from ``CASES`` (``python tests/test_bad_inputs.py`` rewrites it;
 ``test_errors_doc_is_current`` fails when it is stale). In-process cases call ``main(argv)``; the
@@ -41,9 +41,11 @@ def _plan(islands=(("a", "cpu", 1),), stages=(("a", 0, 1, 1, 1),), **extra) -> s
     return json.dumps(d)
 
 
-def _fake_checkpoint(model_overrides: dict | None = None) -> dict[str, str]:
-    """Files of a step-2 checkpoint that looks complete: every unit directory (empty: unreadable),
-    CRC files and meta.json (model fields as BASE_YAML, with overrides)."""
+def _fake_checkpoint(model_overrides: dict | None = None, step: int = 2, global_batch_size: int = 4,
+                     root: str = "ckpt") -> dict[str, str]:
+    """Files of a checkpoint step (``root/step_{step}``) that looks complete: every unit directory
+    (empty: unreadable), CRC files and meta.json (model fields as BASE_YAML, with overrides; the global
+    batch it was written with)."""
     import yaml
 
     from hethub_jax.config import from_dict
@@ -51,12 +53,12 @@ def _fake_checkpoint(model_overrides: dict | None = None) -> dict[str, str]:
     files = {}
     full = {**cfg.model.to_dict(), **(model_overrides or {})}
     data = cfg.data.model_dump()
-    meta = {"format": 2, "step": 2, "config": {"model": full, "data": data},
-            "data": {"global_batch_size": 4}}
+    meta = {"format": 2, "step": step, "config": {"model": full, "data": data},
+            "data": {"global_batch_size": global_batch_size}}
     for u in ["embed", "layers.0", "layers.1", "head"]:
-        files[f"ckpt/step_2/{u}/.keep"] = ""
-        files[f"ckpt/step_2/{u}.crc.json"] = "{}"
-    files["ckpt/step_2/meta.json"] = json.dumps(meta)
+        files[f"{root}/step_{step}/{u}/.keep"] = ""
+        files[f"{root}/step_{step}/{u}.crc.json"] = "{}"
+    files[f"{root}/step_{step}/meta.json"] = json.dumps(meta)
     return files
 
 
@@ -71,7 +73,7 @@ class Case:
     expect: str                     # regex the error line must match (the named constraint)
     files: dict = dataclasses.field(default_factory=dict)
     lock_held: bool = False         # another run holds the output directory
-    mpi: list | None = None         # mpiexec segments: [(n, extra argv), ...]
+    mpi: list | None = None         # mpiexec segments: [(n, extra argv[, working directory under {tmp}]), ...]
 
 
 CASES = [
@@ -184,6 +186,42 @@ CASES = [
          files={"p.json": _plan(islands=(("a", "cpu", 1), ("b", "cpu", 1)),
                                 stages=(("a", 0, 0, 1, 1), ("b", 1, 2, 1, 1)))},
          mpi=[(2, [])]),
+    # errors found while resuming under mpiexec: every rank sees the same outcome of each checkpoint step
+    # tried (checkpoint.restore_latest agrees through the bridge), the error names the ranks that found
+    # each fault, is printed once, and every rank ends with status 2
+    Case("checkpoint_corrupt_all_ranks", "checkpoint", "`--resume` from a corrupt checkpoint, 2 ranks (each "
+         "finds the tied embedding's unit unreadable while resuming)", ["--plan", "{tmp}/p.json", "--resume"],
+         r"rank 0 \(island a\): train\.resume: every complete checkpoint in .* is corrupt: .*step_2/embed: "
+         r"cannot be read .*\(the same on rank\(s\) 1\)",
+         files={"p.json": _plan(islands=(("a", "cpu", 1), ("b", "cpu", 1)),
+                                stages=(("a", 0, 0, 1, 1), ("b", 1, 1, 1, 1))), **_fake_checkpoint()},
+         mpi=[(2, [])]),
+    Case("checkpoint_fallback_other_model", "checkpoint", "`--resume`, 2 ranks: the newest step corrupt, the "
+         "step it falls back to of another model shape", ["--plan", "{tmp}/p.json", "--resume"],
+         r"rank 0 \(island a\): train\.resume: checkpoint .*step_2 was written for another set-up: "
+         r"model\.hidden_size is 48 there, 32 here .*\(the same on rank\(s\) 1\)",
+         files={"p.json": _plan(islands=(("a", "cpu", 1), ("b", "cpu", 1)),
+                                stages=(("a", 0, 0, 1, 1), ("b", 1, 1, 1, 1))),
+                **_fake_checkpoint(step=4), **_fake_checkpoint({"hidden_size": 48})},
+         mpi=[(2, [])]),
+    Case("checkpoint_other_plan_batch", "checkpoint", "`--resume`, 2 ranks, from a checkpoint written under a "
+         "plan of another global batch", ["--plan", "{tmp}/p.json", "--resume"],
+         r"rank 0 \(island a\): train\.resume: checkpoint .*step_2 was written for another set-up: "
+         r"train\.global_batch_size is 8 there, 4 here .*\(the same on rank\(s\) 1\)",
+         files={"p.json": _plan(islands=(("a", "cpu", 1), ("b", "cpu", 1)),
+                                stages=(("a", 0, 0, 1, 1), ("b", 1, 1, 1, 1))),
+                **_fake_checkpoint(global_batch_size=8)},
+         mpi=[(2, [])]),
+    Case("checkpoint_steps_differ", "checkpoint", "`--resume`, 2 ranks seeing different checkpoint steps (a "
+         "relative `--checkpoint-dir` from another working directory on each rank: no shared directory)",
+         ["--plan", "{tmp}/p.json", "--resume", "--checkpoint-dir", "ckpt"],
+         r"rank 0 \(island a\): train\.checkpoint_dir: the ranks see different complete checkpoint steps in "
+         r"ckpt: rank 0: steps 4, 2; rank 1: step 2 \(the ranks need one checkpoint directory",
+         files={"p.json": _plan(islands=(("a", "cpu", 1), ("b", "cpu", 1)),
+                                stages=(("a", 0, 0, 1, 1), ("b", 1, 1, 1, 1))),
+                **_fake_checkpoint(root="r0/ckpt"), **_fake_checkpoint(step=4, root="r0/ckpt"),
+                **_fake_checkpoint(root="r1/ckpt")},
+         mpi=[(1, [], "r0"), (1, [], "r1")]),
     Case("island_mismatch_one_rank", "launch", "`--island` naming another rank's island on one rank only",
          ["--plan", "{tmp}/p.json"], r"rank 1 \(island a\): rank 1 runs island 'a' but the plan gives rank 1 to "
          r"island 'b'", files={"p.json": _plan(islands=(("a", "cpu", 1), ("b", "cpu", 1)),
@@ -258,10 +296,12 @@ def test_bad_input_under_mpi(case: Case, tmp_path: Path):
     from test_comm_contract import mpiexec, run_group
 
     argv = _materialise(case, tmp_path)
+    for p in (tmp_path / "ckpt").glob("step_*"):          # pre-existing steps are not "written"
+        (tmp_path / "ckpt_pre" / p.name).mkdir(parents=True)
     cmd = [mpiexec()]
-    for i, (n, extra) in enumerate(case.mpi):
-        cmd += ([":"] if i else []) + ["-n", str(n), sys.executable, "-m", "hethub_jax.train", *argv,
-                                       *[a.replace("{tmp}", str(tmp_path)) for a in extra]]
+    for i, (n, extra, *wdir) in enumerate(case.mpi):
+        cmd += ([":"] if i else []) + ["-n", str(n)] + (["-wdir", str(tmp_path / wdir[0])] if wdir else []) + [
+            sys.executable, "-m", "hethub_jax.train", *argv, *[a.replace("{tmp}", str(tmp_path)) for a in extra]]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                JAX_PLATFORMS="cpu", HETHUB_MPI_INIT_TIMEOUT_S="600")
     rc, err, after_error = _run_timed(cmd, 180, env)

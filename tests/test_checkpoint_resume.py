@@ -148,6 +148,30 @@ def test_corrupt_newest_checkpoint_falls_back_and_all_corrupt_is_named(straight,
         ckpt.restore_latest(rt, root, cfg.to_dict(), 8, warn=warnings.append)
 
 
+def test_unreadable_newest_meta_falls_back_instead_of_stopping_at_set_up(straight, tmp_path):
+    """Set-up checks the newest step whose meta.json reads; resuming then warns and falls back past the
+    unreadable one, as it does for a corrupt unit (it stopped the run at set-up before session 14)."""
+    shutil.copytree(straight["dir"] / "ckpt", tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "step_4" / "meta.json").write_text("{not json")
+    rc, err = _train(tmp_path, "--resume", "--plan", str(straight["plan"]))
+    assert rc == 0, err
+    assert "checkpoint step 4 is corrupt" in err and "step_4/meta.json: unreadable" in err, err
+    assert _losses(tmp_path / "m.jsonl")[4] == straight["losses"][4]
+
+
+def test_every_checkpoint_corrupt_without_asking_to_resume_says_how_to_start_over(straight, tmp_path):
+    """train.resume null (the default) resumed because checkpoints were there: when all of them are corrupt
+    the error says how to start from step 0 instead, as set-up's errors about them do."""
+    shutil.copytree(straight["dir"] / "ckpt", tmp_path / "ckpt")
+    for step in (2, 4):
+        (tmp_path / "ckpt" / f"step_{step}" / "meta.json").write_text("{not json")
+    rc, err = _train(tmp_path, "--plan", str(straight["plan"]))
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert rc == 2 and len(lines) == 1, err
+    assert "every complete checkpoint in" in lines[0] and "step_2/meta.json: unreadable" in lines[0], err
+    assert "train.resume is null" in lines[0] and "--no-resume starts from step 0" in lines[0], err
+
+
 def test_checkpoint_of_another_model_names_the_field(straight, tmp_path):
     shutil.copytree(straight["dir"] / "ckpt", tmp_path / "ckpt")
     rc, err = _train(tmp_path, "--resume", "--set", "model.intermediate_size=96", "--steps", "6")

@@ -135,3 +135,22 @@ def test_set_up_failed_prints_each_distinct_error_once_by_its_lowest_rank(capsys
     assert printed[1] == "" and printed[2] == ""  # healthy, and the same error as a lower rank: quiet
     assert printed[0].count("error:") == 1 and "rank 0: bad plan (the same on rank(s) 2)" in printed[0]
     assert printed[3].count("error:") == 1 and "rank 3: no devices" in printed[3] and "same on" not in printed[3]
+
+
+def test_unused_devices_of_a_planner_chosen_plan_are_a_note_not_advice_to_use_the_planner():
+    """Plan-less training (s14 new-user run): the planner chose a plan leaving a device idle; the line
+    says so instead of a WARNING advising --cluster, which the user already gave."""
+    from hethub_jax.parallel.plan import Plan
+    from hethub_jax.train import unused_devices_note
+
+    plan = Plan.from_dict({"islands": [{"name": "fast", "platform": "cpu", "devices_per_process": 1},
+                                       {"name": "slow", "platform": "cpu", "devices_per_process": 1}],
+                           "replicas": [{"stages": [{"island": "fast", "first_layer": 0, "last_layer": 1}]},
+                                        {"stages": [{"island": "slow", "first_layer": 0, "last_layer": 1}]}],
+                           "global_batch_size": 4, "microbatch_size": 2})
+    note = unused_devices_note(plan, {0: 2, 1: 1}, planned="c.yaml")
+    assert note.startswith("devices left idle by the planner: rank 0 (island fast) has 2 cpu device(s)")
+    assert "unused local device(s): 1" in note and "c.yaml" in note
+    assert "WARNING" not in note and "--cluster CLUSTER.yaml" not in note
+    assert unused_devices_note(plan, {0: 1, 1: 1}, planned="c.yaml") is None
+    assert unused_devices_note(plan, {0: 2, 1: 1}).startswith("WARNING: unused devices")
