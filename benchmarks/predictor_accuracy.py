@@ -74,6 +74,7 @@ islands on two cores do not fight over one thread pool; 8 fake CPU devices, 4 pe
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import resource
@@ -220,6 +221,213 @@ def measure_steps(plan, cfg, seq: int, steps: int, warmup: int, statistic: str =
             "faults_per_step": (faults[len(runs)] - faults[1 + warmup]) / max(1, steps),
             "records": [r for x in timed[pick] for r in x[2]], "t0": min(x[0] for x in timed[pick]),
             "islands": {plan.islands[i].name: (x[0], x[1]) for i, x in enumerate(timed[pick])}}
+
+
+def _job_snapshot() -> tuple:
+    """:func:`hethub_jax.profile.cpu_snapshot` with this process's finished children (the island jobs, ``os.times``'
+    children fields: mpiexec waits for its ranks) counted as this job's, not as other processes."""
+    wall, busy, own = cpu_snapshot()
+    t = os.times()
+    return wall, busy, own + t.children_user + t.children_system
+
+
+def _rusage() -> tuple:
+    """``(CPU seconds user + system, minor page faults, voluntary context switches)`` of this process."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime, r.ru_minflt, r.ru_nvcsw
+
+
+def _sleeping_barrier(world) -> None:
+    """A barrier of the MPI communicator ``world`` whose wait sleeps between tests (``MPI_Ibarrier`` polled with
+    ``poll_until(spin_s=0)``: back-off 10 us to 1 ms): MPICH's blocking ``MPI_Barrier`` polls without sleeping, which
+    on 2 shared cores would take a core from the island still finishing its step."""
+    from hethub_jax.comm.base import poll_until
+    req = world.Ibarrier()
+    poll_until(req.Test, time.monotonic() + 600, lambda: "barrier between steps", spin_s=0.0)
+
+
+def measure_steps_mpi(plan, cfg, seq: int, steps: int, warmup: int, statistic: str = "median",
+                      spin_s: float = 0.05) -> dict | None:
+    """:func:`measure_steps` with the islands as PROCESSES: run under ``mpiexec -n len(plan.islands)``, this
+    rank runs island ``rank`` (a fresh ``PipelineRuntime`` on this process's first 4 devices), the islands
+    joined by the MPI host bridge (``MPIHostBridge`` over a duplicate of ``MPI.COMM_WORLD``, its waits polling
+    without sleeping for ``spin_s`` seconds, then sleeping: ``hethub_jax.comm.base.poll_until``), as
+    ``hethub_jax.train`` runs islands. Every step starts after a barrier that sleeps while it waits
+    (:func:`_sleeping_barrier`). Returns, on rank 0, :func:`measure_steps`'s dict (every island's records
+    gathered; ``perf_counter`` is the system's monotonic clock, shared by the processes of one host) plus
+    ``"cpu_s_per_step"``, ``"faults_per_step"`` and ``"voluntary_switches_per_step"`` summed over the island
+    processes (``getrusage``: counts, comparable on a loaded machine) and ``"others_cpu_share"`` (CPU used by
+    processes outside the job meanwhile, :func:`hethub_jax.profile.others_share` with the ranks' ids);
+    None on the other ranks.
+
+    Raises:
+      SystemExit: if the job's size is not the plan's island count.
+    """
+    import jax
+    import numpy as np
+    from mpi4py import MPI
+
+    from hethub_jax.comm.mpi import MPIHostBridge
+    from hethub_jax.optim import OptimConfig
+    from hethub_jax.parallel.runtime import PipelineRuntime
+    world = MPI.COMM_WORLD
+    n, rank = len(plan.islands), world.Get_rank()
+    if world.Get_size() != n:
+        raise SystemExit(f"islands as processes: {n} islands need mpiexec -n {n}, not {world.Get_size()}")
+    pids = world.allgather(os.getpid())
+    rng = np.random.default_rng(0)
+    gbs = plan.global_batch_size
+    batch = {"tokens": rng.integers(0, cfg.vocab_size, (gbs, seq), dtype=np.int32),
+             "targets": rng.integers(0, cfg.vocab_size, (gbs, seq), dtype=np.int32),
+             "loss_mask": np.ones((gbs, seq), np.float32)}
+    bridge = MPIHostBridge(world.Dup(), timeout=600).with_spin(spin_s)
+    rt = PipelineRuntime(plan, cfg, OptimConfig(), seed=0, comm=bridge, rank=rank,
+                         devices=jax.devices()[:DEVICES_PER_ISLAND])
+    mine, snap = [], None
+    for i in range(1 + warmup + steps):
+        _sleeping_barrier(world)
+        if i == 1 + warmup:
+            c0, snap = _rusage(), cpu_snapshot(pids)
+        t0 = time.perf_counter()
+        res = rt.train_step(batch)
+        mine.append((t0, res.step_time_s, res.records))
+    _sleeping_barrier(world)
+    c1, snap1 = _rusage(), cpu_snapshot(pids)
+    both = world.gather((mine[1 + warmup:], [b - a for a, b in zip(c0, c1)]), root=0)
+    if rank != 0:
+        return None
+    timed = [list(x) for x in zip(*(b[0] for b in both))]  # per timed step: (start, seconds, records) per island
+    steps_s = [max(x[1] for x in row) for row in timed]
+    order = sorted(range(len(timed)), key=steps_s.__getitem__)
+    pick = order[0] if statistic == "min" else order[(len(order) - 1) // 2]
+    cpu, faults, vcsw = (sum(b[1][j] for b in both) / max(1, steps) for j in range(3))
+    return {"statistic_s": min(steps_s) if statistic == "min" else median(steps_s), "steps_s": steps_s,
+            "faults_per_step": faults, "cpu_s_per_step": cpu, "voluntary_switches_per_step": vcsw,
+            "others_cpu_share": others_share(snap, snap1),
+            "records": [r for x in timed[pick] for r in x[2]], "t0": min(x[0] for x in timed[pick]),
+            "islands": {plan.islands[i].name: (x[0], x[1]) for i, x in enumerate(timed[pick])}}
+
+
+#: where a child job (``--child SPEC``, under mpiexec) finds its islands' settings
+CHILD_SPEC_KEYS = ("names", "seq", "steps", "warmup", "statistic", "trials", "spin_s", "pin", "out")
+
+
+def child_main(spec_path: str) -> None:
+    """One round of the islands as processes (run by :func:`measure_round_processes` under ``mpiexec -n 2``):
+    reads the JSON spec (:data:`CHILD_SPEC_KEYS`), pins this rank to core ``rank`` if ``pin`` (before JAX
+    starts), measures every configuration of ``names`` in that order, ``trials`` fresh runtimes each
+    (:func:`measure_steps_mpi`, the one with the smallest statistic kept), and rank 0 pickles
+    ``{name: dict}`` to ``out``."""
+    import pickle
+    with open(spec_path) as f:
+        spec = json.load(f)
+    from hethub_jax.models.config import get_preset
+    rank = int(os.environ.get("PMI_RANK", "0"))
+    if spec["pin"] and hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+    cfg = get_preset("tiny")
+    out = {}
+    for name in spec["names"]:
+        plan, _ = plan_and_batch(name, cfg, spec["seq"])
+        trials = [measure_steps_mpi(plan, cfg, spec["seq"], spec["steps"], spec["warmup"], spec["statistic"],
+                                    spec["spin_s"]) for _ in range(spec["trials"])]
+        if trials[0] is not None:
+            best = dict(min(trials, key=lambda t: t["statistic_s"]))
+            best.update(trials_statistic_s=[t["statistic_s"] for t in trials], loadavg=loadavg())
+            out[name] = best
+    if rank == 0:
+        with open(spec["out"], "wb") as f:
+            pickle.dump(out, f)
+
+
+#: message sizes of the bridge's fit (bytes): the profiler's (1 KiB, 64 KiB, 1 MiB) and 8 MiB (the tiny model's tied
+#: embedding gradient sum between islands is 8 MB)
+BRIDGE_SIZES = (1024, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024)
+
+
+def bridge_child_main(spec_path: str) -> None:
+    """Under ``mpiexec -n 2``: the MPI host bridge's round trips between the two processes
+    (``hethub_jax.profile.measure_bridge`` at :data:`BRIDGE_SIZES`, the spec's ``spin_s`` and ``repeats``, pinned
+    as the islands when ``pin``); rank 0 writes the samples (JSON list) to the spec's ``out``."""
+    with open(spec_path) as f:
+        spec = json.load(f)
+    rank = int(os.environ.get("PMI_RANK", "0"))
+    if spec["pin"] and hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+    from hethub_jax import profile
+    samples = profile.measure_bridge(list(BRIDGE_SIZES), spec["repeats"], spec["spin_s"])
+    if rank == 0:
+        with open(spec["out"], "w") as f:
+            json.dump(samples, f)
+
+
+def _run_child(flag: str, spec: dict, what: str) -> None:
+    """``mpiexec -n 2 python predictor_accuracy.py FLAG SPEC`` with ``spec`` written as JSON beside ``spec["out"]``
+    (4 fake CPU devices per process, the repository on PYTHONPATH).
+
+    Raises:
+      SystemExit: if no mpiexec is found.
+      RuntimeError: if the job fails (its exit status; its output is on this process's stdout / stderr).
+    """
+    import shutil
+    import subprocess
+    exe = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    exe = exe if os.path.exists(exe) else shutil.which("mpiexec")
+    if exe is None:
+        raise SystemExit("islands as processes need mpiexec (next to the Python executable or on PATH)")
+    path = os.path.join(os.path.dirname(spec["out"]), "spec.json")
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               XLA_FLAGS=" ".join([f for f in os.environ.get("XLA_FLAGS", "").split()
+                                   if "xla_force_host_platform_device_count" not in f]
+                                  + [f"--xla_force_host_platform_device_count={DEVICES_PER_ISLAND}"]))
+    rc = subprocess.call([exe, "-n", "2", sys.executable, os.path.abspath(__file__), flag, path], env=env)
+    if rc != 0:
+        raise RuntimeError(f"{what} (mpiexec -n 2) exited with {rc}")
+
+
+def measure_bridge_fit(args) -> dict:
+    """The MPI host bridge between two island processes, measured (:func:`bridge_child_main`) and fitted as the
+    profiler fits ``fits.bridge`` (``hethub_jax.profile.fit_line``: ``c0 + c1 x bytes``). Returns
+    ``{"fit": {"c0", "c1"}, "samples": [...], "spin_s", "pin"}``."""
+    import shutil
+
+    from hethub_jax.profile import fit_line
+    d = tempfile.mkdtemp(prefix="hethub-acc-bridge-")
+    out = os.path.join(d, "bridge.json")
+    _run_child("--child-bridge", {"repeats": args.repeats, "spin_s": args.bridge_spin_s, "pin": args.pin,
+                                  "out": out}, "the bridge's measurement")
+    with open(out) as f:
+        samples = json.load(f)
+    shutil.rmtree(d, ignore_errors=True)
+    return {"fit": fit_line([s["bytes"] for s in samples], [s["seconds"] for s in samples]), "samples": samples,
+            "spin_s": args.bridge_spin_s, "pin": args.pin}
+
+
+def measure_round_processes(names: list, args) -> dict:
+    """One round of the configurations ``names`` (in that order) with the islands as processes: one job
+    ``mpiexec -n 2 python predictor_accuracy.py --child SPEC`` (:func:`child_main`; 4 fake CPU devices per
+    process, one XLA compute thread per computation, the steady host allocator of one arena per process as
+    the runtime sets it), ``--trials`` fresh runtimes per configuration. Returns ``{name: dict}``
+    (:func:`measure_steps_mpi`'s, plus ``"trials_statistic_s"`` and ``"loadavg"``).
+
+    Raises:
+      RuntimeError: if the job fails.
+    """
+    import pickle
+    import shutil
+    d = tempfile.mkdtemp(prefix="hethub-acc-round-")
+    spec = {"names": list(names), "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
+            "statistic": args.statistic, "trials": args.trials, "spin_s": args.bridge_spin_s,
+            "pin": args.pin, "out": os.path.join(d, "round.pkl")}
+    _run_child("--child", spec, f"the islands' job (configurations {', '.join(names)})")
+    with open(spec["out"], "rb") as f:
+        out = pickle.load(f)
+    shutil.rmtree(d, ignore_errors=True)
+    return out
 
 
 def arenas_per_thread() -> dict:
@@ -370,6 +578,11 @@ def finish_row(name: str, pred, pred_base, rounds: list, args, pred_warm=None, p
            "rounds_steps_s": [r["steps_s"] for r in rounds],
            "rounds_trials_statistic_s": [r["trials_statistic_s"] for r in rounds],
            "faults_per_step": median([r["faults_per_step"] for r in rounds]),
+           # islands as processes: CPU seconds of the island processes per timed step, voluntary context switches
+           "cpu_s_per_step": (median([r["cpu_s_per_step"] for r in rounds])
+                              if all("cpu_s_per_step" in r for r in rounds) else None),
+           "voluntary_switches_per_step": (median([r["voluntary_switches_per_step"] for r in rounds])
+                                           if all("voluntary_switches_per_step" in r for r in rounds) else None),
            "loadavg": [r["loadavg"] for r in rounds],
            "others_cpu_share": sum(shares) / len(shares) if shares else None}
     outside = "" if sp["within_spread"] else f" (outside the spread by {100 * sp['ape_beyond_spread']:.1f}%)"
@@ -379,6 +592,7 @@ def finish_row(name: str, pred, pred_base, rounds: list, args, pred_warm=None, p
           + ("" if pred_warm is None else f"  without cold calls {100 * row['without_cold_ape']:5.1f}%")
           + ("" if pred_plain is None else f"  without action costs {100 * row['without_action_costs_ape']:5.1f}%")
           + f"  faults/step {row['faults_per_step']:.0f}"
+          + ("" if row["cpu_s_per_step"] is None else f"  CPU/step {1e3 * row['cpu_s_per_step']:.1f} ms")
           + ("" if row["others_cpu_share"] is None else f"  others {100 * row['others_cpu_share']:.0f}% CPU"),
           flush=True)
     if args.breakdown:
@@ -418,6 +632,9 @@ def summary(rows: list, names_by_round: list) -> dict:
 
 
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] in ("--child", "--child-bridge"):  # a rank of a job started by this script
+        (child_main if sys.argv[1] == "--child" else bridge_child_main)(sys.argv[2])
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", required=True, help="output path")
     ap.add_argument("--seq", type=int, default=64, help="tokens per sample")
@@ -449,6 +666,20 @@ def main() -> None:
                          "sets steady for CPU islands unless default is asked for here); steady-arenas: the steady "
                          "settings with glibc's own arena count instead of one arena (islands as threads then do not "
                          "share one arena lock, as islands in processes of their own do not)")
+    ap.add_argument("--islands", choices=("processes", "threads"), default="processes",
+                    help="processes (default): each configuration's islands run as two processes under mpiexec -n 2 "
+                         "joined by the MPI host bridge, as hethub_jax.train runs islands, predicted as islands on one "
+                         "shared host (DeviceCosts.on_shared_host) with the bridge's measured line; threads: one thread "
+                         "per island in this process joined by LocalCommunicator (the benchmark before session 14), "
+                         "predicted as islands in one process (DeviceCosts.in_process)")
+    ap.add_argument("--pin", action="store_true",
+                    help="with --islands processes: pin island process i to core i (as hetero_dp.py / hetero_e2e.py); "
+                         "default unpinned: both processes may use both cores, as the threads and the profile's co-run "
+                         "measurement do")
+    ap.add_argument("--bridge-spin-s", type=float, default=0.0,
+                    help="with --islands processes: seconds the MPI bridge's waits poll without sleeping before they "
+                         "back off (MPIHostBridge.with_spin; the bridge's own default 0.05). Default 0: unpinned on 2 "
+                         "cores, a spinning wait takes the core the other island computes on")
     args = ap.parse_args()
     from hethub_jax import host_allocator
     from hethub_jax.models.config import get_preset
@@ -461,38 +692,57 @@ def main() -> None:
     if args.host_allocator == "steady-arenas":  # before the JAX backend starts its threads (main() starts it later)
         alloc = dict(alloc, **arenas_per_thread())
     cfg = get_preset("tiny")
-    load_before, t_start, snap0 = loadavg(), time.time(), cpu_snapshot()
+    load_before, t_start, snap0 = loadavg(), time.time(), _job_snapshot()
     profiled = not (args.profile and os.path.exists(args.profile))
     names = list(configs())
     names = args.only.split(",") if args.only else names[:3] if args.quick else names
     canary_profile = [canary(cfg, args)] if profiled else []
     prof_path = run_profile(args, names)
     canary_profile += [canary(cfg, args)] if profiled else []
-    share_profile = others_share(snap0, cpu_snapshot()) if profiled else None  # while this run profiled
+    share_profile = others_share(snap0, _job_snapshot()) if profiled else None  # while this run profiled
     t_profile = time.time() - t_start
-    # the islands are threads of this process: they share its cores (the profile's measured co-run factor)
-    # and its launcher of multi-device computations (DP / TP stages; the profile's measured fits.launch)
-    costs = DeviceCosts.from_profile(prof_path).in_process("this process")
+    bridge_fit = None
+    if args.islands == "processes":
+        # islands as processes of one host: they share its cores (the profile's measured co-run factor), each
+        # launches its own multi-device computations; between them the MPI host bridge, measured here between two
+        # processes with the run's spin and pinning (the profiler's own fits.bridge needs mpiexec -n 2)
+        costs = DeviceCosts.from_profile(prof_path).on_shared_host("this host")
+        bridge_fit = measure_bridge_fit(args)
+        bridge = LinkModel(max(0.0, bridge_fit["fit"]["c0"]), 1.0 / max(bridge_fit["fit"]["c1"], 1e-15))
+        print(f"MPI bridge between the island processes: {1e6 * bridge.alpha_s:.1f} us + bytes / "
+              f"{bridge.bandwidth / 1e9:.2f} GB/s (spin {args.bridge_spin_s:g} s, {'pinned' if args.pin else 'unpinned'})",
+              flush=True)
+    else:
+        # the islands are threads of this process: they share its cores (the profile's measured co-run factor)
+        # and its launcher of multi-device computations (DP / TP stages; the profile's measured fits.launch)
+        costs = DeviceCosts.from_profile(prof_path).in_process("this process")
+        # in one process the bridge is LocalCommunicator: the profile's measured 2-thread all-reduce
+        # (older profiles: its host-copy line)
+        bridge = costs.local_bridge_link or costs.host_link or LinkModel(0.0, 1e12)
     base = DeviceCosts.from_catalog("cpu")
-    # in one process the bridge is LocalCommunicator: the profile's measured 2-thread all-reduce
-    # (older profiles: its host-copy line)
-    bridge = costs.local_bridge_link or costs.host_link or LinkModel(0.0, 1e12)
     preds = {n: predict_row(n, cfg, costs, base, bridge, args) for n in names}
     orders = round_orders(names, args.rounds)
     measured = {n: [] for n in names}
     canary_rounds = []
     for i, order in enumerate(orders):
         canary_rounds.append(canary(cfg, args))
-        for n in order:
-            measured[n].append(measure_round(preds[n][0], cfg, args))
+        if args.islands == "processes":
+            res = measure_round_processes(order, args)
+            for n in order:
+                measured[n].append(res[n])
+        else:
+            for n in order:
+                measured[n].append(measure_round(preds[n][0], cfg, args))
         print(f"round {i + 1}/{len(orders)} done ({time.time() - t_start:.0f} s): "
               + ", ".join(f"{n} {measured[n][-1]['statistic_s']:.4f}" for n in order), flush=True)
     rows = [finish_row(n, preds[n][1], preds[n][2], measured[n], args, preds[n][3], preds[n][4], preds[n][5])
             for n in names]
     figures = summary(rows, orders)
     figures.update(statistic=args.statistic, trials=args.trials, host_allocator=alloc["allocator"],
+                   islands=args.islands, pinned=bool(args.pin and args.islands == "processes"),
+                   bridge_spin_s=args.bridge_spin_s if args.islands == "processes" else None, bridge_fit=bridge_fit,
                    # CPU used by other processes during the whole run (profile included): ~0 on a quiet machine
-                   others_cpu_share=others_share(snap0, cpu_snapshot()), others_cpu_share_profile=share_profile,
+                   others_cpu_share=others_share(snap0, _job_snapshot()), others_cpu_share_profile=share_profile,
                    profile_s=t_profile, wall_s=time.time() - t_start,
                    # the yardstick (canary) before/after the profile and per round; drift = round / profile
                    canary_profile_s=canary_profile, canary_rounds_s=canary_rounds,

@@ -488,9 +488,11 @@ def fit_shared_sum_mesh(samples: List[dict]) -> Dict[str, Dict[str, Any]]:
             for m, xs in by.items() if sum(x["one_device_seconds"] for x in xs) > 0}
 
 
-def measure_bridge(sizes: Sequence[int], repeats: int) -> Optional[List[dict]]:
+def measure_bridge(sizes: Sequence[int], repeats: int, spin_s: float = 0.05) -> Optional[List[dict]]:
     """Round trips over ``MPIHostBridge`` between ranks 0 and 1 (under ``mpiexec -n 2``), halved; None
-    (with a message) when not under MPI with 2 ranks."""
+    (with a message) when not under MPI with 2 ranks. ``spin_s``: the bridge's seconds of polling without
+    sleeping before it backs off (``MPIHostBridge.with_spin``; the bridge's default 0.05): measure with the
+    setting the islands run with (``benchmarks/predictor_accuracy.py --bridge-spin-s``)."""
     try:
         from mpi4py import MPI
     except ImportError:
@@ -501,7 +503,7 @@ def measure_bridge(sizes: Sequence[int], repeats: int) -> Optional[List[dict]]:
               "it); the in-process bridge (LocalCommunicator) is measured instead", flush=True)
         return None
     from hethub_jax.comm.mpi import MPIHostBridge
-    comm = MPIHostBridge(MPI.COMM_WORLD)
+    comm = MPIHostBridge(MPI.COMM_WORLD).with_spin(spin_s)
     rank, out = comm.rank, []
     for n in sizes:
         buf = np.ones(max(1, n // 4), np.float32)
