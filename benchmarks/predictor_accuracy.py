@@ -247,7 +247,7 @@ def _sleeping_barrier(world) -> None:
 
 
 def measure_steps_mpi(plan, cfg, seq: int, steps: int, warmup: int, statistic: str = "median",
-                      spin_s: float = 0.05) -> dict | None:
+                      spin_s: float = 0.05, all_records: bool = False) -> dict | None:
     """:func:`measure_steps` with the islands as PROCESSES: run under ``mpiexec -n len(plan.islands)``, this
     rank runs island ``rank`` (a fresh ``PipelineRuntime`` on this process's first 4 devices), the islands
     joined by the MPI host bridge (``MPIHostBridge`` over a duplicate of ``MPI.COMM_WORLD``, its waits polling
@@ -257,8 +257,8 @@ def measure_steps_mpi(plan, cfg, seq: int, steps: int, warmup: int, statistic: s
     gathered; ``perf_counter`` is the system's monotonic clock, shared by the processes of one host) plus
     ``"cpu_s_per_step"``, ``"faults_per_step"`` and ``"voluntary_switches_per_step"`` summed over the island
     processes (``getrusage``: counts, comparable on a loaded machine) and ``"others_cpu_share"`` (CPU used by
-    processes outside the job meanwhile, :func:`hethub_jax.profile.others_share` with the ranks' ids);
-    None on the other ranks.
+    processes outside the job meanwhile, :func:`hethub_jax.profile.others_share` with the ranks' ids), with
+    ``all_records`` also ``"steps_records"`` (every timed step's records, all islands); None on the other ranks.
 
     Raises:
       SystemExit: if the job's size is not the plan's island count.
@@ -305,7 +305,8 @@ def measure_steps_mpi(plan, cfg, seq: int, steps: int, warmup: int, statistic: s
             "faults_per_step": faults, "cpu_s_per_step": cpu, "voluntary_switches_per_step": vcsw,
             "others_cpu_share": others_share(snap, snap1),
             "records": [r for x in timed[pick] for r in x[2]], "t0": min(x[0] for x in timed[pick]),
-            "islands": {plan.islands[i].name: (x[0], x[1]) for i, x in enumerate(timed[pick])}}
+            "islands": {plan.islands[i].name: (x[0], x[1]) for i, x in enumerate(timed[pick])},
+            **({"steps_records": [[r for x in row for r in x[2]] for row in timed]} if all_records else {})}
 
 
 #: where a child job (``--child SPEC``, under mpiexec) finds its islands' settings
