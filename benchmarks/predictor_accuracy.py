@@ -8,14 +8,26 @@
    runtime's own seconds per action; the in-process bridge, ``LocalCommunicator``), at the microbatch
    sizes of ``--profile-mbs`` and every size the configurations run (:func:`profile_sizes`: the
    predictor interpolates between profiled sizes, and the seconds per token are not constant here).
-2. Predicts (``hethub_jax.planner.predictor.predict`` with that profile for every island, the islands
-   on one shared host, ``DeviceCosts.on_shared_host``: they are threads of this process) and measures
+2. Predicts (``hethub_jax.planner.predictor.predict`` with that profile for every island) and measures
    at least 10 larger configurations on this machine: 2-4 pipeline stages over 2 islands, 2-8
    microbatches, fake-device DP and TP, an EMULATED slowdown, recompute on and off, GPipe and 1F1B,
-   heterogeneous DP. The islands are threads of ONE process (``DeviceCosts.in_process``): XLA:CPU runs
-   that process's multi-device computations (the DP and TP stages) one at a time, which the profile
-   measures (``fits.launch``) and the predictor follows. Measured with the real ``PipelineRuntime``, one thread per island in this
-   process, joined by ``LocalCommunicator``; a step's time is the slowest island's.
+   heterogeneous DP, with the real ``PipelineRuntime``; a step's time is the slowest island's.
+   ``--islands processes`` (the default since session 14): each island is a PROCESS of its own, as
+   ``hethub_jax.train`` runs islands under mpiexec: one ``mpiexec -n 2`` job per round
+   (:func:`measure_round_processes`, :func:`measure_steps_mpi`), 4 fake CPU devices and the runtime's
+   steady host allocator (one glibc arena) per process, the islands joined by the MPI host bridge
+   (``MPIHostBridge``, its waits sleeping after ``--bridge-spin-s`` seconds of polling, default 0: unpinned
+   on 2 cores a spinning wait takes the core the other island computes on), unpinned unless ``--pin``.
+   Predicted as islands on one shared host (``DeviceCosts.on_shared_host``: the profile's measured co-run
+   factor; each process launches its own multi-device computations), the bridge being the MPI bridge's line
+   measured between the two processes with the same spin and pinning (:func:`measure_bridge_fit`, as the
+   profiler's ``fits.bridge``). Why processes (measured nearly quiet, docs/benchmarks.md issue 13 session
+   13): as threads of ONE process the islands share its one arena's lock, which slowed the first stage's
+   calls 1.35-1.5x against two processes; real islands never share it, and the one-island profile does not
+   see it. ``--islands threads``: one thread per island in this process joined by ``LocalCommunicator``
+   (the benchmark before session 14), predicted as islands in one process (``DeviceCosts.in_process``: the
+   profile's measured serial launcher of multi-device computations, ``fits.launch``, and its in-process
+   bridge, ``fits.bridge_local``).
 3. **Rounds against VM drift** (``--rounds R``, default 3): the same configurations measured on this VM
    a few minutes apart differ by 7-57% (docs/benchmarks.md), more than the goal. So every
    configuration is measured once per round, in ``R`` rounds whose order is rotated
@@ -51,17 +63,16 @@
    model since session 13, ``DeviceCosts.from_profile``'s ``corun_by_size``).
    ``without_in_flight_mape`` (``without_in_flight_ape``): without session 13's measured factor of a
    call with microbatches in flight (``fits.in_flight``, ``DeviceCosts.in_flight_factor``).
+   ``ping_pong_bridge_mape`` (``ping_pong_bridge_ape``; islands as processes): the bridge's latency from the
+   ping-pong line instead of a waiting receiver's measured wake-up (:func:`bridge_link`, session 14).
 
 The host allocator (``--host-allocator``, default ``steady``, ``hethub_jax.host_allocator``): glibc
 settings under which XLA:CPU's large buffers are not mmapped and unmapped on every call, in ONE arena; the
-runtime sets them for CPU islands, and the profile is made under the same settings. The islands here are threads
-of one process, so one arena makes them wait on its lock, which islands in processes of their own
-(``hethub_jax.train`` under mpiexec) never share (measured nearly quiet, docs/benchmarks.md issue 13 session 13:
-the first stage's calls 1.35-1.5x slower than with 16 arenas or as two processes). ``steady-arenas``
-(:func:`arenas_per_thread`): the same settings with glibc's own arena count: no shared lock, but the threads'
-own arenas fault their large blocks in again (up to 37,000 minor faults per step at microbatch 4), so neither
-in-process setting is how separate islands run (each row A/B'd in docs/benchmarks.md). ``default`` leaves glibc's
-own (for A/B runs; the calls then fault in up to 20,000 pages each, depending on what ran before).
+runtime sets them for CPU islands, and the profile is made under the same settings; each island process
+has its own. With ``--islands threads`` one arena makes the islands wait on its lock, which islands in
+processes of their own never share; ``steady-arenas`` (:func:`arenas_per_thread`, threads only): the same
+settings with glibc's own arena count: no shared lock, but the threads' own arenas fault their large blocks in
+again (up to 37,000 minor faults per step at microbatch 4). ``default`` leaves glibc's own (for A/B runs).
 
 Duration (measured, session 9, with ``--statistic min --profile-tp 1,2 --profile-mbs 1,4 --steps 3
 --rounds 3``): 322 s at load 0.7-2.6 (profile 91 s, 11 configurations x 3 rounds 231 s, about 7 s per
@@ -240,10 +251,14 @@ def _rusage() -> tuple:
 def _sleeping_barrier(world) -> None:
     """A barrier of the MPI communicator ``world`` whose wait sleeps between tests (``MPI_Ibarrier`` polled with
     ``poll_until(spin_s=0)``: back-off 10 us to 1 ms): MPICH's blocking ``MPI_Barrier`` polls without sleeping, which
-    on 2 shared cores would take a core from the island still finishing its step."""
+    on 2 shared cores would take a core from the island still finishing its step. Then a blocking ``MPI_Barrier``:
+    the ranks arrive at it within one back-off sleep (at most 1 ms) of each other, so it spins at most that long and
+    releases them together (the sleeping barrier alone releases them up to 1 ms apart, which the later starter's
+    neighbour would count in its step)."""
     from hethub_jax.comm.base import poll_until
     req = world.Ibarrier()
     poll_until(req.Test, time.monotonic() + 600, lambda: "barrier between steps", spin_s=0.0)
+    world.Barrier()
 
 
 def measure_steps_mpi(plan, cfg, seq: int, steps: int, warmup: int, statistic: str = "median",
@@ -359,9 +374,46 @@ def bridge_child_main(spec_path: str) -> None:
         os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     from hethub_jax import profile
     samples = profile.measure_bridge(list(BRIDGE_SIZES), spec["repeats"], spec["spin_s"])
+    wake = bridge_wake_lateness(spec["spin_s"], max(spec["repeats"], 15))
     if rank == 0:
         with open(spec["out"], "w") as f:
-            json.dump(samples, f)
+            json.dump({"samples": samples, "wake_s": wake}, f)
+
+
+#: seconds the receiver has been waiting when the message is sent (:func:`bridge_wake_lateness`): longer than the
+#: sleeping wait's back-off ramp (10 us doubling to 1 ms: about 2 ms, ``hethub_jax.comm.base.poll_until``), as a
+#: pipeline stage waits for its neighbour's activations or gradients
+WAKE_WAIT_S = 0.005
+
+
+def bridge_wake_lateness(spin_s: float, repeats: int) -> float | None:
+    """Under ``mpiexec -n 2``: median seconds from rank 1's send of a 1 KiB message over ``MPIHostBridge`` (waits
+    polling without sleeping for ``spin_s``) to rank 0's receive returning, rank 0 having waited
+    :data:`WAKE_WAIT_S` for it (rank 1 sleeps that long after a barrier, then sends); both read
+    ``time.perf_counter``, the host's one monotonic clock. Why: a ping-pong (``fits.bridge``) times receivers
+    that wait about one message time, but in a pipeline the receiver on the critical path has waited a whole
+    computation, and a sleeping wait (``spin_s`` 0) then polls only every 1 ms (measured under load 8.6, 1 KiB:
+    median 0.44-0.71 ms after waits of 0.5-20 ms, against a ping-pong line's 0.1 ms). None on rank 1."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from hethub_jax.comm.mpi import MPIHostBridge
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    br = MPIHostBridge(world.Dup(), timeout=120).with_spin(spin_s)
+    buf, late = np.zeros(256, np.float32), []
+    for _ in range(repeats + 1):  # the first is untimed
+        world.Barrier()
+        if rank == 1:
+            time.sleep(WAKE_WAIT_S)
+            t = time.perf_counter()
+            br.send(buf, 0, 3)
+            world.send(t, 0, 4)
+        else:
+            br.recv(1, 3, out=buf)
+            t1 = time.perf_counter()
+            late.append(t1 - world.recv(source=1, tag=4))
+    return median(late[1:]) if rank == 0 else None
 
 
 def _run_child(flag: str, spec: dict, what: str) -> None:
@@ -402,10 +454,22 @@ def measure_bridge_fit(args) -> dict:
     _run_child("--child-bridge", {"repeats": args.repeats, "spin_s": args.bridge_spin_s, "pin": args.pin,
                                   "out": out}, "the bridge's measurement")
     with open(out) as f:
-        samples = json.load(f)
+        got = json.load(f)
     shutil.rmtree(d, ignore_errors=True)
+    samples = got["samples"]
     return {"fit": fit_line([s["bytes"] for s in samples], [s["seconds"] for s in samples]), "samples": samples,
-            "spin_s": args.bridge_spin_s, "pin": args.pin}
+            "wake_s": got["wake_s"], "spin_s": args.bridge_spin_s, "pin": args.pin}
+
+
+def bridge_link(fit: dict, wake: bool = True):
+    """The pipeline's bridge between island processes from :func:`measure_bridge_fit`'s dict: ``LinkModel(alpha,
+    1 / c1)`` of the ping-pong line ``c0 + c1 x bytes``, with ``alpha`` the measured wake-up lateness of a receiver
+    that waited (``wake_s``, :func:`bridge_wake_lateness`) where ``wake`` and it was measured, else ``c0`` (both at
+    least 0). Why: the transfers that lengthen a step are those a waiting stage receives."""
+    from hethub_jax.planner.costs import LinkModel
+    c0, c1 = fit["fit"]["c0"], fit["fit"]["c1"]
+    alpha = fit["wake_s"] if wake and fit.get("wake_s") is not None else c0
+    return LinkModel(max(0.0, alpha), 1.0 / max(c1, 1e-15))
 
 
 def measure_round_processes(names: list, args) -> dict:
@@ -505,7 +569,7 @@ def run_profile(args, names=None) -> str:
     return path
 
 
-def predict_row(name: str, cfg, costs, base, bridge, args) -> tuple:
+def predict_row(name: str, cfg, costs, base, bridge, args, ping_pong_bridge=None) -> tuple:
     """(plan, prediction with the profile, prediction with the catalog baseline, prediction with the
     profile without its cold-call extras: the model before session 10, prediction with the profile
     without its measured action records and emulated-wait lateness (``fits.actions``,
@@ -536,6 +600,9 @@ def predict_row(name: str, cfg, costs, base, bridge, args) -> tuple:
     pred_flat = predict(cfg, plan, {i.name: flat for i in plan.islands}, seq_len=args.seq, bridge=bridge)
     variants = {"fitted_lines": pred_lines, "without_update_pair": pred_nopair, "size_ratio_corun": pred_size,
                 "without_in_flight": pred_flat}
+    if ping_pong_bridge is not None:  # session 14: the bridge at the ping-pong's latency, not a waiting receiver's
+        variants["ping_pong_bridge"] = predict(cfg, plan, {i.name: costs for i in plan.islands}, seq_len=args.seq,
+                                               bridge=ping_pong_bridge)
     return plan, pred, pred_base, pred_warm, pred_plain, variants
 
 
@@ -620,7 +687,8 @@ def summary(rows: list, names_by_round: list) -> dict:
             "without_cold_mape": (sum(r["without_cold_ape"] for r in rows) / n
                                   if all(r.get("without_cold_ape") is not None for r in rows) else None),
             **{f"{k}_mape": sum(r[f"{k}_ape"] for r in rows) / n for k in ("fitted_lines", "without_update_pair",
-                                                                         "size_ratio_corun", "without_in_flight")
+                                                                         "size_ratio_corun", "without_in_flight",
+                                                                         "ping_pong_bridge")
                if all(f"{k}_ape" in r for r in rows)},
             "without_action_costs_mape": (sum(r["without_action_costs_ape"] for r in rows) / n
                                           if all(r.get("without_action_costs_ape") is not None for r in rows)
@@ -687,6 +755,11 @@ def main() -> None:
     from hethub_jax.planner.costs import DeviceCosts, LinkModel
     if args.trials < 1 or args.steps < 1 or args.rounds < 1:
         raise SystemExit("--trials, --steps and --rounds must be >= 1")
+    if args.islands == "processes" and args.host_allocator == "steady-arenas":
+        raise SystemExit("--host-allocator steady-arenas applies to --islands threads (each island process has its "
+                         "own arena already)")
+    if args.bridge_spin_s < 0:
+        raise SystemExit("--bridge-spin-s must be >= 0")
     if args.host_allocator == "default":
         os.environ[host_allocator.ENV] = "default"
     alloc = host_allocator.steady_host_allocator()
@@ -709,10 +782,10 @@ def main() -> None:
         # processes with the run's spin and pinning (the profiler's own fits.bridge needs mpiexec -n 2)
         costs = DeviceCosts.from_profile(prof_path).on_shared_host("this host")
         bridge_fit = measure_bridge_fit(args)
-        bridge = LinkModel(max(0.0, bridge_fit["fit"]["c0"]), 1.0 / max(bridge_fit["fit"]["c1"], 1e-15))
-        print(f"MPI bridge between the island processes: {1e6 * bridge.alpha_s:.1f} us + bytes / "
-              f"{bridge.bandwidth / 1e9:.2f} GB/s (spin {args.bridge_spin_s:g} s, {'pinned' if args.pin else 'unpinned'})",
-              flush=True)
+        bridge = bridge_link(bridge_fit)
+        print(f"MPI bridge between the island processes: {1e6 * bridge.alpha_s:.1f} us (a waiting receiver's wake-up; "
+              f"ping-pong {1e6 * bridge_fit['fit']['c0']:.1f} us) + bytes / {bridge.bandwidth / 1e9:.2f} GB/s (spin "
+              f"{args.bridge_spin_s:g} s, {'pinned' if args.pin else 'unpinned'})", flush=True)
     else:
         # the islands are threads of this process: they share its cores (the profile's measured co-run factor)
         # and its launcher of multi-device computations (DP / TP stages; the profile's measured fits.launch)
@@ -721,7 +794,8 @@ def main() -> None:
         # (older profiles: its host-copy line)
         bridge = costs.local_bridge_link or costs.host_link or LinkModel(0.0, 1e12)
     base = DeviceCosts.from_catalog("cpu")
-    preds = {n: predict_row(n, cfg, costs, base, bridge, args) for n in names}
+    ping_pong = bridge_link(bridge_fit, wake=False) if bridge_fit else None
+    preds = {n: predict_row(n, cfg, costs, base, bridge, args, ping_pong) for n in names}
     orders = round_orders(names, args.rounds)
     measured = {n: [] for n in names}
     canary_rounds = []
@@ -768,6 +842,8 @@ def main() -> None:
              f"; with the co-run by the pair's size ratio {100 * figures['size_ratio_corun_mape']:.1f}%")
           + ("" if "without_in_flight_mape" not in figures else
              f"; without the in-flight factors {100 * figures['without_in_flight_mape']:.1f}%")
+          + ("" if "ping_pong_bridge_mape" not in figures else
+             f"; with the bridge at the ping-pong's latency {100 * figures['ping_pong_bridge_mape']:.1f}%")
           + ("" if figures["others_cpu_share"] is None else
              f"; other processes used {100 * figures['others_cpu_share']:.0f}% of the CPUs during the run")
           + ("" if share_profile is None else f" ({100 * share_profile:.0f}% while profiling)")

@@ -59,3 +59,31 @@ def test_islands_as_processes_match_the_threads_run():
     assert got["t0"] <= start + 1e-3
     assert end <= max(t + s for t, s in got["islands"].values()) + 1e-3
     assert got["cpu_s_per_step"] > 0 and got["faults_per_step"] >= 0
+
+
+BRIDGE_CODE = r"""
+import json
+import benchmarks.predictor_accuracy as pa
+fit = {"fit": {"c0": 1e-4, "c1": 1e-10}, "wake_s": 5e-4}
+out = {}
+for name, f, wake in (("wake", fit, True), ("ping_pong", fit, False), ("unmeasured", dict(fit, wake_s=None), True),
+                      ("negative", {"fit": {"c0": -2e-5, "c1": 1e-10}, "wake_s": None}, True)):
+    link = pa.bridge_link(f, wake)
+    out[name] = [link.alpha_s, link.bandwidth, link.time_s(1e6)]
+print(json.dumps(out))
+"""
+
+
+def test_bridge_link_by_hand():
+    """``bridge_link``: alpha is the waiting receiver's measured wake-up where asked for and measured, else the
+    ping-pong line's intercept (never below 0); bandwidth 1 / slope. By hand: slope 1e-10 s/byte = 10 GB/s, so
+    1 MB takes alpha + 100 us. A fresh process: importing the benchmark sets process-wide allocator settings."""
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, "-c", BRIDGE_CODE], capture_output=True, text=True, timeout=120, cwd=REPO,
+                       env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["wake"] == pytest.approx([5e-4, 1e10, 5e-4 + 1e-4])
+    assert got["ping_pong"] == pytest.approx([1e-4, 1e10, 2e-4])
+    assert got["unmeasured"] == pytest.approx([1e-4, 1e10, 2e-4])
+    assert got["negative"] == pytest.approx([0.0, 1e10, 1e-4])
