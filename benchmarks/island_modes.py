@@ -11,7 +11,9 @@ host allocator (``hethub_jax.host_allocator``; ``HETHUB_HOST_ALLOCATOR=default``
   ``LocalCommunicator``);
 * ``--mode processes``: one process per island under ``mpiexec -n 2`` (re-launched), NOT pinned (both
   processes may use both cores, as the threads do), joined by the MPI host bridge
-  (``hethub_jax.comm.mpi.MPIHostBridge``) as ``hethub_jax.train`` runs islands.
+  (``hethub_jax.comm.mpi.MPIHostBridge``, its waits polling without sleeping for ``--bridge-spin-s``, default its
+  own 0.05 s) as ``hethub_jax.train`` runs islands: ``predictor_accuracy.measure_steps_mpi``, the benchmark's
+  own islands-as-processes measurement.
 
 Prints, per configuration, every timed step's slowest island (seconds), their minimum and median, the
 CPU seconds of the island processes per timed step (``getrusage``, user + system: a count of work, less
