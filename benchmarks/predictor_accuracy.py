@@ -388,12 +388,13 @@ WAKE_WAIT_S = 0.005
 
 def bridge_wake_lateness(spin_s: float, repeats: int) -> float | None:
     """Under ``mpiexec -n 2``: median seconds from rank 1's send of a 1 KiB message over ``MPIHostBridge`` (waits
-    polling without sleeping for ``spin_s``) to rank 0's receive returning, rank 0 having waited
-    :data:`WAKE_WAIT_S` for it (rank 1 sleeps that long after a barrier, then sends); both read
-    ``time.perf_counter``, the host's one monotonic clock. Why: a ping-pong (``fits.bridge``) times receivers
-    that wait about one message time, but in a pipeline the receiver on the critical path has waited a whole
-    computation, and a sleeping wait (``spin_s`` 0) then polls only every 1 ms (measured under load 8.6, 1 KiB:
-    median 0.44-0.71 ms after waits of 0.5-20 ms, against a ping-pong line's 0.1 ms). None on rank 1."""
+    polling without sleeping for ``spin_s``) to rank 0 holding it, rank 0 having waited :data:`WAKE_WAIT_S` for it
+    as the runtime's pipeline waits for a message from another process (``PipelineRuntime``'s ``_StepExecutor``:
+    the receive posted with ``irecv``, its handle's ``test()`` between sleeps of :data:`RUNTIME_IDLE_SLEEP_S` while no
+    stage can advance, then ``wait()``); rank 1 sleeps that long after a barrier, then stamps and sends; both read
+    ``time.perf_counter``, the host's one monotonic clock. Why: a ping-pong (``fits.bridge``) times receivers that wait
+    about one message time, but in a pipeline the receiver on the critical path has waited a whole computation and
+    notices the message only at its next test. None on rank 1."""
     import numpy as np
     from mpi4py import MPI
 
@@ -410,10 +411,18 @@ def bridge_wake_lateness(spin_s: float, repeats: int) -> float | None:
             br.send(buf, 0, 3)
             world.send(t, 0, 4)
         else:
-            br.recv(1, 3, out=buf)
+            h = br.irecv(1, 3, out=buf)
+            while not h.test():
+                time.sleep(RUNTIME_IDLE_SLEEP_S)
+            h.wait()
             t1 = time.perf_counter()
             late.append(t1 - world.recv(source=1, tag=4))
     return median(late[1:]) if rank == 0 else None
+
+
+#: seconds the runtime's pipeline sleeps between tests of its receives while no stage can advance
+#: (``hethub_jax.parallel.runtime._StepExecutor._wait``: ``time.sleep(0.0002)``)
+RUNTIME_IDLE_SLEEP_S = 0.0002
 
 
 def _run_child(flag: str, spec: dict, what: str) -> None:
