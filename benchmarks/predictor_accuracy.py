@@ -21,7 +21,8 @@
    Predicted as islands on one shared host (``DeviceCosts.on_shared_host``: the profile's measured co-run
    factor; each process launches its own multi-device computations), the bridge being the MPI bridge's line
    measured between the two processes with the same spin and pinning (:func:`measure_bridge_fit`, as the
-   profiler's ``fits.bridge``). Why processes (measured nearly quiet, docs/benchmarks.md issue 13 session
+   profiler's ``fits.bridge``). The profile then measures its co-run factor beside a neighbour PROCESS
+   (``python -m hethub_jax.profile --corun-neighbour process``), not a thread of its own process. Why processes (measured nearly quiet, docs/benchmarks.md issue 13 session
    13): as threads of ONE process the islands share its one arena's lock, which slowed the first stage's
    calls 1.35-1.5x against two processes; real islands never share it, and the one-island profile does not
    see it. ``--islands threads``: one thread per island in this process joined by ``LocalCommunicator``
@@ -572,9 +573,11 @@ def run_profile(args, names=None) -> str:
         if mbs != ",".join(str(x) for x in sorted(int(v) for v in args.profile_mbs.split(","))):
             print(f"profile: microbatch sizes {mbs} (--profile-mbs {args.profile_mbs} and the configurations' own), "
                   f"per DP rank on (dp, 1) meshes {dp_mbs}", flush=True)
+        # islands as processes: the co-run neighbour is a process of its own too (fits.corun.neighbour_kind)
         profile.main(["--out", path, "--seq-len", str(args.seq), "--tp", args.profile_tp,
                       "--microbatch-sizes", mbs, "--dp-microbatch-sizes", dp_mbs, "--dp", args.profile_dp,
-                      "--repeats", str(args.repeats), "--statistic", args.statistic])
+                      "--repeats", str(args.repeats), "--statistic", args.statistic,
+                      "--corun-neighbour", "process" if getattr(args, "islands", "threads") == "processes" else "thread"])
     return path
 
 
