@@ -22,8 +22,8 @@
    factor; each process launches its own multi-device computations), the bridge being the MPI bridge's line
    measured between the two processes with the same spin and pinning (:func:`measure_bridge_fit`, as the
    profiler's ``fits.bridge``). The profile then measures its co-run factor beside a neighbour PROCESS
-   (``python -m hethub_jax.profile --corun-neighbour process``), not a thread of its own process. Why processes (measured nearly quiet, docs/benchmarks.md issue 13 session
-   13): as threads of ONE process the islands share its one arena's lock, which slowed the first stage's
+   (``python -m hethub_jax.profile --corun-neighbour process``), not a thread of its own process. Why
+   processes (measured nearly quiet, docs/benchmarks.md issue 13 session 13): as threads of ONE process the islands share its one arena's lock, which slowed the first stage's
    calls 1.35-1.5x against two processes; real islands never share it, and the one-island profile does not
    see it. ``--islands threads``: one thread per island in this process joined by ``LocalCommunicator``
    (the benchmark before session 14), predicted as islands in one process (``DeviceCosts.in_process``: the
