@@ -235,14 +235,6 @@ def measure_steps(plan, cfg, seq: int, steps: int, warmup: int, statistic: str =
             "islands": {plan.islands[i].name: (x[0], x[1]) for i, x in enumerate(timed[pick])}}
 
 
-def _job_snapshot() -> tuple:
-    """:func:`hethub_jax.profile.cpu_snapshot` with this process's finished children (the island jobs, ``os.times``'
-    children fields: mpiexec waits for its ranks) counted as this job's, not as other processes."""
-    wall, busy, own = cpu_snapshot()
-    t = os.times()
-    return wall, busy, own + t.children_user + t.children_system
-
-
 def _rusage() -> tuple:
     """``(CPU seconds user + system, minor page faults, voluntary context switches)`` of this process."""
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -778,14 +770,14 @@ def main() -> None:
     if args.host_allocator == "steady-arenas":  # before the JAX backend starts its threads (main() starts it later)
         alloc = dict(alloc, **arenas_per_thread())
     cfg = get_preset("tiny")
-    load_before, t_start, snap0 = loadavg(), time.time(), _job_snapshot()
+    load_before, t_start, snap0 = loadavg(), time.time(), cpu_snapshot(children=True)
     profiled = not (args.profile and os.path.exists(args.profile))
     names = list(configs())
     names = args.only.split(",") if args.only else names[:3] if args.quick else names
     canary_profile = [canary(cfg, args)] if profiled else []
     prof_path = run_profile(args, names)
     canary_profile += [canary(cfg, args)] if profiled else []
-    share_profile = others_share(snap0, _job_snapshot()) if profiled else None  # while this run profiled
+    share_profile = others_share(snap0, cpu_snapshot(children=True)) if profiled else None  # while this run profiled
     t_profile = time.time() - t_start
     bridge_fit = None
     if args.islands == "processes":
@@ -829,7 +821,7 @@ def main() -> None:
                    islands=args.islands, pinned=bool(args.pin and args.islands == "processes"),
                    bridge_spin_s=args.bridge_spin_s if args.islands == "processes" else None, bridge_fit=bridge_fit,
                    # CPU used by other processes during the whole run (profile included): ~0 on a quiet machine
-                   others_cpu_share=others_share(snap0, _job_snapshot()), others_cpu_share_profile=share_profile,
+                   others_cpu_share=others_share(snap0, cpu_snapshot(children=True)), others_cpu_share_profile=share_profile,
                    profile_s=t_profile, wall_s=time.time() - t_start,
                    # the yardstick (canary) before/after the profile and per round; drift = round / profile
                    canary_profile_s=canary_profile, canary_rounds_s=canary_rounds,

@@ -1560,13 +1560,15 @@ def process_cpu_seconds(pid: int) -> float:
         return 0.0
 
 
-def cpu_snapshot(job_pids: Sequence[int] = ()):
+def cpu_snapshot(job_pids: Sequence[int] = (), children: bool = False):
     """``(wall s, busy CPU seconds of the whole machine, CPU seconds of this process and of ``job_pids``)``
     now: the machine's from ``/proc/stat`` (user + nice + system + irq + softirq + steal jiffies over
     ``SC_CLK_TCK``; None where it cannot be read), this process's from ``os.times()``, each of
     ``job_pids`` (the job's other processes on this machine, e.g. MPI ranks profiling their own cores
     at the same time) from :func:`process_cpu_seconds`, so that :func:`others_share` counts only
-    processes outside the job."""
+    processes outside the job. ``children``: this process's finished and waited-for children count as its own too
+    (``os.times``' children fields: the co-run neighbour process of :func:`measure_corun`, the island jobs of
+    ``benchmarks/predictor_accuracy.py``; ``mpiexec`` waits for its ranks)."""
     busy = None
     try:
         with open("/proc/stat") as f:
@@ -1576,7 +1578,7 @@ def cpu_snapshot(job_pids: Sequence[int] = ()):
         pass
     t = os.times()
     peers = sum(process_cpu_seconds(p) for p in job_pids if int(p) != os.getpid())
-    return time.time(), busy, t.user + t.system + peers
+    return time.time(), busy, t.user + t.system + peers + (t.children_user + t.children_system if children else 0.0)
 
 
 def others_share(before, after):
@@ -1708,7 +1710,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     platform_name = devices[0].platform
     if args.slowdown != 1 and platform_name != "cpu":
         raise SystemExit("--slowdown (emulation) applies only to cpu islands")
-    t0, snap = time.perf_counter(), cpu_snapshot(job_pids)
+    t0, snap = time.perf_counter(), cpu_snapshot(job_pids, children=True)
     samples, updates = profile_compute(cfg, args.seq_len, mbs_list, tps, args.repeats, devices,
                                        not args.no_progress, dps, dp_mbs)
     samples += profile_stage_shapes(cfg, args.seq_len, mbs_list, tps, args.repeats, devices, shapes) if shapes else []
@@ -1734,7 +1736,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         copies += measure_shared_sum_mesh(cfg, devices, sorted({(1, tp) for tp in tps} | {(dp, 1) for dp in dps}),
                                           args.repeats, args.seq_len)
     prof = build_profile(cfg, args, samples, updates, copies, allreduce, bridge, platform_name, corun)
-    prof["others_cpu_share"] = others_share(snap, cpu_snapshot(job_pids))
+    prof["others_cpu_share"] = others_share(snap, cpu_snapshot(job_pids, children=True))
     prof["others_cpu_share_excludes"] = ({"job_pids": job_pids, "note": "this job's other processes (given by "
                                           "--job-pids) are not counted as other processes"} if job_pids else None)
     prof["host_allocator"] = {"allocator": alloc["allocator"], "note": alloc["reason"]}

@@ -87,3 +87,17 @@ def test_bridge_link_by_hand():
     assert got["ping_pong"] == pytest.approx([1e-4, 1e10, 2e-4])
     assert got["unmeasured"] == pytest.approx([1e-4, 1e10, 2e-4])
     assert got["negative"] == pytest.approx([0.0, 1e10, 1e-4])
+
+
+def test_cpu_snapshot_counts_finished_children_when_asked():
+    """``cpu_snapshot(children=True)``: a waited-for child's CPU seconds count as this process's (the profile's
+    co-run neighbour process, the benchmark's island jobs), so ``others_share`` does not count them as other
+    processes; without it they are not added. By hand: a child that spins for 0.3 s of CPU."""
+    from hethub_jax.profile import cpu_snapshot
+    before_with, before_without = cpu_snapshot(children=True)[2], cpu_snapshot()[2]
+    subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"],
+                   check=True, timeout=60)
+    grew_with = cpu_snapshot(children=True)[2] - before_with
+    grew_without = cpu_snapshot()[2] - before_without
+    assert grew_with >= 0.29
+    assert grew_without < 0.2
