@@ -11,7 +11,9 @@ host allocator (``hethub_jax.host_allocator``; ``HETHUB_HOST_ALLOCATOR=default``
   ``LocalCommunicator``);
 * ``--mode processes``: one process per island under ``mpiexec -n 2`` (re-launched), NOT pinned (both
   processes may use both cores, as the threads do), joined by the MPI host bridge
-  (``hethub_jax.comm.mpi.MPIHostBridge``) as ``hethub_jax.train`` runs islands.
+  (``hethub_jax.comm.mpi.MPIHostBridge``, its waits polling without sleeping for ``--bridge-spin-s``, default its
+  own 0.05 s) as ``hethub_jax.train`` runs islands: ``predictor_accuracy.measure_steps_mpi``, the benchmark's
+  own islands-as-processes measurement.
 
 Prints, per configuration, every timed step's slowest island (seconds), their minimum and median, the
 CPU seconds of the island processes per timed step (``getrusage``, user + system: a count of work, less
@@ -70,6 +72,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps after the compiling one")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--bridge-spin-s", type=float, default=0.05,
+                    help="--mode processes: seconds the MPI bridge's waits poll without sleeping (MPIHostBridge.with_spin; "
+                         "its default 0.05)")
     args = ap.parse_args()
     if args.mode == "processes" and mpi_rank_from_env() is None and os.environ.get(CHILD_ENV) is None:
         relaunch_under_mpiexec(__file__, sys.argv[1:], n=2)
@@ -120,31 +125,14 @@ def main() -> None:
             timed = res[1 + args.warmup:]
             steps = [max(x[0] for x in row) for row in timed]
             kinds = [_merge(x[1] for x in row) for row in timed]
-            rank = 0
-        else:
-            from mpi4py import MPI
-
-            from hethub_jax.comm.mpi import MPIHostBridge
-            world = MPI.COMM_WORLD
-            rank = world.Get_rank()
-            rt = PipelineRuntime(plan, cfg, OptimConfig(), seed=0, comm=MPIHostBridge(world.Dup(), timeout=600),
-                                 rank=rank, devices=jax.devices()[:4])
-            mine = []
-            for i in range(n_steps):
-                world.Barrier()
-                if i == 1 + args.warmup:
-                    c0 = _cpu()
-                r = rt.train_step(batch)
-                mine.append((r.step_time_s, _kinds(r.records)))
-            world.Barrier()
-            c1 = _cpu()
-            both = world.gather((mine, c1[0] - c0[0], c1[1] - c0[1], c1[2] - c0[2]), root=0)
-            if rank != 0:
+        else:  # one process per island: predictor_accuracy's islands as processes
+            r = pa.measure_steps_mpi(plan, cfg, args.seq, args.steps, args.warmup, spin_s=args.bridge_spin_s,
+                                     all_records=True)
+            if r is None:
                 continue
-            timed = list(zip(both[0][0], both[1][0]))[1 + args.warmup:]
-            steps = [max(a[0], b[0]) for a, b in timed]
-            kinds = [_merge((a[1], b[1])) for a, b in timed]
-            cpu_s, faults, vcsw = (both[0][1] + both[1][1], both[0][2] + both[1][2], both[0][3] + both[1][3])
+            rank, steps, kinds = 0, r["steps_s"], [_kinds(x) for x in r["steps_records"]]
+            cpu_s, faults, vcsw = (r[k] * args.steps for k in ("cpu_s_per_step", "faults_per_step",
+                                                               "voluntary_switches_per_step"))
         s = sorted(steps)
         row = {"mode": args.mode, "steps_s": steps, "min_s": s[0], "median_s": s[(len(s) - 1) // 2],
                "cpu_s_per_step": cpu_s / args.steps, "faults_per_step": faults / args.steps,
@@ -161,7 +149,7 @@ def main() -> None:
               f"{_ARENA_MAX or 'steady'}  steps " + " ".join(f"{1e3 * x:.0f}" for x in steps)
               + f"  load {row['loadavg']}\n    " + "  ".join(f"{k} {v:.1f}" for k, v in row["kinds_ms"].items()),
               flush=True)
-    if args.json and rank == 0:
+    if args.json and (args.mode == "threads" or mpi_rank_from_env() == 0):
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
 

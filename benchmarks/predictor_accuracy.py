@@ -8,14 +8,27 @@
    runtime's own seconds per action; the in-process bridge, ``LocalCommunicator``), at the microbatch
    sizes of ``--profile-mbs`` and every size the configurations run (:func:`profile_sizes`: the
    predictor interpolates between profiled sizes, and the seconds per token are not constant here).
-2. Predicts (``hethub_jax.planner.predictor.predict`` with that profile for every island, the islands
-   on one shared host, ``DeviceCosts.on_shared_host``: they are threads of this process) and measures
+2. Predicts (``hethub_jax.planner.predictor.predict`` with that profile for every island) and measures
    at least 10 larger configurations on this machine: 2-4 pipeline stages over 2 islands, 2-8
    microbatches, fake-device DP and TP, an EMULATED slowdown, recompute on and off, GPipe and 1F1B,
-   heterogeneous DP. The islands are threads of ONE process (``DeviceCosts.in_process``): XLA:CPU runs
-   that process's multi-device computations (the DP and TP stages) one at a time, which the profile
-   measures (``fits.launch``) and the predictor follows. Measured with the real ``PipelineRuntime``, one thread per island in this
-   process, joined by ``LocalCommunicator``; a step's time is the slowest island's.
+   heterogeneous DP, with the real ``PipelineRuntime``; a step's time is the slowest island's.
+   ``--islands processes`` (the default since session 14): each island is a PROCESS of its own, as
+   ``hethub_jax.train`` runs islands under mpiexec: one ``mpiexec -n 2`` job per round
+   (:func:`measure_round_processes`, :func:`measure_steps_mpi`), 4 fake CPU devices and the runtime's
+   steady host allocator (one glibc arena) per process, the islands joined by the MPI host bridge
+   (``MPIHostBridge``, its waits sleeping after ``--bridge-spin-s`` seconds of polling, default 0: unpinned
+   on 2 cores a spinning wait takes the core the other island computes on), unpinned unless ``--pin``.
+   Predicted as islands on one shared host (``DeviceCosts.on_shared_host``: the profile's measured co-run
+   factor; each process launches its own multi-device computations), the bridge being the MPI bridge's line
+   measured between the two processes with the same spin and pinning (:func:`measure_bridge_fit`, as the
+   profiler's ``fits.bridge``). The profile then measures its co-run factor beside a neighbour PROCESS
+   (``python -m hethub_jax.profile --corun-neighbour process``), not a thread of its own process. Why
+   processes (measured nearly quiet, docs/benchmarks.md issue 13 session 13): as threads of ONE process the islands share its one arena's lock, which slowed the first stage's
+   calls 1.35-1.5x against two processes; real islands never share it, and the one-island profile does not
+   see it. ``--islands threads``: one thread per island in this process joined by ``LocalCommunicator``
+   (the benchmark before session 14), predicted as islands in one process (``DeviceCosts.in_process``: the
+   profile's measured serial launcher of multi-device computations, ``fits.launch``, and its in-process
+   bridge, ``fits.bridge_local``).
 3. **Rounds against VM drift** (``--rounds R``, default 3): the same configurations measured on this VM
    a few minutes apart differ by 7-57% (docs/benchmarks.md), more than the goal. So every
    configuration is measured once per round, in ``R`` rounds whose order is rotated
@@ -51,17 +64,16 @@
    model since session 13, ``DeviceCosts.from_profile``'s ``corun_by_size``).
    ``without_in_flight_mape`` (``without_in_flight_ape``): without session 13's measured factor of a
    call with microbatches in flight (``fits.in_flight``, ``DeviceCosts.in_flight_factor``).
+   ``ping_pong_bridge_mape`` (``ping_pong_bridge_ape``; islands as processes): the bridge's latency from the
+   ping-pong line instead of a waiting receiver's measured wake-up (:func:`bridge_link`, session 14).
 
 The host allocator (``--host-allocator``, default ``steady``, ``hethub_jax.host_allocator``): glibc
 settings under which XLA:CPU's large buffers are not mmapped and unmapped on every call, in ONE arena; the
-runtime sets them for CPU islands, and the profile is made under the same settings. The islands here are threads
-of one process, so one arena makes them wait on its lock, which islands in processes of their own
-(``hethub_jax.train`` under mpiexec) never share (measured nearly quiet, docs/benchmarks.md issue 13 session 13:
-the first stage's calls 1.35-1.5x slower than with 16 arenas or as two processes). ``steady-arenas``
-(:func:`arenas_per_thread`): the same settings with glibc's own arena count: no shared lock, but the threads'
-own arenas fault their large blocks in again (up to 37,000 minor faults per step at microbatch 4), so neither
-in-process setting is how separate islands run (each row A/B'd in docs/benchmarks.md). ``default`` leaves glibc's
-own (for A/B runs; the calls then fault in up to 20,000 pages each, depending on what ran before).
+runtime sets them for CPU islands, and the profile is made under the same settings; each island process
+has its own. With ``--islands threads`` one arena makes the islands wait on its lock, which islands in
+processes of their own never share; ``steady-arenas`` (:func:`arenas_per_thread`, threads only): the same
+settings with glibc's own arena count: no shared lock, but the threads' own arenas fault their large blocks in
+again (up to 37,000 minor faults per step at microbatch 4). ``default`` leaves glibc's own (for A/B runs).
 
 Duration (measured, session 9, with ``--statistic min --profile-tp 1,2 --profile-mbs 1,4 --steps 3
 --rounds 3``): 322 s at load 0.7-2.6 (profile 91 s, 11 configurations x 3 rounds 231 s, about 7 s per
@@ -74,6 +86,7 @@ islands on two cores do not fight over one thread pool; 8 fake CPU devices, 4 pe
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import resource
@@ -222,6 +235,268 @@ def measure_steps(plan, cfg, seq: int, steps: int, warmup: int, statistic: str =
             "islands": {plan.islands[i].name: (x[0], x[1]) for i, x in enumerate(timed[pick])}}
 
 
+def _rusage() -> tuple:
+    """``(CPU seconds user + system, minor page faults, voluntary context switches)`` of this process."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime, r.ru_minflt, r.ru_nvcsw
+
+
+def _sleeping_barrier(world) -> None:
+    """A barrier of the MPI communicator ``world`` whose wait sleeps between tests (``MPI_Ibarrier`` polled with
+    ``poll_until(spin_s=0)``: back-off 10 us to 1 ms): MPICH's blocking ``MPI_Barrier`` polls without sleeping, which
+    on 2 shared cores would take a core from the island still finishing its step. Then a blocking ``MPI_Barrier``:
+    the ranks arrive at it within one back-off sleep (at most 1 ms) of each other, so it spins at most that long and
+    releases them together (the sleeping barrier alone releases them up to 1 ms apart, which the later starter's
+    neighbour would count in its step)."""
+    from hethub_jax.comm.base import poll_until
+    req = world.Ibarrier()
+    poll_until(req.Test, time.monotonic() + 600, lambda: "barrier between steps", spin_s=0.0)
+    world.Barrier()
+
+
+def measure_steps_mpi(plan, cfg, seq: int, steps: int, warmup: int, statistic: str = "median",
+                      spin_s: float = 0.05, all_records: bool = False) -> dict | None:
+    """:func:`measure_steps` with the islands as PROCESSES: run under ``mpiexec -n len(plan.islands)``, this
+    rank runs island ``rank`` (a fresh ``PipelineRuntime`` on this process's first 4 devices), the islands
+    joined by the MPI host bridge (``MPIHostBridge`` over a duplicate of ``MPI.COMM_WORLD``, its waits polling
+    without sleeping for ``spin_s`` seconds, then sleeping: ``hethub_jax.comm.base.poll_until``), as
+    ``hethub_jax.train`` runs islands. Every step starts after a barrier that sleeps while it waits
+    (:func:`_sleeping_barrier`). Returns, on rank 0, :func:`measure_steps`'s dict (every island's records
+    gathered; ``perf_counter`` is the system's monotonic clock, shared by the processes of one host) plus
+    ``"cpu_s_per_step"``, ``"faults_per_step"`` and ``"voluntary_switches_per_step"`` summed over the island
+    processes (``getrusage``: counts, comparable on a loaded machine) and ``"others_cpu_share"`` (CPU used by
+    processes outside the job meanwhile, :func:`hethub_jax.profile.others_share` with the ranks' ids), with
+    ``all_records`` also ``"steps_records"`` (every timed step's records, all islands); None on the other ranks.
+
+    Raises:
+      SystemExit: if the job's size is not the plan's island count.
+    """
+    import jax
+    import numpy as np
+    from mpi4py import MPI
+
+    from hethub_jax.comm.mpi import MPIHostBridge
+    from hethub_jax.optim import OptimConfig
+    from hethub_jax.parallel.runtime import PipelineRuntime
+    world = MPI.COMM_WORLD
+    n, rank = len(plan.islands), world.Get_rank()
+    if world.Get_size() != n:
+        raise SystemExit(f"islands as processes: {n} islands need mpiexec -n {n}, not {world.Get_size()}")
+    pids = world.allgather(os.getpid())
+    rng = np.random.default_rng(0)
+    gbs = plan.global_batch_size
+    batch = {"tokens": rng.integers(0, cfg.vocab_size, (gbs, seq), dtype=np.int32),
+             "targets": rng.integers(0, cfg.vocab_size, (gbs, seq), dtype=np.int32),
+             "loss_mask": np.ones((gbs, seq), np.float32)}
+    bridge = MPIHostBridge(world.Dup(), timeout=600).with_spin(spin_s)
+    rt = PipelineRuntime(plan, cfg, OptimConfig(), seed=0, comm=bridge, rank=rank,
+                         devices=jax.devices()[:DEVICES_PER_ISLAND])
+    mine, snap = [], None
+    for i in range(1 + warmup + steps):
+        _sleeping_barrier(world)
+        if i == 1 + warmup:
+            c0, snap = _rusage(), cpu_snapshot(pids)
+        t0 = time.perf_counter()
+        res = rt.train_step(batch)
+        mine.append((t0, res.step_time_s, res.records))
+    _sleeping_barrier(world)
+    c1, snap1 = _rusage(), cpu_snapshot(pids)
+    both = world.gather((mine[1 + warmup:], [b - a for a, b in zip(c0, c1)]), root=0)
+    if rank != 0:
+        return None
+    timed = [list(x) for x in zip(*(b[0] for b in both))]  # per timed step: (start, seconds, records) per island
+    steps_s = [max(x[1] for x in row) for row in timed]
+    order = sorted(range(len(timed)), key=steps_s.__getitem__)
+    pick = order[0] if statistic == "min" else order[(len(order) - 1) // 2]
+    cpu, faults, vcsw = (sum(b[1][j] for b in both) / max(1, steps) for j in range(3))
+    return {"statistic_s": min(steps_s) if statistic == "min" else median(steps_s), "steps_s": steps_s,
+            "faults_per_step": faults, "cpu_s_per_step": cpu, "voluntary_switches_per_step": vcsw,
+            "others_cpu_share": others_share(snap, snap1),
+            "records": [r for x in timed[pick] for r in x[2]], "t0": min(x[0] for x in timed[pick]),
+            "islands": {plan.islands[i].name: (x[0], x[1]) for i, x in enumerate(timed[pick])},
+            **({"steps_records": [[r for x in row for r in x[2]] for row in timed]} if all_records else {})}
+
+
+#: where a child job (``--child SPEC``, under mpiexec) finds its islands' settings
+CHILD_SPEC_KEYS = ("names", "seq", "steps", "warmup", "statistic", "trials", "spin_s", "pin", "out")
+
+
+def child_main(spec_path: str) -> None:
+    """One round of the islands as processes (run by :func:`measure_round_processes` under ``mpiexec -n 2``):
+    reads the JSON spec (:data:`CHILD_SPEC_KEYS`), pins this rank to core ``rank`` if ``pin`` (before JAX
+    starts), measures every configuration of ``names`` in that order, ``trials`` fresh runtimes each
+    (:func:`measure_steps_mpi`, the one with the smallest statistic kept), and rank 0 pickles
+    ``{name: dict}`` to ``out``."""
+    import pickle
+    with open(spec_path) as f:
+        spec = json.load(f)
+    from hethub_jax.models.config import get_preset
+    rank = int(os.environ.get("PMI_RANK", "0"))
+    if spec["pin"] and hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+    cfg = get_preset("tiny")
+    out = {}
+    for name in spec["names"]:
+        plan, _ = plan_and_batch(name, cfg, spec["seq"])
+        trials = [measure_steps_mpi(plan, cfg, spec["seq"], spec["steps"], spec["warmup"], spec["statistic"],
+                                    spec["spin_s"]) for _ in range(spec["trials"])]
+        if trials[0] is not None:
+            best = dict(min(trials, key=lambda t: t["statistic_s"]))
+            best.update(trials_statistic_s=[t["statistic_s"] for t in trials], loadavg=loadavg())
+            out[name] = best
+    if rank == 0:
+        with open(spec["out"], "wb") as f:
+            pickle.dump(out, f)
+
+
+#: message sizes of the bridge's fit (bytes): the profiler's (1 KiB, 64 KiB, 1 MiB) and 8 MiB (the tiny model's tied
+#: embedding gradient sum between islands is 8 MB)
+BRIDGE_SIZES = (1024, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024)
+
+
+def bridge_child_main(spec_path: str) -> None:
+    """Under ``mpiexec -n 2``: the MPI host bridge's round trips between the two processes
+    (``hethub_jax.profile.measure_bridge`` at :data:`BRIDGE_SIZES`, the spec's ``spin_s`` and ``repeats``, pinned
+    as the islands when ``pin``); rank 0 writes the samples (JSON list) to the spec's ``out``."""
+    with open(spec_path) as f:
+        spec = json.load(f)
+    rank = int(os.environ.get("PMI_RANK", "0"))
+    if spec["pin"] and hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+    from hethub_jax import profile
+    samples = profile.measure_bridge(list(BRIDGE_SIZES), spec["repeats"], spec["spin_s"])
+    wake = bridge_wake_lateness(spec["spin_s"], max(spec["repeats"], 15))
+    if rank == 0:
+        with open(spec["out"], "w") as f:
+            json.dump({"samples": samples, "wake_s": wake}, f)
+
+
+#: seconds the receiver has been waiting when the message is sent (:func:`bridge_wake_lateness`): longer than the
+#: sleeping wait's back-off ramp (10 us doubling to 1 ms: about 2 ms, ``hethub_jax.comm.base.poll_until``), as a
+#: pipeline stage waits for its neighbour's activations or gradients
+WAKE_WAIT_S = 0.005
+
+
+def bridge_wake_lateness(spin_s: float, repeats: int) -> float | None:
+    """Under ``mpiexec -n 2``: median seconds from rank 1's send of a 1 KiB message over ``MPIHostBridge`` (waits
+    polling without sleeping for ``spin_s``) to rank 0 holding it, rank 0 having waited :data:`WAKE_WAIT_S` for it
+    as the runtime's pipeline waits for a message from another process (``PipelineRuntime``'s ``_StepExecutor``:
+    the receive posted with ``irecv``, its handle's ``test()`` between sleeps of :data:`RUNTIME_IDLE_SLEEP_S` while no
+    stage can advance, then ``wait()``); rank 1 sleeps that long after a barrier, then stamps and sends; both read
+    ``time.perf_counter``, the host's one monotonic clock. Why: a ping-pong (``fits.bridge``) times receivers that wait
+    about one message time, but in a pipeline the receiver on the critical path has waited a whole computation and
+    notices the message only at its next test. None on rank 1."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from hethub_jax.comm.mpi import MPIHostBridge
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    br = MPIHostBridge(world.Dup(), timeout=120).with_spin(spin_s)
+    buf, late = np.zeros(256, np.float32), []
+    for _ in range(repeats + 1):  # the first is untimed
+        world.Barrier()
+        if rank == 1:
+            time.sleep(WAKE_WAIT_S)
+            t = time.perf_counter()
+            br.send(buf, 0, 3)
+            world.send(t, 0, 4)
+        else:
+            h = br.irecv(1, 3, out=buf)
+            while not h.test():
+                time.sleep(RUNTIME_IDLE_SLEEP_S)
+            h.wait()
+            t1 = time.perf_counter()
+            late.append(t1 - world.recv(source=1, tag=4))
+    return median(late[1:]) if rank == 0 else None
+
+
+#: seconds the runtime's pipeline sleeps between tests of its receives while no stage can advance
+#: (``hethub_jax.parallel.runtime._StepExecutor._wait``: ``time.sleep(0.0002)``)
+RUNTIME_IDLE_SLEEP_S = 0.0002
+
+
+def _run_child(flag: str, spec: dict, what: str) -> None:
+    """``mpiexec -n 2 python predictor_accuracy.py FLAG SPEC`` with ``spec`` written as JSON beside ``spec["out"]``
+    (4 fake CPU devices per process, the repository on PYTHONPATH).
+
+    Raises:
+      SystemExit: if no mpiexec is found.
+      RuntimeError: if the job fails (its exit status; its output is on this process's stdout / stderr).
+    """
+    import shutil
+    import subprocess
+    exe = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    exe = exe if os.path.exists(exe) else shutil.which("mpiexec")
+    if exe is None:
+        raise SystemExit("islands as processes need mpiexec (next to the Python executable or on PATH)")
+    path = os.path.join(os.path.dirname(spec["out"]), "spec.json")
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               XLA_FLAGS=" ".join([f for f in os.environ.get("XLA_FLAGS", "").split()
+                                   if "xla_force_host_platform_device_count" not in f]
+                                  + [f"--xla_force_host_platform_device_count={DEVICES_PER_ISLAND}"]))
+    rc = subprocess.call([exe, "-n", "2", sys.executable, os.path.abspath(__file__), flag, path], env=env)
+    if rc != 0:
+        raise RuntimeError(f"{what} (mpiexec -n 2) exited with {rc}")
+
+
+def measure_bridge_fit(args) -> dict:
+    """The MPI host bridge between two island processes, measured (:func:`bridge_child_main`) and fitted as the
+    profiler fits ``fits.bridge`` (``hethub_jax.profile.fit_line``: ``c0 + c1 x bytes``). Returns
+    ``{"fit": {"c0", "c1"}, "samples": [...], "spin_s", "pin"}``."""
+    import shutil
+
+    from hethub_jax.profile import fit_line
+    d = tempfile.mkdtemp(prefix="hethub-acc-bridge-")
+    out = os.path.join(d, "bridge.json")
+    _run_child("--child-bridge", {"repeats": args.repeats, "spin_s": args.bridge_spin_s, "pin": args.pin,
+                                  "out": out}, "the bridge's measurement")
+    with open(out) as f:
+        got = json.load(f)
+    shutil.rmtree(d, ignore_errors=True)
+    samples = got["samples"]
+    return {"fit": fit_line([s["bytes"] for s in samples], [s["seconds"] for s in samples]), "samples": samples,
+            "wake_s": got["wake_s"], "spin_s": args.bridge_spin_s, "pin": args.pin}
+
+
+def bridge_link(fit: dict, wake: bool = True):
+    """The pipeline's bridge between island processes from :func:`measure_bridge_fit`'s dict: ``LinkModel(alpha,
+    1 / c1)`` of the ping-pong line ``c0 + c1 x bytes``, with ``alpha`` the measured wake-up lateness of a receiver
+    that waited (``wake_s``, :func:`bridge_wake_lateness`) where ``wake`` and it was measured, else ``c0`` (both at
+    least 0). Why: the transfers that lengthen a step are those a waiting stage receives."""
+    from hethub_jax.planner.costs import LinkModel
+    c0, c1 = fit["fit"]["c0"], fit["fit"]["c1"]
+    alpha = fit["wake_s"] if wake and fit.get("wake_s") is not None else c0
+    return LinkModel(max(0.0, alpha), 1.0 / max(c1, 1e-15))
+
+
+def measure_round_processes(names: list, args) -> dict:
+    """One round of the configurations ``names`` (in that order) with the islands as processes: one job
+    ``mpiexec -n 2 python predictor_accuracy.py --child SPEC`` (:func:`child_main`; 4 fake CPU devices per
+    process, one XLA compute thread per computation, the steady host allocator of one arena per process as
+    the runtime sets it), ``--trials`` fresh runtimes per configuration. Returns ``{name: dict}``
+    (:func:`measure_steps_mpi`'s, plus ``"trials_statistic_s"`` and ``"loadavg"``).
+
+    Raises:
+      RuntimeError: if the job fails.
+    """
+    import pickle
+    import shutil
+    d = tempfile.mkdtemp(prefix="hethub-acc-round-")
+    spec = {"names": list(names), "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
+            "statistic": args.statistic, "trials": args.trials, "spin_s": args.bridge_spin_s,
+            "pin": args.pin, "out": os.path.join(d, "round.pkl")}
+    _run_child("--child", spec, f"the islands' job (configurations {', '.join(names)})")
+    with open(spec["out"], "rb") as f:
+        out = pickle.load(f)
+    shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
 def arenas_per_thread() -> dict:
     """Sets glibc's ``M_ARENA_MAX`` back to its own default (8 per core) after the steady settings, so that this
     process's threads (the islands' and XLA's) allocate from arenas of their own again, as islands that are
@@ -290,13 +565,15 @@ def run_profile(args, names=None) -> str:
         if mbs != ",".join(str(x) for x in sorted(int(v) for v in args.profile_mbs.split(","))):
             print(f"profile: microbatch sizes {mbs} (--profile-mbs {args.profile_mbs} and the configurations' own), "
                   f"per DP rank on (dp, 1) meshes {dp_mbs}", flush=True)
+        # islands as processes: the co-run neighbour is a process of its own too (fits.corun.neighbour_kind)
         profile.main(["--out", path, "--seq-len", str(args.seq), "--tp", args.profile_tp,
                       "--microbatch-sizes", mbs, "--dp-microbatch-sizes", dp_mbs, "--dp", args.profile_dp,
-                      "--repeats", str(args.repeats), "--statistic", args.statistic])
+                      "--repeats", str(args.repeats), "--statistic", args.statistic,
+                      "--corun-neighbour", "process" if getattr(args, "islands", "threads") == "processes" else "thread"])
     return path
 
 
-def predict_row(name: str, cfg, costs, base, bridge, args) -> tuple:
+def predict_row(name: str, cfg, costs, base, bridge, args, ping_pong_bridge=None) -> tuple:
     """(plan, prediction with the profile, prediction with the catalog baseline, prediction with the
     profile without its cold-call extras: the model before session 10, prediction with the profile
     without its measured action records and emulated-wait lateness (``fits.actions``,
@@ -327,6 +604,9 @@ def predict_row(name: str, cfg, costs, base, bridge, args) -> tuple:
     pred_flat = predict(cfg, plan, {i.name: flat for i in plan.islands}, seq_len=args.seq, bridge=bridge)
     variants = {"fitted_lines": pred_lines, "without_update_pair": pred_nopair, "size_ratio_corun": pred_size,
                 "without_in_flight": pred_flat}
+    if ping_pong_bridge is not None:  # session 14: the bridge at the ping-pong's latency, not a waiting receiver's
+        variants["ping_pong_bridge"] = predict(cfg, plan, {i.name: costs for i in plan.islands}, seq_len=args.seq,
+                                               bridge=ping_pong_bridge)
     return plan, pred, pred_base, pred_warm, pred_plain, variants
 
 
@@ -370,6 +650,11 @@ def finish_row(name: str, pred, pred_base, rounds: list, args, pred_warm=None, p
            "rounds_steps_s": [r["steps_s"] for r in rounds],
            "rounds_trials_statistic_s": [r["trials_statistic_s"] for r in rounds],
            "faults_per_step": median([r["faults_per_step"] for r in rounds]),
+           # islands as processes: CPU seconds of the island processes per timed step, voluntary context switches
+           "cpu_s_per_step": (median([r["cpu_s_per_step"] for r in rounds])
+                              if all("cpu_s_per_step" in r for r in rounds) else None),
+           "voluntary_switches_per_step": (median([r["voluntary_switches_per_step"] for r in rounds])
+                                           if all("voluntary_switches_per_step" in r for r in rounds) else None),
            "loadavg": [r["loadavg"] for r in rounds],
            "others_cpu_share": sum(shares) / len(shares) if shares else None}
     outside = "" if sp["within_spread"] else f" (outside the spread by {100 * sp['ape_beyond_spread']:.1f}%)"
@@ -379,6 +664,7 @@ def finish_row(name: str, pred, pred_base, rounds: list, args, pred_warm=None, p
           + ("" if pred_warm is None else f"  without cold calls {100 * row['without_cold_ape']:5.1f}%")
           + ("" if pred_plain is None else f"  without action costs {100 * row['without_action_costs_ape']:5.1f}%")
           + f"  faults/step {row['faults_per_step']:.0f}"
+          + ("" if row["cpu_s_per_step"] is None else f"  CPU/step {1e3 * row['cpu_s_per_step']:.1f} ms")
           + ("" if row["others_cpu_share"] is None else f"  others {100 * row['others_cpu_share']:.0f}% CPU"),
           flush=True)
     if args.breakdown:
@@ -405,7 +691,8 @@ def summary(rows: list, names_by_round: list) -> dict:
             "without_cold_mape": (sum(r["without_cold_ape"] for r in rows) / n
                                   if all(r.get("without_cold_ape") is not None for r in rows) else None),
             **{f"{k}_mape": sum(r[f"{k}_ape"] for r in rows) / n for k in ("fitted_lines", "without_update_pair",
-                                                                         "size_ratio_corun", "without_in_flight")
+                                                                         "size_ratio_corun", "without_in_flight",
+                                                                         "ping_pong_bridge")
                if all(f"{k}_ape" in r for r in rows)},
             "without_action_costs_mape": (sum(r["without_action_costs_ape"] for r in rows) / n
                                           if all(r.get("without_action_costs_ape") is not None for r in rows)
@@ -418,6 +705,9 @@ def summary(rows: list, names_by_round: list) -> dict:
 
 
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] in ("--child", "--child-bridge"):  # a rank of a job started by this script
+        (child_main if sys.argv[1] == "--child" else bridge_child_main)(sys.argv[2])
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", required=True, help="output path")
     ap.add_argument("--seq", type=int, default=64, help="tokens per sample")
@@ -449,50 +739,89 @@ def main() -> None:
                          "sets steady for CPU islands unless default is asked for here); steady-arenas: the steady "
                          "settings with glibc's own arena count instead of one arena (islands as threads then do not "
                          "share one arena lock, as islands in processes of their own do not)")
+    ap.add_argument("--islands", choices=("processes", "threads"), default="processes",
+                    help="processes (default): each configuration's islands run as two processes under mpiexec -n 2 "
+                         "joined by the MPI host bridge, as hethub_jax.train runs islands, predicted as islands on one "
+                         "shared host (DeviceCosts.on_shared_host) with the bridge's measured line; threads: one thread "
+                         "per island in this process joined by LocalCommunicator (the benchmark before session 14), "
+                         "predicted as islands in one process (DeviceCosts.in_process)")
+    ap.add_argument("--pin", action="store_true",
+                    help="with --islands processes: pin island process i to core i (as hetero_dp.py / hetero_e2e.py); "
+                         "default unpinned: both processes may use both cores, as the threads and the profile's co-run "
+                         "measurement do")
+    ap.add_argument("--bridge-spin-s", type=float, default=0.0,
+                    help="with --islands processes: seconds the MPI bridge's waits poll without sleeping before they "
+                         "back off (MPIHostBridge.with_spin; the bridge's own default 0.05). Default 0: unpinned on 2 "
+                         "cores, a spinning wait takes the core the other island computes on")
     args = ap.parse_args()
     from hethub_jax import host_allocator
     from hethub_jax.models.config import get_preset
     from hethub_jax.planner.costs import DeviceCosts, LinkModel
     if args.trials < 1 or args.steps < 1 or args.rounds < 1:
         raise SystemExit("--trials, --steps and --rounds must be >= 1")
+    if args.islands == "processes" and args.host_allocator == "steady-arenas":
+        raise SystemExit("--host-allocator steady-arenas applies to --islands threads (each island process has its "
+                         "own arena already)")
+    if args.bridge_spin_s < 0:
+        raise SystemExit("--bridge-spin-s must be >= 0")
     if args.host_allocator == "default":
         os.environ[host_allocator.ENV] = "default"
     alloc = host_allocator.steady_host_allocator()
     if args.host_allocator == "steady-arenas":  # before the JAX backend starts its threads (main() starts it later)
         alloc = dict(alloc, **arenas_per_thread())
     cfg = get_preset("tiny")
-    load_before, t_start, snap0 = loadavg(), time.time(), cpu_snapshot()
+    load_before, t_start, snap0 = loadavg(), time.time(), cpu_snapshot(children=True)
     profiled = not (args.profile and os.path.exists(args.profile))
     names = list(configs())
     names = args.only.split(",") if args.only else names[:3] if args.quick else names
     canary_profile = [canary(cfg, args)] if profiled else []
     prof_path = run_profile(args, names)
     canary_profile += [canary(cfg, args)] if profiled else []
-    share_profile = others_share(snap0, cpu_snapshot()) if profiled else None  # while this run profiled
+    share_profile = others_share(snap0, cpu_snapshot(children=True)) if profiled else None  # while this run profiled
     t_profile = time.time() - t_start
-    # the islands are threads of this process: they share its cores (the profile's measured co-run factor)
-    # and its launcher of multi-device computations (DP / TP stages; the profile's measured fits.launch)
-    costs = DeviceCosts.from_profile(prof_path).in_process("this process")
+    bridge_fit = None
+    if args.islands == "processes":
+        # islands as processes of one host: they share its cores (the profile's measured co-run factor), each
+        # launches its own multi-device computations; between them the MPI host bridge, measured here between two
+        # processes with the run's spin and pinning (the profiler's own fits.bridge needs mpiexec -n 2)
+        costs = DeviceCosts.from_profile(prof_path).on_shared_host("this host")
+        bridge_fit = measure_bridge_fit(args)
+        bridge = bridge_link(bridge_fit)
+        print(f"MPI bridge between the island processes: {1e6 * bridge.alpha_s:.1f} us (a waiting receiver's wake-up; "
+              f"ping-pong {1e6 * bridge_fit['fit']['c0']:.1f} us) + bytes / {bridge.bandwidth / 1e9:.2f} GB/s (spin "
+              f"{args.bridge_spin_s:g} s, {'pinned' if args.pin else 'unpinned'})", flush=True)
+    else:
+        # the islands are threads of this process: they share its cores (the profile's measured co-run factor)
+        # and its launcher of multi-device computations (DP / TP stages; the profile's measured fits.launch)
+        costs = DeviceCosts.from_profile(prof_path).in_process("this process")
+        # in one process the bridge is LocalCommunicator: the profile's measured 2-thread all-reduce
+        # (older profiles: its host-copy line)
+        bridge = costs.local_bridge_link or costs.host_link or LinkModel(0.0, 1e12)
     base = DeviceCosts.from_catalog("cpu")
-    # in one process the bridge is LocalCommunicator: the profile's measured 2-thread all-reduce
-    # (older profiles: its host-copy line)
-    bridge = costs.local_bridge_link or costs.host_link or LinkModel(0.0, 1e12)
-    preds = {n: predict_row(n, cfg, costs, base, bridge, args) for n in names}
+    ping_pong = bridge_link(bridge_fit, wake=False) if bridge_fit else None
+    preds = {n: predict_row(n, cfg, costs, base, bridge, args, ping_pong) for n in names}
     orders = round_orders(names, args.rounds)
     measured = {n: [] for n in names}
     canary_rounds = []
     for i, order in enumerate(orders):
         canary_rounds.append(canary(cfg, args))
-        for n in order:
-            measured[n].append(measure_round(preds[n][0], cfg, args))
+        if args.islands == "processes":
+            res = measure_round_processes(order, args)
+            for n in order:
+                measured[n].append(res[n])
+        else:
+            for n in order:
+                measured[n].append(measure_round(preds[n][0], cfg, args))
         print(f"round {i + 1}/{len(orders)} done ({time.time() - t_start:.0f} s): "
               + ", ".join(f"{n} {measured[n][-1]['statistic_s']:.4f}" for n in order), flush=True)
     rows = [finish_row(n, preds[n][1], preds[n][2], measured[n], args, preds[n][3], preds[n][4], preds[n][5])
             for n in names]
     figures = summary(rows, orders)
     figures.update(statistic=args.statistic, trials=args.trials, host_allocator=alloc["allocator"],
+                   islands=args.islands, pinned=bool(args.pin and args.islands == "processes"),
+                   bridge_spin_s=args.bridge_spin_s if args.islands == "processes" else None, bridge_fit=bridge_fit,
                    # CPU used by other processes during the whole run (profile included): ~0 on a quiet machine
-                   others_cpu_share=others_share(snap0, cpu_snapshot()), others_cpu_share_profile=share_profile,
+                   others_cpu_share=others_share(snap0, cpu_snapshot(children=True)), others_cpu_share_profile=share_profile,
                    profile_s=t_profile, wall_s=time.time() - t_start,
                    # the yardstick (canary) before/after the profile and per round; drift = round / profile
                    canary_profile_s=canary_profile, canary_rounds_s=canary_rounds,
@@ -517,6 +846,8 @@ def main() -> None:
              f"; with the co-run by the pair's size ratio {100 * figures['size_ratio_corun_mape']:.1f}%")
           + ("" if "without_in_flight_mape" not in figures else
              f"; without the in-flight factors {100 * figures['without_in_flight_mape']:.1f}%")
+          + ("" if "ping_pong_bridge_mape" not in figures else
+             f"; with the bridge at the ping-pong's latency {100 * figures['ping_pong_bridge_mape']:.1f}%")
           + ("" if figures["others_cpu_share"] is None else
              f"; other processes used {100 * figures['others_cpu_share']:.0f}% of the CPUs during the run")
           + ("" if share_profile is None else f" ({100 * share_profile:.0f}% while profiling)")

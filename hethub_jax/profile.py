@@ -84,6 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--corun", choices=("auto", "on", "off"), default="auto",
                    help="measure the slowdown of a computation while a second island of this process computes "
                         "on other devices (auto: on the cpu platform, whose devices share the host's cores)")
+    p.add_argument("--corun-neighbour", choices=("thread", "process"), default="thread",
+                   help="the co-run slowdown's neighbour island (fits.corun): a second thread of this process "
+                        "(default), or a process of its own, as islands under mpiexec are")
     p.add_argument("--repeats", type=int, default=7, help="timed calls per figure (median)")
     p.add_argument("--device-type", default=None, help="name of the device type (default: the JAX platform)")
     p.add_argument("--slowdown", type=float, default=1.0, help="emulated slowdown factor >= 1 (cpu only)")
@@ -488,9 +491,11 @@ def fit_shared_sum_mesh(samples: List[dict]) -> Dict[str, Dict[str, Any]]:
             for m, xs in by.items() if sum(x["one_device_seconds"] for x in xs) > 0}
 
 
-def measure_bridge(sizes: Sequence[int], repeats: int) -> Optional[List[dict]]:
+def measure_bridge(sizes: Sequence[int], repeats: int, spin_s: float = 0.05) -> Optional[List[dict]]:
     """Round trips over ``MPIHostBridge`` between ranks 0 and 1 (under ``mpiexec -n 2``), halved; None
-    (with a message) when not under MPI with 2 ranks."""
+    (with a message) when not under MPI with 2 ranks. ``spin_s``: the bridge's seconds of polling without
+    sleeping before it backs off (``MPIHostBridge.with_spin``; the bridge's default 0.05): measure with the
+    setting the islands run with (``benchmarks/predictor_accuracy.py --bridge-spin-s``)."""
     try:
         from mpi4py import MPI
     except ImportError:
@@ -501,7 +506,7 @@ def measure_bridge(sizes: Sequence[int], repeats: int) -> Optional[List[dict]]:
               "it); the in-process bridge (LocalCommunicator) is measured instead", flush=True)
         return None
     from hethub_jax.comm.mpi import MPIHostBridge
-    comm = MPIHostBridge(MPI.COMM_WORLD)
+    comm = MPIHostBridge(MPI.COMM_WORLD).with_spin(spin_s)
     rank, out = comm.rank, []
     for n in sizes:
         buf = np.ones(max(1, n // 4), np.float32)
@@ -625,7 +630,79 @@ def profile_stage_shapes(cfg: Any, seq_len: int, mbs_list: Sequence[int], tps: S
     return out
 
 
-def measure_corun(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int) -> List[dict]:
+class _NeighbourProcess:
+    """A co-run neighbour in a PROCESS of its own (:func:`measure_corun` with ``neighbour="process"``), as islands
+    run under mpiexec: a child Python (``python -m hethub_jax.profile --corun-child CONFIG_JSON SEQ``) with its own
+    JAX, the steady host allocator (as the runtime sets it) and the same XLA flags, building the neighbour stages on
+    its first device: ``"L"`` another last stage's fused forward + backward, ``"F"`` / ``"B"`` another first stage's
+    forward / backward, each on a placed one-sample microbatch (:func:`_corun_child`). :meth:`call` returns a
+    blocking function that runs one of them and waits for its end (a pipe; calls are serialised by a lock, so the
+    timed-alone and looping uses never interleave)."""
+
+    def __init__(self, cfg: Any, seq_len: int):
+        import subprocess
+        import threading
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")] if p))
+        self._p = subprocess.Popen([sys.executable, "-m", "hethub_jax.profile", "--corun-child",
+                                    json.dumps(cfg.to_dict()), str(seq_len)],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self._lock = threading.Lock()
+        if self._p.stdout.read(1) != b"r":
+            raise RuntimeError(f"the co-run neighbour process did not start (exit status {self._p.poll()})")
+
+    def call(self, what: bytes) -> Callable[[], None]:
+        def run() -> None:
+            with self._lock:
+                self._p.stdin.write(what)
+                self._p.stdin.flush()
+                if self._p.stdout.read(1) != b"d":
+                    raise RuntimeError("the co-run neighbour process stopped")
+        return run
+
+    def close(self) -> None:
+        try:
+            self._p.stdin.write(b"q")
+            self._p.stdin.close()
+        except OSError:
+            pass
+        self._p.wait(60)
+
+
+def _corun_child(config_json: str, seq_len: str) -> None:
+    """The neighbour process of :class:`_NeighbourProcess`: answers ``r`` when its calls are compiled, then runs
+    ``L`` / ``F`` / ``B`` and answers ``d`` each, until ``q`` or end of input. Its own prints go to stderr."""
+    from hethub_jax.host_allocator import steady_host_allocator
+    steady_host_allocator()  # before the JAX backend's threads, as the runtime sets it for CPU islands
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    import jax
+
+    from hethub_jax.models.config import LlamaConfig
+    from hethub_jax.optim import OptimConfig, make_optimizer
+    from hethub_jax.parallel.stage import PipelineStage
+    cfg, seq = LlamaConfig(**json.loads(config_json)), int(seq_len)
+    tx, L, dev = make_optimizer(OptimConfig()), cfg.num_hidden_layers, jax.devices()[0]
+    last = PipelineStage(cfg, L - 1, L - 1, [dev], 1, 1, seed=0, recompute=False, optimizer=tx)
+    first = PipelineStage(cfg, 0, 0, [dev], 1, 1, seed=0, recompute=False, optimizer=tx)
+    calls = {b"L": _stage_call(last, cfg, seq, "B_recompute", placed_once=True),
+             b"F": _stage_call(first, cfg, seq, "F", placed_once=True),
+             b"B": _stage_call(first, cfg, seq, "B", placed_once=True)}
+    for f in calls.values():
+        f()
+    out.write(b"r")
+    out.flush()
+    while True:
+        c = sys.stdin.buffer.read(1)
+        if not c or c == b"q":
+            return
+        calls[c]()
+        out.write(b"d")
+        out.flush()
+
+
+def measure_corun(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int,
+                  neighbour: str = "thread") -> List[dict]:
     """The slowdown of this device type's stage calls while a second island of the same process
     computes on other devices, per pair of call sizes: on CPU, islands run as threads (or processes)
     of one host share its cores, memory bandwidth and XLA's thread pool, which a one-island profile
@@ -647,7 +724,17 @@ def measure_corun(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int) 
     "alone_s", "busy_s", "neighbour", "neighbour_s"}`` per (call, neighbour): medians of each;
     ``neighbour`` ``"large"`` or ``"small"``, ``neighbour_s`` the neighbour's seconds per call alone
     (the median; the small neighbour's F and B averaged), so that ``alone_s / neighbour_s`` is the
-    pair's size ratio (:func:`fit_corun`). Empty with fewer than 2 devices."""
+    pair's size ratio (:func:`fit_corun`). Empty with fewer than 2 devices.
+
+    ``neighbour``: ``"thread"`` (the default: the neighbours computed by a second thread of this process, on
+    ``devices[1]``) or ``"process"`` (computed by a process of its own, :class:`_NeighbourProcess`, started and
+    stopped here: islands that are processes, as under mpiexec, share the cores but not this process's allocator
+    lock nor its XLA runtime; docs/benchmarks.md issue 13, session 13: small calls beside a thread 1.7-2.3x, beside a
+    process 1.3-1.5x, nearly quiet). The samples then carry ``"neighbour_kind": "process"``.
+
+    Raises:
+      ValueError: for another ``neighbour``.
+    """
     import threading
 
     import jax
@@ -663,10 +750,16 @@ def measure_corun(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int) 
     calls = {"first_F": _stage_call(first, cfg, seq_len, "F"), "first_B": _stage_call(first, cfg, seq_len, "B"),
              "last_FB": _stage_call(last, cfg, seq_len, "B_recompute"),
              "last_update": lambda: _update_once(last)}
-    small_f = _stage_call(other_first, cfg, seq_len, "F", placed_once=True)
-    small_b = _stage_call(other_first, cfg, seq_len, "B", placed_once=True)
-    neighbours = {"large": ([_stage_call(other_last, cfg, seq_len, "B_recompute", placed_once=True)], calls),
-                  "small": ([small_f, small_b], {"last_FB": calls["last_FB"]})}
+    if neighbour not in ("thread", "process"):
+        raise ValueError(f"neighbour must be 'thread' or 'process', got {neighbour!r}")
+    proc = _NeighbourProcess(cfg, seq_len) if neighbour == "process" else None
+    if proc is None:
+        small_f = _stage_call(other_first, cfg, seq_len, "F", placed_once=True)
+        small_b = _stage_call(other_first, cfg, seq_len, "B", placed_once=True)
+        large = _stage_call(other_last, cfg, seq_len, "B_recompute", placed_once=True)
+    else:
+        small_f, small_b, large = proc.call(b"F"), proc.call(b"B"), proc.call(b"L")
+    neighbours = {"large": ([large], calls), "small": ([small_f, small_b], {"last_FB": calls["last_FB"]})}
     out: List[dict] = []
     for fn in calls.values():
         fn()
@@ -717,7 +810,10 @@ def measure_corun(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int) 
         # minimum picks the luckiest alignment (a call that ran while the neighbour was between calls)
         out += [{"kind": "corun", "call": n, "alone_s": float(np.median(times[(n, 0)])),
                  "busy_s": float(np.median(times[(n, 1)])), "neighbour": kind,
-                 "neighbour_s": float(np.mean([np.median(v) for v in alone_n.values()]))} for n in timed]
+                 "neighbour_s": float(np.mean([np.median(v) for v in alone_n.values()])),
+                 **({"neighbour_kind": "process"} if proc is not None else {})} for n in timed]
+    if proc is not None:
+        proc.close()
     return out
 
 
@@ -1448,6 +1544,7 @@ def fit_corun(samples: List[dict]) -> Optional[Dict[str, Any]]:
             pts.setdefault(s["alone_s"] / s["neighbour_s"], []).append(max(0.0, s["busy_s"] / s["alone_s"] - 1.0))
     relation = [[float(r), float(np.mean(e))] for r, e in sorted(pts.items())]
     return {"factor": float(factor), "ratios": ratios, "relation": relation,
+            "neighbour_kind": str(large[0].get("neighbour_kind", "thread")),
             "neighbour": "the last stage's fused forward + backward in a loop on another device of the process",
             "small_neighbour": "the first stage's forward then backward in a loop on another device of the process"}
 
@@ -1463,13 +1560,15 @@ def process_cpu_seconds(pid: int) -> float:
         return 0.0
 
 
-def cpu_snapshot(job_pids: Sequence[int] = ()):
+def cpu_snapshot(job_pids: Sequence[int] = (), children: bool = False):
     """``(wall s, busy CPU seconds of the whole machine, CPU seconds of this process and of ``job_pids``)``
     now: the machine's from ``/proc/stat`` (user + nice + system + irq + softirq + steal jiffies over
     ``SC_CLK_TCK``; None where it cannot be read), this process's from ``os.times()``, each of
     ``job_pids`` (the job's other processes on this machine, e.g. MPI ranks profiling their own cores
     at the same time) from :func:`process_cpu_seconds`, so that :func:`others_share` counts only
-    processes outside the job."""
+    processes outside the job. ``children``: this process's finished and waited-for children count as its own too
+    (``os.times``' children fields: the co-run neighbour process of :func:`measure_corun`, the island jobs of
+    ``benchmarks/predictor_accuracy.py``; ``mpiexec`` waits for its ranks)."""
     busy = None
     try:
         with open("/proc/stat") as f:
@@ -1479,7 +1578,7 @@ def cpu_snapshot(job_pids: Sequence[int] = ()):
         pass
     t = os.times()
     peers = sum(process_cpu_seconds(p) for p in job_pids if int(p) != os.getpid())
-    return time.time(), busy, t.user + t.system + peers
+    return time.time(), busy, t.user + t.system + peers + (t.children_user + t.children_system if children else 0.0)
 
 
 def others_share(before, after):
@@ -1611,11 +1710,12 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     platform_name = devices[0].platform
     if args.slowdown != 1 and platform_name != "cpu":
         raise SystemExit("--slowdown (emulation) applies only to cpu islands")
-    t0, snap = time.perf_counter(), cpu_snapshot(job_pids)
+    t0, snap = time.perf_counter(), cpu_snapshot(job_pids, children=True)
     samples, updates = profile_compute(cfg, args.seq_len, mbs_list, tps, args.repeats, devices,
                                        not args.no_progress, dps, dp_mbs)
     samples += profile_stage_shapes(cfg, args.seq_len, mbs_list, tps, args.repeats, devices, shapes) if shapes else []
-    corun = (measure_corun(cfg, devices, args.seq_len, args.repeats) + measure_update_pair(cfg, devices, args.repeats)
+    corun = (measure_corun(cfg, devices, args.seq_len, args.repeats, args.corun_neighbour)
+             + measure_update_pair(cfg, devices, args.repeats)
              if args.corun == "on" or (args.corun == "auto" and platform_name == "cpu") else [])
     if args.corun == "on" or (args.corun == "auto" and platform_name == "cpu"):  # the tail's updates in the runtime
         corun += [] if args.no_runtime else measure_tail_pair(cfg, devices, args.repeats, args.seq_len)
@@ -1636,7 +1736,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         copies += measure_shared_sum_mesh(cfg, devices, sorted({(1, tp) for tp in tps} | {(dp, 1) for dp in dps}),
                                           args.repeats, args.seq_len)
     prof = build_profile(cfg, args, samples, updates, copies, allreduce, bridge, platform_name, corun)
-    prof["others_cpu_share"] = others_share(snap, cpu_snapshot(job_pids))
+    prof["others_cpu_share"] = others_share(snap, cpu_snapshot(job_pids, children=True))
     prof["others_cpu_share_excludes"] = ({"job_pids": job_pids, "note": "this job's other processes (given by "
                                           "--job-pids) are not counted as other processes"} if job_pids else None)
     prof["host_allocator"] = {"allocator": alloc["allocator"], "note": alloc["reason"]}
@@ -1667,4 +1767,7 @@ def _mpi_rank() -> int:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--corun-child"]:  # the co-run neighbour process of measure_corun(neighbour="process")
+        _corun_child(*sys.argv[2:4])
+    else:
+        main()

@@ -192,3 +192,26 @@ def test_measure_tail_pair_times_both_islands_updates_in_the_runtime():
                          "tie_word_embeddings": False})
     assert measure_tail_pair(untied, jax.devices()[:2], repeats=1) == []
     assert measure_tail_pair(cfg, jax.devices()[:1], repeats=1) == []
+
+
+@pytest.mark.slow
+def test_measure_corun_with_a_process_neighbour():
+    """``measure_corun(neighbour="process")``: the same calls beside the same neighbours as with a thread, the
+    neighbour computed by a process of its own (``_NeighbourProcess``, started and stopped by the call), every
+    sample marked ``neighbour_kind: process`` and the fit saying so; another kind is refused. No timing asserted
+    (shared cores); about 15 s (the neighbour process's JAX start-up and compilation)."""
+    import jax
+
+    from hethub_jax.models.config import get_preset
+    from hethub_jax.profile import fit_corun, measure_corun
+    devs = jax.devices()
+    if len(devs) < 2 or devs[0].platform != "cpu":
+        pytest.skip("needs 2 CPU devices")
+    s = measure_corun(get_preset("tiny"), devs[:2], 16, 1, "process")
+    assert [(x["call"], x["neighbour"]) for x in s] == [("first_F", "large"), ("first_B", "large"), ("last_FB", "large"),
+                                                       ("last_update", "large"), ("last_FB", "small")]
+    assert all(x["alone_s"] > 0 and x["busy_s"] > 0 and x["neighbour_s"] > 0 for x in s)
+    assert {x["neighbour_kind"] for x in s} == {"process"}
+    assert fit_corun(s)["neighbour_kind"] == "process"
+    with pytest.raises(ValueError, match="neighbour"):
+        measure_corun(get_preset("tiny"), devs[:2], 16, 1, "bogus")
