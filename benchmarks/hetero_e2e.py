@@ -256,8 +256,10 @@ def main() -> None:
     if args.corun == "measure":  # both ranks take part: each one's call alone and beside the other's
         corun = _measure_corun(cfg, args, world, rank)
         from dataclasses import replace
-        costs = {i: replace(c.on_shared_host("machine"), corun_factor=corun["factor"]) for i, c in costs.items()}
-        source += f"; co-run slowdown of the two cores MEASURED {corun['factor']:.3f}"
+        costs = {i: replace(c.on_shared_host("machine"), corun_factor=corun["factor"],
+                            corun_update_factor=corun["update_factor"]) for i, c in costs.items()}
+        source += (f"; co-run slowdown of the two cores MEASURED {corun['factor']:.3f} (compute), "
+                   f"{corun['update_factor']:.3f} (optimizer update)")
     args.corun_measured = corun
     contenders = plans(cfg, args, costs)
     from hethub_jax.train_predict import extrapolation_note
@@ -367,6 +369,8 @@ def _measure_bridge():
 #: co-run measurement (``--corun measure``): microbatch size of the timed call (capped at the global batch
 #: over 4), rounds of (alone, busy) per rank, timed calls per round
 CORUN_MB, CORUN_ROUNDS, CORUN_REPEATS = 8, 2, 3
+#: timed updates per rank, round and condition in the update pair (an update is ~0.1 s: cheap)
+CORUN_UPDATE_REPEATS = 5
 
 
 def _measure_corun(cfg, args, world, rank) -> dict:
@@ -385,10 +389,17 @@ def _measure_corun(cfg, args, world, rank) -> dict:
     session-12 runs: the slow island, which always computes beside the fast one, ran its actions 3-7%
     above its profile, the fast island 1-3%; docs/benchmarks.md, issue 17, session 13). Returns
     ``{"factor" (at least 1), "per_rank": [{"alone_s", "busy_s", "wall_ratio", "alone_cpu_s", "busy_cpu_s",
-    "ratio"}], "microbatch_size", "statistic"}`` (seconds)."""
-    import time
+    "ratio"}], "microbatch_size", "update_factor" (at least 1), "update_per_rank", "statistic"}`` (seconds).
 
+    Since session 14 the same pair (:func:`_pair_ratios`) also times the whole model's optimizer update
+    (``PipelineStage.update``, AdamW over every parameter, ``CORUN_UPDATE_REPEATS`` calls back to back, as
+    the profile's ``update`` fit times it) alone and beside the other rank's update loop: ``update_factor``
+    (``DeviceCosts.corun_update_factor``). The update streams parameters, gradients and both moments (memory
+    bound) and the islands update at the same time after the loss all-reduce, so it slows far more than the
+    compute: the quiet session-13 runs' slow island spent 0.080 s in its update and EMULATED wait against 3 x
+    0.0124 s PREDICTED from the profile (docs/benchmarks.md, issue 17, session 14)."""
     import jax
+    import jax.numpy as jnp
     import numpy as np
 
     from hethub_jax.optim import OptimConfig, make_optimizer
@@ -404,6 +415,30 @@ def _measure_corun(cfg, args, world, rank) -> dict:
     def call():
         x = StageInputs(st.place_tokens(tokens), st.place_tokens(pos), st.place_tokens(tokens), st.place_tokens(mask))
         jax.block_until_ready(st.forward_backward(st.params, x, st.new_grad_buffer(), no))
+    per = _pair_ratios(call, world, rank)
+
+    def update():  # the update as the profile times it (PipelineStage.update, zero gradients, back to back)
+        st.params, st.opt_state = st.update(st.params, st.opt_state, grads, inv, norm)
+        jax.block_until_ready(st.params)
+    grads, inv, norm = st.new_grad_buffer(), jnp.float32(1e-3), jnp.float32(1.0)
+    per_update = _pair_ratios(update, world, rank, repeats=CORUN_UPDATE_REPEATS)
+    del st, grads
+    return {"factor": max(1.0, float(np.mean([x["ratio"] for x in per]))), "per_rank": per, "microbatch_size": mb,
+            "update_factor": max(1.0, float(np.mean([x["ratio"] for x in per_update]))),
+            "update_per_rank": per_update,
+            "statistic": "process CPU seconds (time.process_time), busy / alone medians, mean over the ranks"}
+
+
+def _pair_ratios(call, world, rank, repeats: int = None) -> list:
+    """Each rank in turn times ``repeats`` (default ``CORUN_REPEATS``) calls of ``call`` after one untimed,
+    in ``CORUN_ROUNDS`` rounds of: alone (the other rank waits) and busy (the other rank runs its own
+    ``call`` in a loop until told the timed calls are done). Returns, gathered on every rank, per rank
+    ``{"alone_s", "busy_s", "wall_ratio", "alone_cpu_s", "busy_cpu_s", "ratio"}`` (medians, seconds;
+    ``ratio``: busy / alone of the CPU seconds). Collective: both ranks call it."""
+    import time
+
+    import numpy as np
+    repeats = repeats or CORUN_REPEATS
     call()
     other, mine = 1 - rank, {"alone": [], "busy": [], "alone_cpu": [], "busy_cpu": []}
     for measurer in (0, 1):
@@ -412,7 +447,7 @@ def _measure_corun(cfg, args, world, rank) -> dict:
                 world.Barrier()
                 if rank == measurer:
                     call()
-                    for _ in range(CORUN_REPEATS):
+                    for _ in range(repeats):
                         t0, c0 = time.perf_counter(), time.process_time()
                         call()
                         mine[cond].append(time.perf_counter() - t0)
@@ -426,12 +461,9 @@ def _measure_corun(cfg, args, world, rank) -> dict:
                 else:
                     world.recv(source=measurer, tag=91)
     med = {k: float(np.median(v)) for k, v in mine.items()}
-    per = world.allgather({"alone_s": med["alone"], "busy_s": med["busy"], "wall_ratio": med["busy"] / med["alone"],
-                           "alone_cpu_s": med["alone_cpu"], "busy_cpu_s": med["busy_cpu"],
-                           "ratio": med["busy_cpu"] / med["alone_cpu"]})
-    del st
-    return {"factor": max(1.0, float(np.mean([x["ratio"] for x in per]))), "per_rank": per, "microbatch_size": mb,
-            "statistic": "process CPU seconds (time.process_time), busy / alone medians, mean over the ranks"}
+    return world.allgather({"alone_s": med["alone"], "busy_s": med["busy"], "wall_ratio": med["busy"] / med["alone"],
+                            "alone_cpu_s": med["alone_cpu"], "busy_cpu_s": med["busy_cpu"],
+                            "ratio": med["busy_cpu"] / med["alone_cpu"]})
 
 
 def _load(path):
