@@ -113,3 +113,30 @@ def test_shared_host_update_of_hetero_dp_is_emulated_factor_times_corun_update_b
     assert alone.update_s == pytest.approx(3 * u, rel=1e-9)
     assert both.update_s == pytest.approx(3 * u * g, rel=1e-9)
     assert both.allreduce_s == pytest.approx(alone.allreduce_s, rel=1e-9)  # equal sums at compute co-run 1
+
+
+def test_fit_update_runtime_is_the_runtime_calls_over_the_fit_by_hand():
+    """Two runtime update calls, 2 M and 6 M parameters, warm 0.010 s and 0.030 s; the fit c0 0.001 +
+    4e-9 x params says 0.009 and 0.025 s: scale (0.010 + 0.030) / (0.009 + 0.025) = 40 / 34."""
+    from hethub_jax.profile import fit_update_runtime
+    fit = {"c0": 0.001, "c1": 4e-9}
+    xs = [{"kind": "update_in_step", "params": 2e6, "seconds": 0.012, "warm_seconds": 0.010},
+          {"kind": "update_in_step", "params": 6e6, "seconds": 0.031, "warm_seconds": 0.030}]
+    assert fit_update_runtime(xs, fit)["scale"] == pytest.approx(40 / 34)
+    assert fit_update_runtime([], fit) is None and fit_update_runtime(xs, None) is None
+
+
+def test_update_time_takes_the_runtime_scale_from_the_profile_or_its_samples():
+    """The one-device update fit times the scale (the stored fit, or computed from the samples and the fit,
+    the samples times the profile's emulated slowdown as the fit is); the cold term is not scaled."""
+    prof = fixed_profile(0.02, 0.03, update=0.0)
+    prof["fits"]["update"] = {"c0": 0.0, "c1": 1e-9}
+    prof["fits"]["update_cold"] = {"per_param_s": 1e-10}
+    assert DeviceCosts.from_profile(prof).update_time_s(1e6) == pytest.approx(1e-3 + 1e-4)
+    prof["samples"] = [{"kind": "update_in_step", "params": 1e6, "seconds": 0.002, "warm_seconds": 0.0015}]
+    assert DeviceCosts.from_profile(prof).update_runtime_scale == pytest.approx(1.5)
+    assert DeviceCosts.from_profile(prof).update_time_s(2e6) == pytest.approx(1.5 * 2e-3 + 2e-4)
+    prof["emulated_slowdown"] = 2.0  # an emulated profile's fit is scaled by 2, its samples are not
+    assert DeviceCosts.from_profile(prof).update_runtime_scale == pytest.approx(3.0)
+    prof["fits"]["update_runtime"] = {"scale": 1.25}  # the profiler's own fit wins
+    assert DeviceCosts.from_profile(prof).update_runtime_scale == 1.25
