@@ -47,7 +47,9 @@ own); the two cores' co-run slowdown is MEASURED (``--corun measure``, default: 
 fused F+B alone and beside the other rank's, ``_measure_corun``) and both islands' costs are put on one
 shared host with it (``DeviceCosts.on_shared_host``, ``corun_factor``), so that the predictor slows the part
 of each compute action that overlaps the other island's compute (the profiles are taken one rank after the
-other, beside an idle core); the two ranks' MPI bridge is measured and recorded, and used for the link
+other, beside an idle core); since session 14 the same pair also times the whole model's optimizer update
+(``corun_update_factor``: the islands' updates run together after the loss all-reduce, the slow island's
+EMULATED wait after its own); the two ranks' MPI bridge is measured and recorded, and used for the link
 between the islands with ``--bridge measure`` (default ``assumed``: 50 us + bytes / 1 GB/s).
 
 The two-island runtimes use the bucketed gradient all-reduce overlapped with the last backward, as
@@ -184,17 +186,22 @@ def parser():
                          "backward alone and while the other rank runs the same call on its core; the mean of the "
                          "two ranks' busy / alone medians is both islands' co-run slowdown (DeviceCosts.corun_factor "
                          "on one shared host: the predictor slows the part of each compute action that overlaps the "
-                         "other island's compute). off: the islands are predicted as if on hardware of their own "
-                         "(before session 13; the profiles are taken one rank after the other, the other core idle)")
+                         "other island's compute); since session 14 also the whole model's optimizer update alone and "
+                         "beside the other rank's (DeviceCosts.corun_update_factor: the islands' updates, which start "
+                         "together after the loss all-reduce, are memory bound). off: the islands are predicted as if "
+                         "on hardware of their own (before session 13; the profiles are taken one rank after the "
+                         "other, the other core idle)")
     ap.add_argument("--bridge", choices=("measure", "assumed"), default="assumed",
                     help="the link between the islands for the planner and the prediction: assumed (default: 50 us + "
                          "bytes / 1 GB/s; it PREDICTS hetero DP's ZeRO-1 exchange at 0.091 s a step) or measure (round "
                          "trips of 64 KiB to 32 MiB over the two ranks' MPIHostBridge before the profiles, fitted as "
                          "latency + bytes / bandwidth: 8.3 GB/s in a loaded check, 0.011 s for the same exchange). "
-                         "The measured link is recorded either way (figures.bridge_link). Not yet the default: with it "
-                         "the rest of the step is PREDICTED 0.04-0.05 s low, the update, parameter gather, norm and "
-                         "step-start overheads being under-predicted by about that much (docs/benchmarks.md, issue 17, "
-                         "session 13)")
+                         "The measured link is recorded either way (figures.bridge_link). Not yet the default: since "
+                         "session 14 the tail is PREDICTED right with it (re-predicting the quiet session-13 runs: "
+                         "0.125-0.148 s against 0.133-0.134 s measured), but the compute actions are PREDICTED 4-8%% "
+                         "low, so the step's prediction_error is larger with it (0.07-0.08 against 0.04-0.06 with the "
+                         "assumed link, whose 0.08 s too much hides part of that); docs/benchmarks.md, issue 17, "
+                         "session 14")
     return ap
 
 
