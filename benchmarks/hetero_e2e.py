@@ -682,9 +682,13 @@ def _parts_compare(args, cfg, contenders, g, costs) -> dict:
     rank's pipeline end less this one's, when later: the records' clocks are ``time.perf_counter``, one
     monotonic clock for the machine), ``reduce_after_backward_s`` (``_reduce_shared``, that wait
     included), ``bucket_exposed_s``, ``apply_updates_s`` (the update, its EMULATED wait, the ZeRO-1
-    parameter gather), ``param_exchange_s`` (the gather, inside the former) and ``other_s`` (the rest: the
-    norm, the loss all-reduce, the final wait); PREDICTED ``predictor.tail_parts`` of the island
-    (``sums_s``, ``norm_s``, ``zero1_gather_host_s``, ``update_s``) and ``bridge_s``. Seconds."""
+    parameter gather), ``param_exchange_s`` (the gather, inside the former), ``other_s`` (the rest: the
+    norm, the loss all-reduce, the final wait) and ``update_and_wait_s`` (``apply_updates_s`` less
+    ``param_exchange_s``: the update and its EMULATED wait; on an island whose update runs asynchronously
+    only its dispatch); PREDICTED ``predictor.tail_parts`` of the island (``sums_s``, ``norm_s``,
+    ``zero1_gather_host_s``, ``update_s``: alone), ``bridge_s`` and ``updates_together_s`` (the step's
+    update phase: the islands' updates together at the update co-run factor, each EMULATED wait after its
+    own; compare the critical island's ``update_and_wait_s``). Seconds."""
     from hethub_jax.planner import cluster_from_dict
     from hethub_jax.planner.predictor import predict, tail_parts
     from hethub_jax.planner.search import bridge_for
@@ -733,7 +737,10 @@ def _parts_compare(args, cfg, contenders, g, costs) -> dict:
                              "wait_for_other_replica_s": max(0.0, other_end - m["pipeline_end"]),
                              "reduce_after_backward_s": reduce, "bucket_exposed_s": bk.get("exposed_s", 0.0),
                              "apply_updates_s": t["apply_updates_s"], "param_exchange_s": t["param_exchange_s"],
-                             "other_s": t["t1"] - m["pipeline_end"] - reduce - t["apply_updates_s"]}
+                             "other_s": t["t1"] - m["pipeline_end"] - reduce - t["apply_updates_s"],
+                             # the update and its EMULATED wait without the exchange (the fast island's update
+                             # runs asynchronously: there only its dispatch; the exchange waits for it)
+                             "update_and_wait_s": t["apply_updates_s"] - t["param_exchange_s"]}
         for d in (m, p):
             if d is not None:
                 for k in ("pipeline_end", "pipeline_start"):
@@ -741,7 +748,8 @@ def _parts_compare(args, cfg, contenders, g, costs) -> dict:
         if p is not None:
             p["rest_of_step_s"] = pred.allreduce_s + pred.update_s
             p["step_s"] = pred.step_time_s
-            p["tail"] = dict(tails["per_island"].get(isl, {}), bridge_s=tails["bridge_s"])
+            p["tail"] = dict(tails["per_island"].get(isl, {}), bridge_s=tails["bridge_s"],
+                             updates_together_s=tails["update_s"])
         out[isl] = {"measured": m, "PREDICTED": p}
     return out
 
