@@ -187,8 +187,8 @@ def parser():
                          "two ranks' busy / alone medians is both islands' co-run slowdown (DeviceCosts.corun_factor "
                          "on one shared host: the predictor slows the part of each compute action that overlaps the "
                          "other island's compute); since session 14 also the whole model's optimizer update alone and "
-                         "beside the other rank's (DeviceCosts.corun_update_factor: the islands' updates, which start "
-                         "together after the loss all-reduce, are memory bound). off: the islands are predicted as if "
+                         "beside the other rank's (DeviceCosts.corun_update_factor: the islands' updates start "
+                         "together after the loss all-reduce). off: the islands are predicted as if "
                          "on hardware of their own (before session 13; the profiles are taken one rank after the "
                          "other, the other core idle)")
     ap.add_argument("--bridge", choices=("measure", "assumed"), default="assumed",
@@ -196,12 +196,11 @@ def parser():
                          "bytes / 1 GB/s; it PREDICTS hetero DP's ZeRO-1 exchange at 0.091 s a step) or measure (round "
                          "trips of 64 KiB to 32 MiB over the two ranks' MPIHostBridge before the profiles, fitted as "
                          "latency + bytes / bandwidth: 8.3 GB/s in a loaded check, 0.011 s for the same exchange). "
-                         "The measured link is recorded either way (figures.bridge_link). Not yet the default: since "
-                         "session 14 the tail is PREDICTED right with it (re-predicting the quiet session-13 runs: "
-                         "0.125-0.148 s against 0.133-0.134 s measured), but the compute actions are PREDICTED 4-8%% "
-                         "low, so the step's prediction_error is larger with it (0.07-0.08 against 0.04-0.06 with the "
-                         "assumed link, whose 0.08 s too much hides part of that); docs/benchmarks.md, issue 17, "
-                         "session 14")
+                         "The measured link is recorded either way (figures.bridge_link). Not yet the default: "
+                         "re-predicting the quiet session-13 runs with session 14's update terms, the step's "
+                         "prediction_error is larger with it (0.08-0.09 against 0.06-0.07), the compute actions "
+                         "being PREDICTED 4-8%% low and 0.03 s of the slow island's update unexplained, which the "
+                         "assumed link's 0.08 s too much hides; docs/benchmarks.md, issue 17, session 14")
     return ap
 
 
@@ -401,10 +400,10 @@ def _measure_corun(cfg, args, world, rank) -> dict:
     Since session 14 the same pair (:func:`_pair_ratios`) also times the whole model's optimizer update
     (``PipelineStage.update``, AdamW over every parameter, ``CORUN_UPDATE_REPEATS`` calls back to back, as
     the profile's ``update`` fit times it) alone and beside the other rank's update loop: ``update_factor``
-    (``DeviceCosts.corun_update_factor``). The update streams parameters, gradients and both moments (memory
-    bound) and the islands update at the same time after the loss all-reduce, so it slows far more than the
-    compute: the quiet session-13 runs' slow island spent 0.080 s in its update and EMULATED wait against 3 x
-    0.0124 s PREDICTED from the profile (docs/benchmarks.md, issue 17, session 14)."""
+    (``DeviceCosts.corun_update_factor``): the islands update at the same time after the loss all-reduce (the
+    quiet session-13 runs' slow island spent 0.081-0.084 s in its update and EMULATED wait against 3 x 0.0124 s
+    PREDICTED then; islands as threads of one process measured 1.7-2.1 for the pair in session 12, while the
+    LOADED pairs of two processes here read 1.02-1.04: docs/benchmarks.md, issue 17, session 14)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
