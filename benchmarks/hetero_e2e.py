@@ -47,7 +47,9 @@ own); the two cores' co-run slowdown is MEASURED (``--corun measure``, default: 
 fused F+B alone and beside the other rank's, ``_measure_corun``) and both islands' costs are put on one
 shared host with it (``DeviceCosts.on_shared_host``, ``corun_factor``), so that the predictor slows the part
 of each compute action that overlaps the other island's compute (the profiles are taken one rank after the
-other, beside an idle core); the two ranks' MPI bridge is measured and recorded, and used for the link
+other, beside an idle core); since session 14 the same pair also times the whole model's optimizer update
+(``corun_update_factor``: the islands' updates run together after the loss all-reduce, the slow island's
+EMULATED wait after its own); the two ranks' MPI bridge is measured and recorded, and used for the link
 between the islands with ``--bridge measure`` (default ``assumed``: 50 us + bytes / 1 GB/s).
 
 The two-island runtimes use the bucketed gradient all-reduce overlapped with the last backward, as
@@ -184,17 +186,21 @@ def parser():
                          "backward alone and while the other rank runs the same call on its core; the mean of the "
                          "two ranks' busy / alone medians is both islands' co-run slowdown (DeviceCosts.corun_factor "
                          "on one shared host: the predictor slows the part of each compute action that overlaps the "
-                         "other island's compute). off: the islands are predicted as if on hardware of their own "
-                         "(before session 13; the profiles are taken one rank after the other, the other core idle)")
+                         "other island's compute); since session 14 also the whole model's optimizer update alone and "
+                         "beside the other rank's (DeviceCosts.corun_update_factor: the islands' updates start "
+                         "together after the loss all-reduce). off: the islands are predicted as if "
+                         "on hardware of their own (before session 13; the profiles are taken one rank after the "
+                         "other, the other core idle)")
     ap.add_argument("--bridge", choices=("measure", "assumed"), default="assumed",
                     help="the link between the islands for the planner and the prediction: assumed (default: 50 us + "
                          "bytes / 1 GB/s; it PREDICTS hetero DP's ZeRO-1 exchange at 0.091 s a step) or measure (round "
                          "trips of 64 KiB to 32 MiB over the two ranks' MPIHostBridge before the profiles, fitted as "
                          "latency + bytes / bandwidth: 8.3 GB/s in a loaded check, 0.011 s for the same exchange). "
-                         "The measured link is recorded either way (figures.bridge_link). Not yet the default: with it "
-                         "the rest of the step is PREDICTED 0.04-0.05 s low, the update, parameter gather, norm and "
-                         "step-start overheads being under-predicted by about that much (docs/benchmarks.md, issue 17, "
-                         "session 13)")
+                         "The measured link is recorded either way (figures.bridge_link). Not yet the default: "
+                         "re-predicting the quiet session-13 runs with session 14's update terms, the step's "
+                         "prediction_error is larger with it (0.08-0.09 against 0.06-0.07), the compute actions "
+                         "being PREDICTED 4-8%% low and 0.03 s of the slow island's update unexplained, which the "
+                         "assumed link's 0.08 s too much hides; docs/benchmarks.md, issue 17, session 14")
     return ap
 
 
@@ -256,8 +262,10 @@ def main() -> None:
     if args.corun == "measure":  # both ranks take part: each one's call alone and beside the other's
         corun = _measure_corun(cfg, args, world, rank)
         from dataclasses import replace
-        costs = {i: replace(c.on_shared_host("machine"), corun_factor=corun["factor"]) for i, c in costs.items()}
-        source += f"; co-run slowdown of the two cores MEASURED {corun['factor']:.3f}"
+        costs = {i: replace(c.on_shared_host("machine"), corun_factor=corun["factor"],
+                            corun_update_factor=corun["update_factor"]) for i, c in costs.items()}
+        source += (f"; co-run slowdown of the two cores MEASURED {corun['factor']:.3f} (compute), "
+                   f"{corun['update_factor']:.3f} (optimizer update)")
     args.corun_measured = corun
     contenders = plans(cfg, args, costs)
     from hethub_jax.train_predict import extrapolation_note
@@ -367,6 +375,8 @@ def _measure_bridge():
 #: co-run measurement (``--corun measure``): microbatch size of the timed call (capped at the global batch
 #: over 4), rounds of (alone, busy) per rank, timed calls per round
 CORUN_MB, CORUN_ROUNDS, CORUN_REPEATS = 8, 2, 3
+#: timed updates per rank, round and condition in the update pair (an update is ~0.1 s: cheap)
+CORUN_UPDATE_REPEATS = 5
 
 
 def _measure_corun(cfg, args, world, rank) -> dict:
@@ -385,10 +395,17 @@ def _measure_corun(cfg, args, world, rank) -> dict:
     session-12 runs: the slow island, which always computes beside the fast one, ran its actions 3-7%
     above its profile, the fast island 1-3%; docs/benchmarks.md, issue 17, session 13). Returns
     ``{"factor" (at least 1), "per_rank": [{"alone_s", "busy_s", "wall_ratio", "alone_cpu_s", "busy_cpu_s",
-    "ratio"}], "microbatch_size", "statistic"}`` (seconds)."""
-    import time
+    "ratio"}], "microbatch_size", "update_factor" (at least 1), "update_per_rank", "statistic"}`` (seconds).
 
+    Since session 14 the same pair (:func:`_pair_ratios`) also times the whole model's optimizer update
+    (``PipelineStage.update``, AdamW over every parameter, ``CORUN_UPDATE_REPEATS`` calls back to back, as
+    the profile's ``update`` fit times it) alone and beside the other rank's update loop: ``update_factor``
+    (``DeviceCosts.corun_update_factor``): the islands update at the same time after the loss all-reduce (the
+    quiet session-13 runs' slow island spent 0.081-0.084 s in its update and EMULATED wait against 3 x 0.0124 s
+    PREDICTED then; islands as threads of one process measured 1.7-2.1 for the pair in session 12, while the
+    LOADED pairs of two processes here read 1.02-1.04: docs/benchmarks.md, issue 17, session 14)."""
     import jax
+    import jax.numpy as jnp
     import numpy as np
 
     from hethub_jax.optim import OptimConfig, make_optimizer
@@ -404,6 +421,30 @@ def _measure_corun(cfg, args, world, rank) -> dict:
     def call():
         x = StageInputs(st.place_tokens(tokens), st.place_tokens(pos), st.place_tokens(tokens), st.place_tokens(mask))
         jax.block_until_ready(st.forward_backward(st.params, x, st.new_grad_buffer(), no))
+    per = _pair_ratios(call, world, rank)
+
+    def update():  # the update as the profile times it (PipelineStage.update, zero gradients, back to back)
+        st.params, st.opt_state = st.update(st.params, st.opt_state, grads, inv, norm)
+        jax.block_until_ready(st.params)
+    grads, inv, norm = st.new_grad_buffer(), jnp.float32(1e-3), jnp.float32(1.0)
+    per_update = _pair_ratios(update, world, rank, repeats=CORUN_UPDATE_REPEATS)
+    del st, grads
+    return {"factor": max(1.0, float(np.mean([x["ratio"] for x in per]))), "per_rank": per, "microbatch_size": mb,
+            "update_factor": max(1.0, float(np.mean([x["ratio"] for x in per_update]))),
+            "update_per_rank": per_update,
+            "statistic": "process CPU seconds (time.process_time), busy / alone medians, mean over the ranks"}
+
+
+def _pair_ratios(call, world, rank, repeats: int = None) -> list:
+    """Each rank in turn times ``repeats`` (default ``CORUN_REPEATS``) calls of ``call`` after one untimed,
+    in ``CORUN_ROUNDS`` rounds of: alone (the other rank waits) and busy (the other rank runs its own
+    ``call`` in a loop until told the timed calls are done). Returns, gathered on every rank, per rank
+    ``{"alone_s", "busy_s", "wall_ratio", "alone_cpu_s", "busy_cpu_s", "ratio"}`` (medians, seconds;
+    ``ratio``: busy / alone of the CPU seconds). Collective: both ranks call it."""
+    import time
+
+    import numpy as np
+    repeats = repeats or CORUN_REPEATS
     call()
     other, mine = 1 - rank, {"alone": [], "busy": [], "alone_cpu": [], "busy_cpu": []}
     for measurer in (0, 1):
@@ -412,7 +453,7 @@ def _measure_corun(cfg, args, world, rank) -> dict:
                 world.Barrier()
                 if rank == measurer:
                     call()
-                    for _ in range(CORUN_REPEATS):
+                    for _ in range(repeats):
                         t0, c0 = time.perf_counter(), time.process_time()
                         call()
                         mine[cond].append(time.perf_counter() - t0)
@@ -426,12 +467,9 @@ def _measure_corun(cfg, args, world, rank) -> dict:
                 else:
                     world.recv(source=measurer, tag=91)
     med = {k: float(np.median(v)) for k, v in mine.items()}
-    per = world.allgather({"alone_s": med["alone"], "busy_s": med["busy"], "wall_ratio": med["busy"] / med["alone"],
-                           "alone_cpu_s": med["alone_cpu"], "busy_cpu_s": med["busy_cpu"],
-                           "ratio": med["busy_cpu"] / med["alone_cpu"]})
-    del st
-    return {"factor": max(1.0, float(np.mean([x["ratio"] for x in per]))), "per_rank": per, "microbatch_size": mb,
-            "statistic": "process CPU seconds (time.process_time), busy / alone medians, mean over the ranks"}
+    return world.allgather({"alone_s": med["alone"], "busy_s": med["busy"], "wall_ratio": med["busy"] / med["alone"],
+                            "alone_cpu_s": med["alone_cpu"], "busy_cpu_s": med["busy_cpu"],
+                            "ratio": med["busy_cpu"] / med["alone_cpu"]})
 
 
 def _load(path):
@@ -643,9 +681,13 @@ def _parts_compare(args, cfg, contenders, g, costs) -> dict:
     rank's pipeline end less this one's, when later: the records' clocks are ``time.perf_counter``, one
     monotonic clock for the machine), ``reduce_after_backward_s`` (``_reduce_shared``, that wait
     included), ``bucket_exposed_s``, ``apply_updates_s`` (the update, its EMULATED wait, the ZeRO-1
-    parameter gather), ``param_exchange_s`` (the gather, inside the former) and ``other_s`` (the rest: the
-    norm, the loss all-reduce, the final wait); PREDICTED ``predictor.tail_parts`` of the island
-    (``sums_s``, ``norm_s``, ``zero1_gather_host_s``, ``update_s``) and ``bridge_s``. Seconds."""
+    parameter gather), ``param_exchange_s`` (the gather, inside the former), ``other_s`` (the rest: the
+    norm, the loss all-reduce, the final wait) and ``update_and_wait_s`` (``apply_updates_s`` less
+    ``param_exchange_s``: the update and its EMULATED wait; on an island whose update runs asynchronously
+    only its dispatch); PREDICTED ``predictor.tail_parts`` of the island (``sums_s``, ``norm_s``,
+    ``zero1_gather_host_s``, ``update_s``: alone), ``bridge_s`` and ``updates_together_s`` (the step's
+    update phase: the islands' updates together at the update co-run factor, each EMULATED wait after its
+    own; compare the critical island's ``update_and_wait_s``). Seconds."""
     from hethub_jax.planner import cluster_from_dict
     from hethub_jax.planner.predictor import predict, tail_parts
     from hethub_jax.planner.search import bridge_for
@@ -694,7 +736,10 @@ def _parts_compare(args, cfg, contenders, g, costs) -> dict:
                              "wait_for_other_replica_s": max(0.0, other_end - m["pipeline_end"]),
                              "reduce_after_backward_s": reduce, "bucket_exposed_s": bk.get("exposed_s", 0.0),
                              "apply_updates_s": t["apply_updates_s"], "param_exchange_s": t["param_exchange_s"],
-                             "other_s": t["t1"] - m["pipeline_end"] - reduce - t["apply_updates_s"]}
+                             "other_s": t["t1"] - m["pipeline_end"] - reduce - t["apply_updates_s"],
+                             # the update and its EMULATED wait without the exchange (the fast island's update
+                             # runs asynchronously: there only its dispatch; the exchange waits for it)
+                             "update_and_wait_s": t["apply_updates_s"] - t["param_exchange_s"]}
         for d in (m, p):
             if d is not None:
                 for k in ("pipeline_end", "pipeline_start"):
@@ -702,7 +747,8 @@ def _parts_compare(args, cfg, contenders, g, costs) -> dict:
         if p is not None:
             p["rest_of_step_s"] = pred.allreduce_s + pred.update_s
             p["step_s"] = pred.step_time_s
-            p["tail"] = dict(tails["per_island"].get(isl, {}), bridge_s=tails["bridge_s"])
+            p["tail"] = dict(tails["per_island"].get(isl, {}), bridge_s=tails["bridge_s"],
+                             updates_together_s=tails["update_s"])
         out[isl] = {"measured": m, "PREDICTED": p}
     return out
 

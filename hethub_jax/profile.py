@@ -58,7 +58,7 @@ import os
 import platform
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -151,6 +151,26 @@ def fit_update_cold(in_step: List[dict]) -> Optional[Dict[str, Any]]:
             "method": ("update seconds right after a step's pipeline and gradient sums (PipelineRuntime._run, "
                        "_reduce_shared, sq_norm, then _update_fn) minus the same call repeated at once, per "
                        "parameter (profile.measure_shared_sum)")}
+
+
+def fit_update_runtime(in_step: List[dict], update: Optional[Mapping[str, float]]) -> Optional[Dict[str, Any]]:
+    """``{"scale", "samples", "method"}``: the optimizer update as the runtime's own call runs it
+    (``update_in_step`` samples of :func:`measure_shared_sum`, their ``warm_seconds``: the runtime's
+    ``_update_fn`` -- under ZeRO-1 ``PipelineStage.owned_update`` of the owned names -- on the
+    runtime's stages, repeated at once) over the ``update`` fit's seconds for the same parameters
+    (``c0 + c1 x params``: :func:`measure_update`, ``PipelineStage.update`` of the four profiled stage
+    kinds back to back): ``sum(warm_seconds) / sum(fit(params))``, at least 1e-3. None without samples
+    or without the fit. Why (docs/benchmarks.md, issue 17, session 14): in the four quiet profiles of
+    session 13 the runtime's calls ran 4.17-4.26 ns per parameter against the fit's 3.27-3.48."""
+    in_step = [s for s in in_step if s.get("params", 0) > 0 and "warm_seconds" in s]
+    if not in_step or not update:
+        return None
+    fit = sum(max(1e-12, float(update["c0"]) + float(update["c1"]) * s["params"]) for s in in_step)
+    return {"scale": float(max(1e-3, sum(s["warm_seconds"] for s in in_step) / fit)),
+            "samples": len(in_step),
+            "method": ("the runtime's update call (PipelineRuntime._update_fn, repeated at once after a step: "
+                       "warm_seconds of update_in_step, profile.measure_shared_sum) over the update fit "
+                       "(PipelineStage.update of the profiled stage kinds, back to back) for the same parameters")}
 
 
 def fit_compute(cfg: Any, samples: List[dict], seq_len: int, dp: int = 1) -> Dict[str, Dict[str, Dict[str, dict]]]:
@@ -1609,6 +1629,7 @@ def build_profile(cfg: Any, args: Any, samples: List[dict], updates: List[dict],
     line = lambda xs, key: None if not xs else fit_line([x[key] for x in xs], [x["seconds"] for x in xs])
     dps = sorted({int(x.get("dp", 1)) for x in samples} - {1})
     ups = [u for u in updates if u["kind"] == "update"]
+    update_fit = line([u for u in ups if u.get("dp", 1) == 1 and u.get("tp", 1) == 1], "params")
     ar = [dict(a, ring_bytes=a["bytes"] * 2 * (a["devices"] - 1) / a["devices"]) for a in allreduce]
     return {
         "format": PROFILE_FORMAT, "device_type": args.device_type or platform_name,
@@ -1625,7 +1646,7 @@ def build_profile(cfg: Any, args: Any, samples: List[dict], updates: List[dict],
         "host_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "fits": {"compute": fit_compute(cfg, samples, args.seq_len),
                  "compute_dp": {f"{dp}x1": fit_compute(cfg, samples, args.seq_len, dp)["1"] for dp in dps},
-                 "update": line([u for u in ups if u.get("dp", 1) == 1 and u.get("tp", 1) == 1], "params"),
+                 "update": update_fit,
                  "update_dp": {str(dp): line([u for u in ups if u.get("dp", 1) == dp and u.get("tp", 1) == 1], "params")
                                for dp in dps},
                  "update_tp": {str(tp): line([u for u in ups if u.get("dp", 1) == 1 and u.get("tp", 1) == tp], "params")
@@ -1648,6 +1669,9 @@ def build_profile(cfg: Any, args: Any, samples: List[dict], updates: List[dict],
                  "norm": line([c for c in copies if c["kind"] == "norm"], "params"),  # no emulated wait (runtime)
                  "update_cold": fit_update_cold([dict(c, seconds=c["seconds"] * f, warm_seconds=c["warm_seconds"] * f)
                                                  for c in copies if c["kind"] == "update_in_step"]),
+                 "update_runtime": fit_update_runtime(
+                     [dict(c, warm_seconds=c["warm_seconds"] * f) for c in copies if c["kind"] == "update_in_step"],
+                     update_fit),
                  "allreduce": line(ar, "ring_bytes"),
                  "bridge": line(bridge or [], "bytes")},
         "bridge_note": "measured over MPIHostBridge" if bridge else "not measured (run under mpiexec -n 2)",

@@ -75,3 +75,68 @@ def test_corun_factor_slows_the_overlapped_compute_of_hetero_dp_by_hand(factor):
     both = predict(Cfg, _hetero_dp(), {"fast": shared, "slow": shared}, seq_len=8)
     assert alone.pipeline_s == pytest.approx(3 * t, rel=1e-6)
     assert both.pipeline_s == pytest.approx(3 * t * factor, rel=1e-3)
+
+
+# ---- session 14: the islands' updates together, the EMULATED wait after them ------------------------------
+
+def test_emulated_makespan_by_hand():
+    """Jobs (own compute alone, emulated slowdown), started together, each f x slower while another computes;
+    an emulated job's wait (e - 1) x its own compute's duration computes nothing (hand-checked figures)."""
+    from hethub_jax.planner.predictor import _emulated_makespan, _shared_makespan
+    # the docstring's case: (0.045, 1) and (0.015, 3) at 1.76: the second computes 0.015 x 1.76 = 0.0264 s
+    # beside the first, then waits 2 x 0.0264; the first ends at 0.0264 + 0.030 = 0.0564 < 0.0792
+    assert _emulated_makespan([(0.045, 1.0), (0.015, 3.0)], 1.76) == pytest.approx(3 * 0.015 * 1.76)
+    # the emulated job's own compute longer: both at 1/2 until the first ends (1 x 2 = 2 s), the second has
+    # 2 - 1 = 1 s left alone: its compute ended at 3 s, its wait 2 x 3 s: 9 s
+    assert _emulated_makespan([(1.0, 1.0), (2.0, 3.0)], 2.0) == pytest.approx(9.0)
+    # no emulated job: the plain shared makespan (1 x 2 + (3 - 1) = 4 s)
+    assert _emulated_makespan([(1.0, 1.0), (3.0, 1.0)], 2.0) == pytest.approx(_shared_makespan([1.0, 3.0], 2.0))
+    assert _emulated_makespan([(0.5, 3.0)], 2.0) == pytest.approx(1.5)  # alone: no co-run, its own wait
+    assert _emulated_makespan([], 2.0) == 0.0
+
+
+@pytest.mark.parametrize("g", [1.0, 1.76, 2.0])
+def test_shared_host_update_of_hetero_dp_is_emulated_factor_times_corun_update_by_hand(g):
+    """hetero_e2e's shape, the update replicated: each island updates all parameters in u seconds of own
+    compute; the slow island's EMULATED 3x. On one host with the update pair factor g (compute co-run 1):
+    both compute together at 1/g, so each own update ends at u g, the fast island's there and the slow
+    island's after its EMULATED wait 2 u g: update 3 u g. Alone (no host): 3 u. Before session 14 the one
+    makespan of (sums + norm + update) at g slowed the slow island's EMULATED wait too."""
+    u = 0.01
+    prof = fixed_profile(0.02, 0.03, t_fb=0.05, update=u)
+    prof["fits"]["corun"] = {"factor": 1.0}
+    prof["fits"]["corun_update"] = {"factor": g}
+    plain = DeviceCosts.from_profile(prof)
+    shared = DeviceCosts.from_profile(prof).on_shared_host("machine")
+    alone = predict(Cfg, _hetero_dp(), {"fast": plain, "slow": plain}, seq_len=8)
+    both = predict(Cfg, _hetero_dp(), {"fast": shared, "slow": shared}, seq_len=8)
+    assert alone.update_s == pytest.approx(3 * u, rel=1e-9)
+    assert both.update_s == pytest.approx(3 * u * g, rel=1e-9)
+    assert both.allreduce_s == pytest.approx(alone.allreduce_s, rel=1e-9)  # equal sums at compute co-run 1
+
+
+def test_fit_update_runtime_is_the_runtime_calls_over_the_fit_by_hand():
+    """Two runtime update calls, 2 M and 6 M parameters, warm 0.010 s and 0.030 s; the fit c0 0.001 +
+    4e-9 x params says 0.009 and 0.025 s: scale (0.010 + 0.030) / (0.009 + 0.025) = 40 / 34."""
+    from hethub_jax.profile import fit_update_runtime
+    fit = {"c0": 0.001, "c1": 4e-9}
+    xs = [{"kind": "update_in_step", "params": 2e6, "seconds": 0.012, "warm_seconds": 0.010},
+          {"kind": "update_in_step", "params": 6e6, "seconds": 0.031, "warm_seconds": 0.030}]
+    assert fit_update_runtime(xs, fit)["scale"] == pytest.approx(40 / 34)
+    assert fit_update_runtime([], fit) is None and fit_update_runtime(xs, None) is None
+
+
+def test_update_time_takes_the_runtime_scale_from_the_profile_or_its_samples():
+    """The one-device update fit times the scale (the stored fit, or computed from the samples and the fit,
+    the samples times the profile's emulated slowdown as the fit is); the cold term is not scaled."""
+    prof = fixed_profile(0.02, 0.03, update=0.0)
+    prof["fits"]["update"] = {"c0": 0.0, "c1": 1e-9}
+    prof["fits"]["update_cold"] = {"per_param_s": 1e-10}
+    assert DeviceCosts.from_profile(prof).update_time_s(1e6) == pytest.approx(1e-3 + 1e-4)
+    prof["samples"] = [{"kind": "update_in_step", "params": 1e6, "seconds": 0.002, "warm_seconds": 0.0015}]
+    assert DeviceCosts.from_profile(prof).update_runtime_scale == pytest.approx(1.5)
+    assert DeviceCosts.from_profile(prof).update_time_s(2e6) == pytest.approx(1.5 * 2e-3 + 2e-4)
+    prof["emulated_slowdown"] = 2.0  # an emulated profile's fit is scaled by 2, its samples are not
+    assert DeviceCosts.from_profile(prof).update_runtime_scale == pytest.approx(3.0)
+    prof["fits"]["update_runtime"] = {"scale": 1.25}  # the profiler's own fit wins
+    assert DeviceCosts.from_profile(prof).update_runtime_scale == 1.25

@@ -508,6 +508,10 @@ def test_profiler_writes_dp_mesh_corun_runtime_and_local_bridge_fits(tmp_path):
     assert c.norm_fit is not None
     from hethub_jax.profile import fit_update_cold
     assert c.update_cold_per_param_s == pytest.approx(fit_update_cold(ups)["per_param_s"])
+    # the runtime's own update calls against the update fit (session 14): stored and read back
+    from hethub_jax.profile import fit_update_runtime
+    assert prof["fits"]["update_runtime"]["samples"] == len(ups)
+    assert c.update_runtime_scale == pytest.approx(fit_update_runtime(ups, prof["fits"]["update"])["scale"])
     # the runtime's SEND / RECV / fused-B records and gaps, and the emulated wait's lateness, are measured
     acts = [s for s in prof["samples"] if s["kind"] == "action_costs"]
     assert acts and all(s["actions"] == 32 and s["recv_s"] > 0 and s["fused_b_s"] > 0 and s["send_s"] > 0

@@ -147,6 +147,13 @@ class DeviceCosts:
         runtime runs it, right after the step's pipeline and gradient sums, over the update fit (timed
         back to back): ``fits.update_cold.per_param_s`` of a profile (``profile.fit_update_cold``);
         0 for the catalog and for profiles without the measurement.
+      update_runtime_scale: MEASURED ratio of the runtime's own update call (``PipelineRuntime._update_fn``,
+        under ZeRO-1 ``PipelineStage.owned_update``, repeated at once after a step) to the ``update`` fit
+        (``PipelineStage.update`` of the profiled stage kinds, back to back) for the same parameters:
+        ``fits.update_runtime.scale`` of a profile (``profile.fit_update_runtime``; computed from the
+        profile's ``update_in_step`` samples and ``update`` fit when the profile predates the fit);
+        1.0 for the catalog and for profiles without the samples. Multiplies the one-device update fit
+        (:meth:`update_time_s`).
       action_costs: the runtime's MEASURED seconds of the pipeline actions that compute nothing
         (``fits.actions`` of a profile, ``profile.measure_action_costs``: read from the records of a
         one-island ``PipelineRuntime`` step): ``send_s`` (a SEND record: hand the activation to the
@@ -215,6 +222,7 @@ class DeviceCosts:
     cold_extra: Dict[str, Dict[str, float]] = field(default_factory=dict)
     norm_fit: Optional[_Linear] = None
     update_cold_per_param_s: float = 0.0
+    update_runtime_scale: float = 1.0
     action_costs: Dict[str, float] = field(default_factory=dict)
     emulated_wait_fit: Optional[_Linear] = None
     shared_sum_mesh: Dict[Tuple[int, int], float] = field(default_factory=dict)
@@ -487,6 +495,8 @@ class DeviceCosts:
                    local_bridge_link=_local_bridge(fits_in.get("bridge_local")),
                    cold_extra=_cold(fits_in.get("cold")), profile_path=path, norm_fit=lin(fits_in.get("norm")),
                    update_cold_per_param_s=max(0.0, float((fits_in.get("update_cold") or {}).get("per_param_s", 0.0))),
+                   update_runtime_scale=_update_runtime_scale(fits_in, profile.get("samples") or (),
+                                                              float(profile.get("emulated_slowdown", 1.0))),
                    action_costs=_action_costs(fits_in.get("actions")),
                    emulated_wait_fit=lin(fits_in.get("emulated_wait")),
                    stage_shapes=_stage_shapes(profile.get("samples") or ()),
@@ -628,7 +638,8 @@ class DeviceCosts:
         when there is one (on CPU every replica's update runs on the same cores), for a ``(1, tp)``
         mesh with ``tp > 1`` the profiled ``(1, tp)`` mesh's fit (:attr:`update_tp_fits`) when there is
         one; plus the measured :attr:`update_cold_per_param_s` x n (what the update costs more right
-        after a pipeline).
+        after a pipeline). The one-device fit is scaled by :attr:`update_runtime_scale` (the runtime's own
+        update call against the fit's stage kinds, measured in the same profile; session 14).
         """
         if self.source == "catalog":
             return 7.0 * param_dtype_bytes * num_params_per_device / (self.spec.memory_bandwidth * self.efficiency)
@@ -639,7 +650,7 @@ class DeviceCosts:
             return self.update_tp_fits[tp](num_params_per_device) + cold
         if self.update_fit is None:
             raise ValueError(f"profile {self.name!r} has no optimizer-update fit")
-        return self.update_fit(num_params_per_device) + cold
+        return self.update_fit(num_params_per_device) * self.update_runtime_scale + cold
 
     def norm_time_s(self, counted_params: float, param_dtype_bytes: int = 4, dp: int = 1, tp: int = 1) -> float:
         """Seconds of one stage's part of the global gradient norm (runtime ``_forward_backward``: the
@@ -813,6 +824,19 @@ def _token_parts(samples: Any) -> Dict[Tuple[int, int, str], Tuple[Tuple[float, 
         out.setdefault((dp, tp, phase), []).append(
             (tokens, m["mid1"] - layer, layer, m["first"] - m["mid1"], m["last"] - m["mid1"]))
     return {k: tuple(v) for k, v in out.items()}
+
+
+def _update_runtime_scale(fits_in: Mapping[str, Any], samples, emulated: float = 1.0) -> float:
+    """``fits.update_runtime.scale`` when the profile has it, else the same from its ``update_in_step``
+    samples (measured, times the profile's ``emulated`` slowdown as its ``update`` fit is) and ``update``
+    fit (``profile.fit_update_runtime``), else 1.0."""
+    got = fits_in.get("update_runtime")
+    if got:
+        return float(got["scale"])
+    from hethub_jax.profile import fit_update_runtime
+    got = fit_update_runtime([dict(s, warm_seconds=s["warm_seconds"] * emulated) for s in samples
+                              if s.get("kind") == "update_in_step" and "warm_seconds" in s], fits_in.get("update"))
+    return float(got["scale"]) if got else 1.0
 
 
 def _shared_fit(d: Optional[Mapping[str, Any]]) -> Optional[Tuple[float, float]]:

@@ -666,11 +666,12 @@ CORUN_ROUNDS = 4
 
 def _shared_hosts(ctxs) -> Dict[Tuple[int, int], str]:
     """Per stage key, the host whose cores its island shares with at least one other island
-    (``DeviceCosts.host`` set and a measured ``corun_factor > 1`` or co-run relation); stages on hardware of their own
-    are absent."""
+    (``DeviceCosts.host`` set and a measured ``corun_factor > 1``, co-run relation or, since session 14,
+    ``corun_update_factor > 1``: the updates alone slow each other); stages on hardware of their own are absent."""
     islands: Dict[str, set] = {}
     for c in ctxs.values():
-        if c.costs.host is not None and (c.costs.corun_factor > 1 or any(e > 0 for _, e in c.costs.corun_relation)):
+        if c.costs.host is not None and (c.costs.corun_factor > 1 or c.costs.corun_update_factor > 1
+                                         or any(e > 0 for _, e in c.costs.corun_relation)):
             islands.setdefault(c.costs.host, set()).add(c.spec.island)
     return {k: c.costs.host for k, c in ctxs.items()
             if c.costs.host in islands and len(islands[c.costs.host]) > 1}
@@ -750,29 +751,69 @@ def _shared_makespan(jobs: Sequence[float], factor: float) -> float:
     return t + (rem[0] if rem else 0.0)
 
 
+def _emulated_makespan(jobs: Sequence[Tuple[float, float]], factor: float) -> float:
+    """Seconds until the last of ``jobs`` ends, each ``(own compute seconds alone, emulated slowdown e)``,
+    all started together on one host: while two or more still compute, each computes ``factor`` times
+    slower (the co-run slowdown); a job whose own compute ended after ``d`` seconds then waits
+    ``(e - 1) d`` (the runtime's EMULATED wait, ``PipelineRuntime._emulate``: a sleep of ``(e - 1)`` times
+    the measured busy seconds, which include the co-run slowdown) without computing, so it slows no one.
+    With every ``e`` = 1 it is :func:`_shared_makespan`.
+
+    Example (hand check): jobs (0.045, 1) and (0.015, 3), factor 1.76: both compute together at 1/1.76
+    until the second's own compute ends at 0.015 x 1.76 = 0.0264 s, its end 3 x 0.0264 = 0.0792 s; the
+    first has 0.030 s left, alone: 0.0564 s; makespan 0.0792 s."""
+    rem = {i: c for i, (c, _) in enumerate(jobs) if c > 0}
+    t, end = 0.0, 0.0
+    while rem:
+        rate = 1.0 / factor if len(rem) > 1 else 1.0
+        dt = min(rem.values()) / rate
+        t += dt
+        for i in list(rem):
+            rem[i] -= dt * rate
+            if rem[i] <= 1e-12 * max(1.0, t):
+                del rem[i]
+                end = max(end, jobs[i][1] * t)
+    return end
+
+
 def _corun_tail(cfg: Any, plan: Any, ctxs, bridge: LinkModel, hosts, upd_per_island: Mapping[str, float],
                 reduce_s: float, update_s: float) -> Tuple[float, float]:
     """(gradient sums + norm, update) seconds when islands sharing a host do their sums, norms and
-    updates at the same time after the pipelines: per host :func:`_shared_makespan` of each island's
-    (sums + norm + update) at the host's measured co-run factor of the islands' updates run together
-    (``DeviceCosts.corun_update_factor``: the runtime's own tail together over one at a time,
-    ``profile.measure_tail_pair``; ``corun_factor`` when not profiled); both figures are scaled by the
-    ratio of that makespan to the slowest island alone."""
+    updates at the same time after the pipelines, in the runtime's two phases with the world all-reduce
+    of the loss and the squared norm between them (``PipelineRuntime._forward_backward``, then
+    ``_apply_updates``): per host,
+
+    - the sums and norm reads (:func:`_reduction_parts` per island): :func:`_shared_makespan` at the
+      host's compute co-run factor (``DeviceCosts.corun_factor``); ``reduce_s``'s island part is scaled
+      by the ratio of that makespan to the slowest island alone (the bridge's part is not);
+    - the updates, started together after that all-reduce: :func:`_emulated_makespan` of each island's
+      own update seconds (``upd_per_island`` over its emulated slowdown) at the measured co-run factor of
+      the islands' updates (``DeviceCosts.corun_update_factor``: ``profile.measure_tail_pair`` for
+      islands of one process, ``benchmarks/hetero_e2e.py``'s update pair for two processes;
+      ``corun_factor`` when not measured), the EMULATED wait after each island's own update not slowed
+      and slowing no one. Until session 14 one makespan of (sums + norm + update) at the update factor
+      slowed the emulated wait too and ignored the all-reduce between the phases.
+
+    Islands on hosts of their own keep their alone figures."""
     parts, fixed = _reduction_parts(cfg, plan, ctxs, bridge)
-    tail = {i: parts.get(i, 0.0) + u for i, u in upd_per_island.items()}
-    alone = max(tail.values(), default=0.0)
-    if alone <= 0:
+    emul = {ctxs[k].spec.island: ctxs[k].factor for k in ctxs}
+    alone_red = max(parts.values(), default=0.0)
+    alone_upd = max(upd_per_island.values(), default=0.0)
+    if alone_red <= 0 and alone_upd <= 0:
         return reduce_s, update_s
-    on_host: Dict[str, Dict[str, float]] = {}
+    on_host: Dict[str, Dict[str, Tuple[float, float]]] = {}
     for k, h in hosts.items():
-        c = ctxs[k].costs  # the updates run together: their measured pair factor when profiled
-        on_host.setdefault(h, {})[ctxs[k].spec.island] = c.corun_update_factor or c.corun_factor
+        c, i = ctxs[k].costs, ctxs[k].spec.island
+        on_host.setdefault(h, {})[i] = (c.corun_factor, c.corun_update_factor or c.corun_factor)
     shared = set(i for isl in on_host.values() for i in isl)
-    new = max([_shared_makespan([tail[i] for i in isl], max(isl.values())) for isl in on_host.values()]
-              + [t for i, t in tail.items() if i not in shared])
-    scale = new / alone
+    red = max([_shared_makespan([parts.get(i, 0.0) for i in isl], max(f[0] for f in isl.values()))
+               for isl in on_host.values()] + [parts.get(i, 0.0) for i in parts if i not in shared])
+    upd = max([_emulated_makespan([(upd_per_island.get(i, 0.0) / max(emul.get(i, 1.0), 1e-12), emul.get(i, 1.0))
+                                   for i in isl], max(f[1] for f in isl.values())) for isl in on_host.values()]
+              + [t for i, t in upd_per_island.items() if i not in shared])
     isl_part = reduce_s - fixed
-    return isl_part * scale + fixed, update_s * scale
+    red_scale = red / alone_red if alone_red > 0 else 1.0
+    return isl_part * red_scale + fixed, upd
 
 
 def _reduction_s(cfg: Any, plan: Any, ctxs, bridge: LinkModel) -> float:
