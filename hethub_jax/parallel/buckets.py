@@ -16,6 +16,9 @@ loss, first in backward order) runs its forward and backward in one jit, so that
 (measured on `tiny`, one CPU core: the chunked microbatch then costs the same CPU time as the fused
 forward+backward, against +20 % with the logits saved between two jits). Only the last microbatch
 of the step runs chunked; earlier microbatches run the stage's own functions and accumulate as before.
+Which replicas chunk: `hethub_jax.parallel.plan.chunks_last_microbatch` (replicas of two or more
+microbatches per step); a replica of one microbatch runs it fused and hands its whole gradient to the
+same bucket collectives at the end of its backward (`StageChunks.hand_over_whole`).
 
 Each bucket's all-reduce first waits, sleeping, in a barrier until every replica has the bucket
 (``arrive``), and only then polls without sleeping while the data moves: the thread shares the CPU
@@ -302,7 +305,10 @@ class BucketedReduction:
 
     def _reduce(self, flats: list[dict], raws: list) -> tuple[dict, Any]:
         t0 = time.perf_counter()
-        local = {n: sum(np.asarray(f[n]).astype(np.float32) for f in flats) for n in flats[0]}
+        if len(flats) == 1:  # one local holder: its float32 host copy itself (no summing copies)
+            local = {n: np.asarray(v, np.float32) for n, v in flats[0].items()}
+        else:
+            local = {n: sum(np.asarray(f[n]).astype(np.float32) for f in flats) for n in flats[0]}
         if self.arrive is not None and self.comm is not None:
             self.arrive.barrier()
         total = self._sum(local)

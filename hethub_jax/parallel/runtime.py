@@ -493,8 +493,7 @@ class PipelineRuntime:
                 out[k] = jax.tree.map(lambda v, like, s: mp.place_global(np.asarray(v, like.dtype), s),
                                       tree, acc[k], st.param_shardings)
                 continue
-            out[k] = jax.tree.map(lambda v, like, s: jax.device_put(jnp.asarray(v, like.dtype), s),
-                                  tree, acc[k], st.param_shardings)
+            out[k] = _place_tree(tree, acc[k], st.param_shardings)
         return out
 
     # ---- sharded optimizer update (ZeRO-1) ------------------------------------------------------
@@ -610,7 +609,8 @@ class PipelineRuntime:
             if vals:
                 st = self._stages[k]
                 flat, shardings = dict(local[k]), st.flat(st.param_shardings)
-                flat.update({n: jax.device_put(v, shardings[n]) for n, v in vals.items()})
+                names = list(vals)  # one batched transfer (see `_place_tree`)
+                flat.update(zip(names, jax.device_put([vals[n] for n in names], [shardings[n] for n in names])))
                 st.params = st.unflat(flat)
 
     def sync_optimizer_state(self) -> None:
@@ -1023,6 +1023,29 @@ class PipelineRuntime:
             st.params = jax.device_put(item["params"], st.param_shardings)
             st.opt_state = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding),
                                         item["opt_state"], st.opt_state)
+
+
+def _place_tree(tree: Any, like: Any, shardings: Any) -> Any:
+    """``tree`` (leaves: host arrays or device arrays) with every leaf on its sharding in ``shardings``
+    and in the dtype of ``like``'s leaf (the same tree structure). Host leaves go in ONE batched
+    ``jax.device_put`` (measured on `tiny`'s 56 gradient tensors, one CPU core, LOADED machine: 1.3-1.4 ms
+    CPU against 4.6-4.8 ms for one ``device_put(jnp.asarray(...))`` per leaf, which also copied each
+    leaf twice); a device leaf already in that dtype and sharding is kept as it is (no copy)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    likes, shs = jax.tree.leaves(like), jax.tree.leaves(shardings)
+    out, host = list(leaves), []
+    for i, (v, l, s) in enumerate(zip(leaves, likes, shs, strict=True)):
+        if isinstance(v, jax.Array):
+            if v.dtype != l.dtype or v.sharding != s:
+                out[i] = jax.device_put(jnp.asarray(v, l.dtype), s)
+        else:
+            host.append(i)
+    if host:
+        placed = jax.device_put([np.asarray(leaves[i], l.dtype) for i, l in ((i, likes[i]) for i in host)],
+                                [shs[i] for i in host])
+        for i, v in zip(host, placed):
+            out[i] = v
+    return jax.tree.unflatten(treedef, out)
 
 
 def _thread_cpu_clock(pool: Any) -> int | None:
