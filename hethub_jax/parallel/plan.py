@@ -292,13 +292,14 @@ def chunks_last_microbatch(num_microbatches: int) -> bool:
     Rule: only a replica of two or more microbatches. A replica of ONE microbatch runs the fused forward
     + backward (one jitted program, as without buckets) and hands its whole gradient to the same bucket
     collectives at the end of its backward (the embedding's sparse part as zero rows, so the sums are
-    those of the bucketed path: `buckets.hand_over_whole`). Why: chunking costs CPU on the chunked
+    those of the bucketed path: `buckets.StageChunks.hand_over_whole`). Why: chunking costs CPU on the chunked
     microbatch (three programs instead of one, the layers' `jax.vjp` residuals leaving the jit, the
     bucket thread's host copies on the same core of a CPU island), and a one-microbatch replica would
     run ALL of its compute that way; on an EMULATED slow island every millisecond of it is stretched by
     the slowdown, while the all-reduce it hides is not. Measured (docs/benchmarks.md, heterogeneous data
-    parallelism, sessions 13-14): with shares 12/4 of microbatches of 4 the all-bucketed run was 2-4 %
-    slower than the unbucketed one in every quiet run, its slow replica being the one-microbatch one.
+    parallelism, quiet reruns after session 13): with shares 12/4 of microbatches of 4 the all-chunked run
+    was 3-4 % slower than the unbucketed one in each of three quiet runs, its slow replica being the
+    one-microbatch one.
 
     Args:
       num_microbatches: the replica's microbatches per step (its batch share / the microbatch size).
