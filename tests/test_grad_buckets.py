@@ -91,6 +91,41 @@ def test_bucketed_dp_equals_single_device(tied):
     assert rt.last_bucket_stats["num_buckets"] == len(chunks.chunks) + (0 if tied else 1), rt.last_bucket_stats
 
 
+def test_chunking_rule_by_hand():
+    from hethub_jax.parallel.plan import chunks_last_microbatch
+    assert [chunks_last_microbatch(m) for m in (1, 2, 3, 12)] == [False, True, True, True]
+    with pytest.raises(ValueError, match="at least one microbatch"):
+        chunks_last_microbatch(0)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_one_microbatch_replica_hands_its_whole_gradient_to_the_buckets(tied, monkeypatch):
+    """Shares 9/1 of microbatches of 1: replica 0 (9 microbatches) runs its last one chunked, replica 1
+    (one microbatch: `plan.chunks_last_microbatch` is False) runs it fused, with no accumulator buffer,
+    and hands its whole gradient (embedding sparse part as zero rows) to the same bucket collectives.
+    Reference: the unsplit single-device run (loss, gradients, parameters over several steps), NaN-filled
+    buffers, padded rows, global-norm clipping."""
+    from hethub_jax.parallel import buckets as bk
+    cfg = model_config(tied)
+    plan = dp_plan(shares=[9, 1])
+    data = batches(10, padded=True)
+    rt = PipelineRuntime(plan, cfg, OPTIM, seed=7, debug_nan=True)
+    rt.grad_bucket_bytes, rt.first_grad_bucket_bytes = 20_000, 1
+    assert [rt.chunked_replica(r) for r in range(2)] == [True, False]
+    chunked, handed = [], []
+    orig_fb, orig_hand = bk.StageChunks.forward_backward, bk.StageChunks.hand_over_whole
+    monkeypatch.setattr(bk.StageChunks, "forward_backward",
+                        lambda self, *a, **k: (chunked.append(self), orig_fb(self, *a, **k))[1])
+    monkeypatch.setattr(bk.StageChunks, "hand_over_whole",
+                        lambda self, *a, **k: (handed.append(self), orig_hand(self, *a, **k))[1])
+    check_steps_against(rt, single_device_run(cfg, data), data)
+    assert_replicas_bitwise_equal(rt)
+    assert set(chunked) == {rt._chunks[(0, 0)][1]} and set(handed) == {rt._chunks[(1, 0)][1]}
+    chunks = rt._chunks[(0, 0)][1]
+    assert len(chunks.chunks) >= 4 and chunks.split_embed, chunks.chunks
+    assert rt.last_bucket_stats["num_buckets"] == len(chunks.chunks) + (0 if tied else 1), rt.last_bucket_stats
+
+
 def test_emulated_wait_leaves_out_the_bucket_threads_cpu_time(monkeypatch):
     """On an emulated slow island the wait after an action is (factor - 1) x the island's own compute:
     the action's wall time less the CPU time the bucket all-reduce thread took meanwhile (it shares the

@@ -48,6 +48,13 @@ def test_heterogeneous_dp_bucketed_allreduce_over_the_bridge():
     assert digests[0] == digests[1], digests
 
 
+def test_heterogeneous_dp_one_microbatch_replica_hands_its_gradient_to_the_buckets():
+    # shares 9:1: rank 0's replica runs its last microbatch chunked, rank 1's single microbatch runs fused
+    # and hands its whole gradient (embedding sparse part as zero rows) to the same 12 bucket collectives
+    digests = _run("hdp2_mixed", 2)
+    assert digests[0] == digests[1], digests
+
+
 def test_hybrid_two_replicas_of_two_stage_pipelines():
     digests = _run("hybrid4", 4)
     # rank 0/2 hold stage 0 of replica 0/1, rank 1/3 stage 1: replicas are bitwise identical

@@ -16,6 +16,9 @@ loss, first in backward order) runs its forward and backward in one jit, so that
 (measured on `tiny`, one CPU core: the chunked microbatch then costs the same CPU time as the fused
 forward+backward, against +20 % with the logits saved between two jits). Only the last microbatch
 of the step runs chunked; earlier microbatches run the stage's own functions and accumulate as before.
+Which replicas chunk: `hethub_jax.parallel.plan.chunks_last_microbatch` (replicas of two or more
+microbatches per step); a replica of one microbatch runs it fused and hands its whole gradient to the
+same bucket collectives at the end of its backward (`StageChunks.hand_over_whole`).
 
 Each bucket's all-reduce first waits, sleeping, in a barrier until every replica has the bucket
 (``arrive``), and only then polls without sleeping while the data moves: the thread shares the CPU
@@ -226,6 +229,30 @@ class StageChunks:
             ready((a, b), self.flat(parts[(a, b)], a), raw)
         return loss, self.merge(parts, embed)
 
+    def hand_over_whole(self, grads: dict, ready: Callable[[tuple[int, int] | None, dict[str, Any], Any], None]
+                        ) -> None:
+        """A replica that ran its last microbatch fused (not chunked: `plan.chunks_last_microbatch`)
+        hands its whole gradient accumulator ``grads`` (a full stage tree, token sums) to the same
+        bucket collectives as a chunked replica, in the same order, at the end of its backward:
+        ``ready`` is called exactly as `forward_backward` calls it. With `split_embed` the embedding's
+        whole gradient travels as the dense part (first bucket) and its sparse part as `ZeroRows` (the
+        last microbatch's lookups are already in the dense part): dense + scatter-add(rows, 0) is the
+        same total."""
+        embed = grads.get("embed_tokens")
+        if self.split_embed and not self.st.config.tie_word_embeddings:
+            ready(None, {"embed_tokens": embed}, None)
+        for a, b in self.chunks:
+            raw = ZeroRows(embed.shape[-1]) if self.split_embed and a == 0 else None
+            ready((a, b), self.flat(self.part(grads, a, b, accumulator=True), a), raw)
+
+
+class ZeroRows:
+    """The sparse embedding part of a replica that handed its whole gradient over
+    (`StageChunks.hand_over_whole`): zero rows of width ``width`` (the embedding dimension)."""
+
+    def __init__(self, width: int):
+        self.width = int(width)
+
 
 class BucketedReduction:
     """One step's bucket all-reduces, run in order by one background thread.
@@ -278,13 +305,20 @@ class BucketedReduction:
 
     def _reduce(self, flats: list[dict], raws: list) -> tuple[dict, Any]:
         t0 = time.perf_counter()
-        local = {n: sum(np.asarray(f[n]).astype(np.float32) for f in flats) for n in flats[0]}
+        if len(flats) == 1:  # one local holder: its float32 host copy itself (no summing copies)
+            local = {n: np.asarray(v, np.float32) for n, v in flats[0].items()}
+        else:
+            local = {n: sum(np.asarray(f[n]).astype(np.float32) for f in flats) for n in flats[0]}
         if self.arrive is not None and self.comm is not None:
             self.arrive.barrier()
         total = self._sum(local)
         sparse = None
-        if raws[0] is not None:
-            part = sum(np.asarray(r)[self.rows].astype(np.float32) for r in raws)
+        if raws[0] is not None:  # the bucket holding layer 0 with a split embedding: on every holder
+            width = next(r.width if isinstance(r, ZeroRows) else r.shape[-1] for r in raws)
+            part = np.zeros((len(self.rows), width), np.float32)
+            for r in raws:  # holder order; a `ZeroRows` adds nothing
+                if not isinstance(r, ZeroRows):
+                    part = part + np.asarray(r)[self.rows].astype(np.float32)
             sparse = self._sum({"rows": part})["rows"]
         self.jobs.append((t0, time.perf_counter()))
         return total, sparse

@@ -29,7 +29,7 @@ from hethub_jax.typed import Float, StrictModel, TupleOf, validate_model
 
 __all__ = ["IslandSpec", "StageSpec", "ReplicaSpec", "Plan", "proportional_shares", "SCHEDULE_NAMES",
            "RECOMPUTE_POLICIES", "OPTIMIZER_SHARDINGS", "zero1_owners",
-           "balanced_update_fractions"]
+           "balanced_update_fractions", "chunks_last_microbatch"]
 
 SCHEDULE_NAMES = ("gpipe", "1f1b")
 RECOMPUTE_POLICIES = ("none", "full")
@@ -279,6 +279,37 @@ def balanced_update_fractions(busy_s: Sequence[float], update_s: Sequence[float]
     x = fractions(hi)
     total = sum(x)
     return [v / total for v in x]
+
+
+def chunks_last_microbatch(num_microbatches: int) -> bool:
+    """Whether a heterogeneous-DP replica with ``num_microbatches`` microbatches per step runs its last
+    microbatch in layer buckets (`hethub_jax.parallel.buckets.StageChunks`: one jitted forward + backward
+    per bucket, each bucket's gradients all-reduced in the background while the next one computes) when
+    the bucketed all-reduce is on (`PipelineRuntime.grad_bucket_off_reason` is None). The ONE place of
+    this rule: the runtime follows it (`PipelineRuntime.chunked_replica`) and a predictor of the
+    bucketed step should call it too.
+
+    Rule: only a replica of two or more microbatches. A replica of ONE microbatch runs the fused forward
+    + backward (one jitted program, as without buckets) and hands its whole gradient to the same bucket
+    collectives at the end of its backward (the embedding's sparse part as zero rows, so the sums are
+    those of the bucketed path: `buckets.StageChunks.hand_over_whole`). Why: chunking costs CPU on the chunked
+    microbatch (three programs instead of one, the layers' `jax.vjp` residuals leaving the jit, the
+    bucket thread's host copies on the same core of a CPU island), and a one-microbatch replica would
+    run ALL of its compute that way; on an EMULATED slow island every millisecond of it is stretched by
+    the slowdown, while the all-reduce it hides is not. Measured (docs/benchmarks.md, heterogeneous data
+    parallelism, quiet reruns after session 13): with shares 12/4 of microbatches of 4 the all-chunked run
+    was 3-4 % slower than the unbucketed one in each of three quiet runs, its slow replica being the
+    one-microbatch one.
+
+    Args:
+      num_microbatches: the replica's microbatches per step (its batch share / the microbatch size).
+
+    Raises:
+      ValueError: if ``num_microbatches`` < 1.
+    """
+    if num_microbatches < 1:
+        raise ValueError(f"a replica has at least one microbatch per step, got {num_microbatches}")
+    return num_microbatches >= 2
 
 
 def zero1_owners(sizes: Mapping[str, int], shares: Sequence[float]) -> Dict[str, int]:

@@ -6,7 +6,8 @@ gradients of its stages and their parameters after 3 steps (float32, relative 1e
 "DIGEST rank R <sha256 of its replica's parameters and optimizer state>" and "OK rank R".
 Cases: split3 (11 layers [5,4,2] with 1F1B, then [7,3,1] with GPipe, on 3 ranks), tied2 (tied embeddings, first and last stage on 2
 ranks), hdp2 (2 data-parallel replicas, throughputs 3:1 -> shares 8:2, padded sequences; the update sharded,
-ZeRO-1), hdp2_buckets (the same, bucketed), hdp2_replicated (the same, the update replicated), hybrid4
+ZeRO-1), hdp2_buckets (the same, bucketed), hdp2_mixed (bucketed, throughputs 9:1 -> shares 9:1: rank 1's
+replica of one microbatch runs it fused and hands its whole gradient to the buckets), hdp2_replicated (the same, the update replicated), hybrid4
 (2 replicas x 2 pipeline stages on 4 ranks; ZeRO-1), splits2 (2 replicas of two stages split differently,
 layers 0-5 / 6-10 on rank 0 and 0-3 / 4-10 on rank 1, throughputs 3:1; ZeRO-1 reducing to the owners, the
 parameter gather in the background: `overlap_param_gather`).
@@ -58,6 +59,9 @@ if case == "split3":
     plan = split_plan((5, 4, 2), islands=3)
 elif case == "tied2":
     plan = split_plan((6, 5), islands=2)
+elif case == "hdp2_mixed":
+    plan = replicas_plan(2, 1, [9.0, 1.0])
+    assert plan.batch_shares() == [9, 1], plan.batch_shares()
 elif case in ("hdp2", "hdp2_buckets", "hdp2_replicated"):  # hdp2_buckets: the all-reduce in one bucket per layer
     plan = replicas_plan(2, 1, [3.0, 1.0])
     assert plan.batch_shares() == [8, 2], plan.batch_shares()
@@ -85,8 +89,8 @@ ref = reference(tied, plan.global_batch_size, padded=padded)
 def check(plan):
     # split3: receive buffers and gradient accumulators start NaN-filled (nothing unwritten may leak)
     rt = PipelineRuntime(plan, model_config(tied), OPTIM, seed=7, comm=world, rank=rank,
-                         debug_nan=case in ("split3", "hdp2_buckets"))
-    if case == "hdp2_buckets":
+                         debug_nan=case in ("split3", "hdp2_buckets", "hdp2_mixed"))
+    if case in ("hdp2_buckets", "hdp2_mixed"):
         rt.grad_bucket_bytes, rt.first_grad_bucket_bytes = 20_000, 1
     if case == "splits2":
         assert rt._reduce_to_owners()
@@ -100,6 +104,9 @@ def check(plan):
     params = rt.params()
     for name, p in params.items():
         assert_rel(p, ref["params"][name], f"rank {rank}: parameter {name} after 3 steps")
+    if case == "hdp2_mixed":  # rank 0's replica chunked, rank 1's (one microbatch) fused: the same 12 buckets
+        assert [rt.chunked_replica(r) for r in range(2)] == [True, False]
+        assert rt.last_bucket_stats["num_buckets"] == 12, rt.last_bucket_stats
     if case == "hdp2_buckets":  # every layer its own bucket, all-reduced over the bridge in the background
         chunks = rt._chunks[rt.local_keys[0]][1].chunks
         assert len(chunks) == 11, chunks  # + the dense part of the (untied) embedding gradient:
