@@ -484,7 +484,7 @@ def _get_profile(path: str, groups: List[Any], model: str, seq_len: int, log,
         + (f"--dp 1,{','.join(map(str, dp_degrees))} --dp-microbatch-sizes {','.join(map(str, dp_sizes))} "
            if dp_degrees else "")
         + f"{' '.join(PROFILE_SETTINGS)}; emulated slowdowns are applied by the predictor"
-        + ("; DP meshes of fake CPU devices share this machine's cores: measured, not assumed parallel"
+        + ("; DP meshes of fake CPU devices share this process's cores: measured, not assumed parallel"
            if dp_degrees else "") + ")...")
     kw = {"dp_degrees": tuple(dp_degrees), "dp_microbatch_sizes": tuple(dp_sizes)} if dp_degrees else {}
     ok, msg = profile_device(model, seq_len, path, microbatch_sizes=tuple(microbatch_sizes),
