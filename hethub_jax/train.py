@@ -824,6 +824,8 @@ def _set_up(args: argparse.Namespace) -> _Run:
             steady_host_allocator()
         except ValueError as e:  # a malformed $HETHUB_HOST_ALLOCATOR_MMAP_MIB
             raise _ConfigError(str(e)) from None
+    if args.cluster:
+        _pin_cpu_islands(args.cluster)
     planned = _plan_from_cluster(args, cfg) if args.cluster else None
     if planned is not None:
         cfg = _load_config(args)  # with train.plan = the written plan.json
@@ -895,6 +897,28 @@ def _plan_from_cluster(args: argparse.Namespace, cfg):
         say(line)
     args.plan = os.path.normpath(path)
     return pred
+
+
+def _pin_cpu_islands(cluster_path: str) -> None:
+    """Plan-less training of a cluster whose groups are all CPU islands, under a launcher of several
+    ranks on this host: pins this rank to its own share of the host's cores before MPI, the profile and
+    JAX start (``core_pinning.pin_local_rank``: the islands then compute on disjoint cores, as islands
+    of a real cluster own their devices, and rank 0's profile is measured on its island's cores, so
+    that the PREDICTED step follows how the run executes; issue 17). Prints one line per rank. A
+    cluster spec that does not load is left to the planner's error."""
+    if mpi_world_size() <= 1:
+        return
+    try:
+        from hethub_jax.planner.cluster import load_cluster
+        groups = load_cluster(cluster_path).resolved().groups
+    except Exception:  # reported by _plan_from_cluster
+        return
+    if not groups or not all(g.platform == "cpu" for g in groups):
+        return
+    from hethub_jax.core_pinning import pin_local_rank
+    line = pin_local_rank()
+    if line:
+        _say(line)
 
 
 def planned_dir(metrics_file: str | None) -> str:

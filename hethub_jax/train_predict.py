@@ -30,7 +30,7 @@ from hethub_jax.planner.costs import cost_source_text
 __all__ = ["RunPrediction", "predict_run", "plan_from_cluster", "profile_device", "measured_bubble",
            "PROFILE_SETTINGS", "planner_microbatch_sizes", "microbatch_sizes_to_profile", "tp_degrees_to_profile",
            "profiled_tp_degrees", "dp_degrees_to_profile", "dp_microbatch_sizes_to_profile", "profiled_dp_degrees",
-           "profiled_microbatch_sizes", "extrapolation_note", "plan_command"]
+           "profiled_microbatch_sizes", "extrapolation_note", "plan_command", "cores_note"]
 
 #: the brief profile of plan-less training (``python -m hethub_jax.profile`` flags): the fastest of 2
 #: timed calls (the machine may be shared); no co-run slowdown, runtime per-action seconds or in-process
@@ -424,8 +424,30 @@ def _profiles(cluster: Any, model: str, seq_len: int, profiles_dir: str, log,
             if busy is not None and busy > 0.05:  # the profiler's own note goes to its stdout, not shown here
                 notes[-1] += (f" (note: other processes used {100 * busy:.0f}% of this machine's CPUs while it was "
                               f"profiled: its figures include their load, and so does the PREDICTED step)")
+            note = cores_note(prof)
+            if note:
+                notes[-1] += f" ({note})"
         out.update({g.name: prof for g in groups})
     return out, notes
+
+
+def cores_note(profile: Optional[Mapping[str, Any]], cores: Optional[int] = None) -> Optional[str]:
+    """A note when a CPU profile was measured on another number of cores than this process may use
+    (``cores``, default ``len(os.sched_getaffinity(0))``; the profile's ``host_cpus``): plan-less
+    training pins each CPU island's process to its own cores (``core_pinning``), and a profile saved by
+    an unpinned run (every core of the host) times its computations faster than the pinned island runs
+    them. None when the counts agree, the profile does not say, or it is not a CPU profile."""
+    if not profile or profile.get("platform", "cpu") != "cpu" or not profile.get("host_cpus"):
+        return None
+    if cores is None:
+        if not hasattr(os, "sched_getaffinity"):
+            return None
+        cores = len(os.sched_getaffinity(0))
+    have = int(profile["host_cpus"])
+    if have == cores:
+        return None
+    return (f"note: this profile was measured on {have} core{'s' if have != 1 else ''}, this island runs on "
+            f"{cores}: its PREDICTED step follows the profile's cores; delete it to measure it again here")
 
 
 def _profile_path(profiles_dir: str, g: Any) -> str:
@@ -462,7 +484,7 @@ def _get_profile(path: str, groups: List[Any], model: str, seq_len: int, log,
         + (f"--dp 1,{','.join(map(str, dp_degrees))} --dp-microbatch-sizes {','.join(map(str, dp_sizes))} "
            if dp_degrees else "")
         + f"{' '.join(PROFILE_SETTINGS)}; emulated slowdowns are applied by the predictor"
-        + ("; DP meshes of fake CPU devices share this machine's cores: measured, not assumed parallel"
+        + ("; DP meshes of fake CPU devices share this process's cores: measured, not assumed parallel"
            if dp_degrees else "") + ")...")
     kw = {"dp_degrees": tuple(dp_degrees), "dp_microbatch_sizes": tuple(dp_sizes)} if dp_degrees else {}
     ok, msg = profile_device(model, seq_len, path, microbatch_sizes=tuple(microbatch_sizes),
