@@ -22,16 +22,18 @@ every step; warm-up steps excluded; medians over steps):
       tokens/s = global non-pad tokens / step time (the slower rank's time);
       The optimizer update is sharded over the two replicas (ZeRO-1, the plan's default
       `optimizer_sharding: auto`: each island updates the parameters it owns; gradients are reduced
-      to the owners and the updated parameters exchanged). Which island owns which tensors: measured
-      at the final shares (`measure_step_costs` again: each replica's F/B seconds per step and its
-      whole update's seconds, `PipelineRuntime.last_step_costs`), `plan.balanced_update_fractions`
-      puts the update where a replica would otherwise wait for the other (the whole-microbatch shares
-      leave the fast island idle: 12 rows there take less than 4 on the slow one), applied with
-      `PipelineRuntime.set_update_weights`; `--share-owners`: in proportion to the batch shares;
+      to the owners and the updated parameters exchanged). Which island owns which tensors: in
+      proportion to the batch shares (the runtime's default); `--measured-owners`: by measurement
+      as in (am), in (a) and (a0) too;
   (a0) `proportional_unbucketed`: the same shares, the all-reduce after the whole backward (the
       path before issue 17.5: the in-run baseline);
-  (as) `proportional_share_owners`: as (a), the ZeRO-1 owners in proportion to the batch shares (the
-      path before session 13: the in-run baseline of the measured ownership);
+  (am) `proportional_measured_owners`: as (a), the ZeRO-1 owners placed by measurement at the final
+      shares (`measure_step_costs` again: each replica's F/B seconds per step and its whole update's
+      seconds, `PipelineRuntime.last_step_costs`; `plan.balanced_update_fractions` puts the update
+      where a replica would otherwise wait for the other; `PipelineRuntime.set_update_weights`). It
+      was (a) in session 13; six quiet runs (sessions 13-14, docs/benchmarks.md) never showed it ahead
+      of owners by shares and in two it gave the slow island 72-87% of the update, so it is kept as
+      the in-run comparison only;
   (ar) `proportional_replicated`: as (a) with `optimizer_sharding: replicated` (every island
       all-reduces every gradient and updates every parameter: the path before session 10), its
       shares measured the same way for that update;
@@ -46,8 +48,8 @@ every step; warm-up steps excluded; medians over steps):
 Figures: `fraction_of_upper_bound` = (a) / (c_fast + c_slow), `fraction_of_upper_bound_unbucketed`
 = (a0) / (c_fast + c_slow), `fraction_of_upper_bound_replicated` = (ar) / (c_fast + c_slow),
 `over_equal_shares` = (a) / (b), `over_unbucketed` = (a) / (a0), `over_replicated` = (a) / (ar),
-`fraction_of_upper_bound_share_owners` = (as) / (c_fast + c_slow), `over_share_owners` = (a) / (as),
-`update_owner_fractions` (the measured fractions), `owned_bytes_fraction_per_replica` (what the
+`fraction_of_upper_bound_measured_owners` = (am) / (c_fast + c_slow), `over_measured_owners` = (a) / (am),
+`update_owner_fractions` (the measured fractions of (am)), `owned_bytes_fraction_per_replica` (what the
 tensors' owners give in (a)),
 `num_buckets`, and `overlap_fraction`: the share of the bucket all-reduce time (device->host copies,
 bridge, on the slow rank, which finishes last) spent before its backward ended.
@@ -86,7 +88,7 @@ def alone_plan(layers: int, island: dict, gbs: int, mbs: int) -> dict:
 
 
 #: the heterogeneous-DP configurations (both ranks; a step ends on both together)
-DP_CONFIGS = ("proportional", "proportional_unbucketed", "proportional_replicated", "proportional_share_owners",
+DP_CONFIGS = ("proportional", "proportional_unbucketed", "proportional_replicated", "proportional_measured_owners",
               "equal")
 
 
@@ -139,9 +141,9 @@ def main() -> None:
     ap.add_argument("--gather-steps", type=int, default=4, help="consecutive steps per block of that comparison")
     ap.add_argument("--gather-control", action="store_true",
                     help="A/A control of that comparison: its second runtime also gathers after the update")
-    ap.add_argument("--share-owners", action="store_true",
-                    help="ZeRO-1 owners in proportion to the batch shares in (a) and (a0) too (the path before "
-                         "session 13) instead of measured update fractions")
+    ap.add_argument("--measured-owners", action="store_true",
+                    help="ZeRO-1 owners placed by measured busy and update seconds in (a) and (a0) too (session "
+                         "13's (a)) instead of in proportion to the batch shares")
     ap.add_argument("--given-shares", action="store_true",
                     help="shares proportional to the given throughputs 3:1 instead of measured in a warm-up")
     args = ap.parse_args()
@@ -170,9 +172,9 @@ def main() -> None:
     runtimes = {"proportional": PipelineRuntime(prop, config, optim, seed=0, comm=comm, rank=rank),
                 "proportional_unbucketed": PipelineRuntime(prop, config, optim, seed=0, comm=comm, rank=rank),
                 "proportional_replicated": PipelineRuntime(repl, config, optim, seed=0, comm=comm, rank=rank),
-                "proportional_share_owners": PipelineRuntime(prop, config, optim, seed=0, comm=comm, rank=rank),
+                "proportional_measured_owners": PipelineRuntime(prop, config, optim, seed=0, comm=comm, rank=rank),
                 "equal": PipelineRuntime(equal, config, optim, seed=0, comm=comm, rank=rank)}
-    for n in ("proportional", "proportional_replicated", "proportional_share_owners", "equal"):  # bucketed, 25 MiB as DDP
+    for n in ("proportional", "proportional_replicated", "proportional_measured_owners", "equal"):  # bucketed, 25 MiB as DDP
         runtimes[n].set_grad_buckets(args.bucket_mb)
     costs = costs_repl = None
     if not args.given_shares:  # warm-up measurement on an extra batch (equal shares to start)
@@ -180,19 +182,21 @@ def main() -> None:
         mbs = args.microbatch
         costs = runtimes["proportional"].measure_step_costs(global_batches[-1], steps=2)
         units = balanced_shares(args.batch // mbs, [u * mbs for u in costs[0]], costs[1])
-        for n in ("proportional", "proportional_unbucketed", "proportional_share_owners"):
+        for n in ("proportional", "proportional_unbucketed", "proportional_measured_owners"):
             runtimes[n].set_batch_shares([u * mbs for u in units])
         costs_repl = runtimes["proportional_replicated"].measure_step_costs(global_batches[-1], steps=2)
         units = balanced_shares(args.batch // mbs, [u * mbs for u in costs_repl[0]], costs_repl[1])
         runtimes["proportional_replicated"].set_batch_shares([u * mbs for u in units])
     update_balance = {}
-    if not args.share_owners:  # ZeRO-1 ownership from F/B and update seconds measured at the final shares
-        from hethub_jax.parallel.plan import balanced_update_fractions
-        for n in ("proportional", "proportional_unbucketed"):
-            runtimes[n].measure_step_costs(global_batches[-1], steps=2)
-            c = runtimes[n].last_step_costs
-            runtimes[n].set_update_weights(balanced_update_fractions(c["busy_s"], c["update_s"]))
-            update_balance[n] = dict(c, fractions=runtimes[n].update_weights)
+    # ZeRO-1 ownership from F/B and update seconds measured at the final shares: (am), and (a), (a0) if asked
+    from hethub_jax.parallel.plan import balanced_update_fractions
+    measured = ["proportional_measured_owners"] + (["proportional", "proportional_unbucketed"]
+                                                    if args.measured_owners else [])
+    for n in measured:
+        runtimes[n].measure_step_costs(global_batches[-1], steps=2)
+        c = runtimes[n].last_step_costs
+        runtimes[n].set_update_weights(balanced_update_fractions(c["busy_s"], c["update_s"]))
+        update_balance[n] = dict(c, fractions=runtimes[n].update_weights)
     shares = list(runtimes["proportional"].shares)
     shares_repl = list(runtimes["proportional_replicated"].shares)
     my_island = dict(ISLANDS[rank], slowdown=1.0 if rank == 0 else args.slowdown)
@@ -302,9 +306,9 @@ def main() -> None:
         "over_unbucketed": round(tps["proportional"] / tps["proportional_unbucketed"], 4),
         "fraction_of_upper_bound_replicated": round(tps["proportional_replicated"] / upper, 4),
         "over_replicated": round(tps["proportional"] / tps["proportional_replicated"], 4),
-        "fraction_of_upper_bound_share_owners": round(tps["proportional_share_owners"] / upper, 4),
-        "over_share_owners": round(tps["proportional"] / tps["proportional_share_owners"], 4),
-        "update_owner_fractions": update_balance.get("proportional", {}).get("fractions"),
+        "fraction_of_upper_bound_measured_owners": round(tps["proportional_measured_owners"] / upper, 4),
+        "over_measured_owners": round(tps["proportional"] / tps["proportional_measured_owners"], 4),
+        "update_owner_fractions": update_balance.get("proportional_measured_owners", {}).get("fractions"),
         "update_balance_measured": update_balance or None,
         "owned_bytes_fraction_per_replica": owned_fraction(runtimes["proportional"]),
         "optimizer_sharding": "zero1 (proportional, proportional_unbucketed, equal); replicated (proportional_replicated)",
@@ -334,7 +338,7 @@ def main() -> None:
                              + (" (A/A control: both gather after the update)" if args.gather_control else "")})
     rows = []
     row_shares = {"proportional": shares, "proportional_unbucketed": shares,
-                  "proportional_replicated": shares_repl, "proportional_share_owners": shares,
+                  "proportional_replicated": shares_repl, "proportional_measured_owners": shares,
                   "equal": equal.batch_shares()}
     for n in row_shares:
         label = f"shares {row_shares[n]}"
@@ -377,7 +381,7 @@ def main() -> None:
     print(f"fraction_of_upper_bound = {figures['fraction_of_upper_bound']:.3f}, "
           f"unbucketed {figures['fraction_of_upper_bound_unbucketed']:.3f}, "
           f"replicated update {figures['fraction_of_upper_bound_replicated']:.3f}, "
-          f"owners by shares {figures['fraction_of_upper_bound_share_owners']:.3f} "
+          f"owners by measurement {figures['fraction_of_upper_bound_measured_owners']:.3f} "
           f"(ZeRO-1 bytes owned {figures['owned_bytes_fraction_per_replica']}), "
           f"over_equal_shares = {figures['over_equal_shares']:.3f}  "
           f"[EMULATED slowdown {args.slowdown:g}x on island slow]")
