@@ -321,6 +321,19 @@ def measure_steps_mpi(plan, cfg, seq: int, steps: int, warmup: int, statistic: s
 CHILD_SPEC_KEYS = ("names", "seq", "steps", "warmup", "statistic", "trials", "spin_s", "pin", "out")
 
 
+def _child_spec_and_rank(spec_path: str) -> tuple:
+    """A child of ``mpiexec -n 2``: ``(spec, rank)``, the JSON spec at ``spec_path`` and this process's MPI rank
+    (``PMI_RANK``); pins this rank to core ``rank`` (mod the usable cores) when the spec's ``pin`` is set, before
+    JAX starts."""
+    with open(spec_path) as f:
+        spec = json.load(f)
+    rank = int(os.environ.get("PMI_RANK", "0"))
+    if spec["pin"] and hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+    return spec, rank
+
+
 def child_main(spec_path: str) -> None:
     """One round of the islands as processes (run by :func:`measure_round_processes` under ``mpiexec -n 2``):
     reads the JSON spec (:data:`CHILD_SPEC_KEYS`), pins this rank to core ``rank`` if ``pin`` (before JAX
@@ -328,13 +341,8 @@ def child_main(spec_path: str) -> None:
     (:func:`measure_steps_mpi`, the one with the smallest statistic kept), and rank 0 pickles
     ``{name: dict}`` to ``out``."""
     import pickle
-    with open(spec_path) as f:
-        spec = json.load(f)
+    spec, rank = _child_spec_and_rank(spec_path)
     from hethub_jax.models.config import get_preset
-    rank = int(os.environ.get("PMI_RANK", "0"))
-    if spec["pin"] and hasattr(os, "sched_setaffinity"):
-        cpus = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     cfg = get_preset("tiny")
     out = {}
     for name in spec["names"]:
@@ -359,12 +367,7 @@ def bridge_child_main(spec_path: str) -> None:
     """Under ``mpiexec -n 2``: the MPI host bridge's round trips between the two processes
     (``hethub_jax.profile.measure_bridge`` at :data:`BRIDGE_SIZES`, the spec's ``spin_s`` and ``repeats``, pinned
     as the islands when ``pin``); rank 0 writes the samples (JSON list) to the spec's ``out``."""
-    with open(spec_path) as f:
-        spec = json.load(f)
-    rank = int(os.environ.get("PMI_RANK", "0"))
-    if spec["pin"] and hasattr(os, "sched_setaffinity"):
-        cpus = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+    spec, rank = _child_spec_and_rank(spec_path)
     from hethub_jax import profile
     samples = profile.measure_bridge(list(BRIDGE_SIZES), spec["repeats"], spec["spin_s"])
     wake = bridge_wake_lateness(spec["spin_s"], max(spec["repeats"], 15))

@@ -76,6 +76,11 @@ class Case:
     mpi: list | None = None         # mpiexec segments: [(n, extra argv[, working directory under {tmp}]), ...]
 
 
+def _two_islands_plan() -> str:
+    """Two one-device CPU islands `a` and `b`, one one-layer stage each (the multi-rank cases' plan)."""
+    return _plan(islands=(("a", "cpu", 1), ("b", "cpu", 1)), stages=(("a", 0, 0, 1, 1), ("b", 1, 1, 1, 1)))
+
+
 CASES = [
     # command line and config file
     Case("steps_zero", "CLI", "`--steps 0`", ["--steps", "0"], r"train\.steps must be an integer >= 1, got 0"),
@@ -134,8 +139,7 @@ CASES = [
          files={"p.json": _plan(islands=(("g", "cuda", 1),), stages=(("g", 0, 1, 1, 1),))}),
     Case("island_without_mpi", "launch", "`--island` without mpiexec (multi-rank plan)",
          ["--plan", "{tmp}/p.json", "--island", "a"], r"run it under mpiexec -n 2",
-         files={"p.json": _plan(islands=(("a", "cpu", 1), ("b", "cpu", 1)),
-                                stages=(("a", 0, 0, 1, 1), ("b", 1, 1, 1, 1)))}),
+         files={"p.json": _two_islands_plan()}),
     # outputs and checkpoints
     Case("checkpoint_dir_unwritable", "outputs", "checkpoint directory under a regular file",
          ["--checkpoint-dir", "{tmp}/file/ckpt"], r"train\.checkpoint_dir: .*file/ckpt is not writable", files={"file": "x"}),
@@ -152,31 +156,26 @@ CASES = [
     # several ranks (mpiexec)
     Case("mpiexec_n_mismatch", "launch", "`mpiexec -n 3` for a 2-rank plan", ["--plan", "{tmp}/p.json"],
          r"the plan needs 2 MPI ranks .* the job has 3",
-         files={"p.json": _plan(islands=(("a", "cpu", 1), ("b", "cpu", 1)),
-                                stages=(("a", 0, 0, 1, 1), ("b", 1, 1, 1, 1)))}, mpi=[(3, [])]),
+         files={"p.json": _two_islands_plan()}, mpi=[(3, [])]),
     Case("ranks_differ", "launch", "ranks started with different configs (`--lr` on one rank)",
          ["--plan", "{tmp}/p.json"], r"ranks run different configs/plans: config\.optim\.learning_rate",
-         files={"p.json": _plan(islands=(("a", "cpu", 1), ("b", "cpu", 1)),
-                                stages=(("a", 0, 0, 1, 1), ("b", 1, 1, 1, 1)))},
+         files={"p.json": _two_islands_plan()},
          mpi=[(1, []), (1, ["--lr", "0.5"])]),
     # one rank of an MPMD job fails before MPI starts: it still starts MPI and reports at the start-up
     # gate, so every rank ends within seconds (not after $HETHUB_MPI_INIT_TIMEOUT_S)
     Case("steps_zero_one_rank", "launch", "`--steps 0` on one rank only (MPMD: `-n 1 ... : -n 1 ... --steps 0`)",
          ["--plan", "{tmp}/p.json"], r"rank 1 \(island b\): train\.steps must be an integer >= 1, got 0",
-         files={"p.json": _plan(islands=(("a", "cpu", 1), ("b", "cpu", 1)),
-                                stages=(("a", 0, 0, 1, 1), ("b", 1, 1, 1, 1)))},
+         files={"p.json": _two_islands_plan()},
          mpi=[(1, []), (1, ["--steps", "0"])]),
     Case("plan_differs_one_rank", "launch", "another plan (of 3 ranks) on one rank only of a 2-rank job",
          ["--plan", "{tmp}/p.json"], r"rank 1: the plan needs 3 MPI ranks .* the job has 2",
-         files={"p.json": _plan(islands=(("a", "cpu", 1), ("b", "cpu", 1)),
-                                stages=(("a", 0, 0, 1, 1), ("b", 1, 1, 1, 1))),
+         files={"p.json": _two_islands_plan(),
                 "p3.json": _plan(islands=(("a", "cpu", 1), ("b", "cpu", 1), ("c", "cpu", 1)),
                                  stages=(("a", 0, 0, 1, 1), ("b", 1, 1, 1, 1), ("c", 1, 1, 1, 1)))},
          mpi=[(1, []), (1, ["--plan", "{tmp}/p3.json"])]),
     Case("bad_flag_one_rank", "launch", "an unknown flag on one rank only (argparse's error)",
          ["--plan", "{tmp}/p.json"], r"unrecognized arguments: --stepz 1",
-         files={"p.json": _plan(islands=(("a", "cpu", 1), ("b", "cpu", 1)),
-                                stages=(("a", 0, 0, 1, 1), ("b", 1, 1, 1, 1)))},
+         files={"p.json": _two_islands_plan()},
          mpi=[(1, ["--stepz", "1"]), (1, [])]),
     # errors found after MPI started: every rank passes an agreement point (cluster.agree_errors), the
     # lowest rank that found an error prints it once, every rank ends with status 2 (no MPI abort)
@@ -193,23 +192,20 @@ CASES = [
          "finds the tied embedding's unit unreadable while resuming)", ["--plan", "{tmp}/p.json", "--resume"],
          r"rank 0 \(island a\): train\.resume: every complete checkpoint in .* is corrupt: .*step_2/embed: "
          r"cannot be read .*\(the same on rank\(s\) 1\)",
-         files={"p.json": _plan(islands=(("a", "cpu", 1), ("b", "cpu", 1)),
-                                stages=(("a", 0, 0, 1, 1), ("b", 1, 1, 1, 1))), **_fake_checkpoint()},
+         files={"p.json": _two_islands_plan(), **_fake_checkpoint()},
          mpi=[(2, [])]),
     Case("checkpoint_fallback_other_model", "checkpoint", "`--resume`, 2 ranks: the newest step corrupt, the "
          "step it falls back to of another model shape", ["--plan", "{tmp}/p.json", "--resume"],
          r"rank 0 \(island a\): train\.resume: checkpoint .*step_2 was written for another set-up: "
          r"model\.hidden_size is 48 there, 32 here .*\(the same on rank\(s\) 1\)",
-         files={"p.json": _plan(islands=(("a", "cpu", 1), ("b", "cpu", 1)),
-                                stages=(("a", 0, 0, 1, 1), ("b", 1, 1, 1, 1))),
+         files={"p.json": _two_islands_plan(),
                 **_fake_checkpoint(step=4), **_fake_checkpoint({"hidden_size": 48})},
          mpi=[(2, [])]),
     Case("checkpoint_other_plan_batch", "checkpoint", "`--resume`, 2 ranks, from a checkpoint written under a "
          "plan of another global batch", ["--plan", "{tmp}/p.json", "--resume"],
          r"rank 0 \(island a\): train\.resume: checkpoint .*step_2 was written for another set-up: "
          r"train\.global_batch_size is 8 there, 4 here .*\(the same on rank\(s\) 1\)",
-         files={"p.json": _plan(islands=(("a", "cpu", 1), ("b", "cpu", 1)),
-                                stages=(("a", 0, 0, 1, 1), ("b", 1, 1, 1, 1))),
+         files={"p.json": _two_islands_plan(),
                 **_fake_checkpoint(global_batch_size=8)},
          mpi=[(2, [])]),
     Case("checkpoint_steps_differ", "checkpoint", "`--resume`, 2 ranks seeing different checkpoint steps (a "
@@ -217,8 +213,7 @@ CASES = [
          ["--plan", "{tmp}/p.json", "--resume", "--checkpoint-dir", "ckpt"],
          r"rank 0 \(island a\): train\.checkpoint_dir: the ranks see different complete checkpoint steps in "
          r"ckpt: rank 0: steps 4, 2; rank 1: step 2 \(the ranks need one checkpoint directory",
-         files={"p.json": _plan(islands=(("a", "cpu", 1), ("b", "cpu", 1)),
-                                stages=(("a", 0, 0, 1, 1), ("b", 1, 1, 1, 1))),
+         files={"p.json": _two_islands_plan(),
                 **_fake_checkpoint(root="r0/ckpt"), **_fake_checkpoint(step=4, root="r0/ckpt"),
                 **_fake_checkpoint(root="r1/ckpt")},
          mpi=[(1, [], "r0"), (1, [], "r1")]),

@@ -58,6 +58,15 @@ def _hetero_dp(schedule="1f1b"):
                            "optimizer_sharding": "replicated"})
 
 
+def _alone_and_on_one_host(prof: dict):
+    """``(alone, both)``: the hetero-DP plan PREDICTED with ``prof`` for both islands, on hosts of their own
+    and on one shared host."""
+    plain = DeviceCosts.from_profile(prof)
+    shared = DeviceCosts.from_profile(prof).on_shared_host("machine")
+    return (predict(Cfg, _hetero_dp(), {"fast": plain, "slow": plain}, seq_len=8),
+            predict(Cfg, _hetero_dp(), {"fast": shared, "slow": shared}, seq_len=8))
+
+
 @pytest.mark.parametrize("factor", [1.03, 1.07, 1.2])
 def test_corun_factor_slows_the_overlapped_compute_of_hetero_dp_by_hand(factor):
     """Each island one fused F+B of t seconds per microbatch (1F1B on a one-stage replica); the fast island
@@ -69,10 +78,7 @@ def test_corun_factor_slows_the_overlapped_compute_of_hetero_dp_by_hand(factor):
     t = 0.05
     prof = fixed_profile(0.02, 0.03, t_fb=t)
     prof["fits"]["corun"] = {"factor": factor}
-    plain = DeviceCosts.from_profile(prof)
-    shared = DeviceCosts.from_profile(prof).on_shared_host("machine")
-    alone = predict(Cfg, _hetero_dp(), {"fast": plain, "slow": plain}, seq_len=8)
-    both = predict(Cfg, _hetero_dp(), {"fast": shared, "slow": shared}, seq_len=8)
+    alone, both = _alone_and_on_one_host(prof)
     assert alone.pipeline_s == pytest.approx(3 * t, rel=1e-6)
     assert both.pipeline_s == pytest.approx(3 * t * factor, rel=1e-3)
 
@@ -106,10 +112,7 @@ def test_shared_host_update_of_hetero_dp_is_emulated_factor_times_corun_update_b
     prof = fixed_profile(0.02, 0.03, t_fb=0.05, update=u)
     prof["fits"]["corun"] = {"factor": 1.0}
     prof["fits"]["corun_update"] = {"factor": g}
-    plain = DeviceCosts.from_profile(prof)
-    shared = DeviceCosts.from_profile(prof).on_shared_host("machine")
-    alone = predict(Cfg, _hetero_dp(), {"fast": plain, "slow": plain}, seq_len=8)
-    both = predict(Cfg, _hetero_dp(), {"fast": shared, "slow": shared}, seq_len=8)
+    alone, both = _alone_and_on_one_host(prof)
     assert alone.update_s == pytest.approx(3 * u, rel=1e-9)
     assert both.update_s == pytest.approx(3 * u * g, rel=1e-9)
     assert both.allreduce_s == pytest.approx(alone.allreduce_s, rel=1e-9)  # equal sums at compute co-run 1
