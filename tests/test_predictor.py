@@ -134,9 +134,11 @@ def test_large_plan_predicts_well_under_a_second():
     plan = Plan.from_dict({"islands": islands, "stages": stages, "global_batch_size": 128 * 64,
                            "microbatch_size": 128})
     costs = {"h100": DeviceCosts.from_catalog("H100-SXM"), "mi300x": DeviceCosts.from_catalog("MI300X")}
-    t0 = time.perf_counter()
+    # CPU seconds of this process, not wall time: the CI machine is shared (benchmarks/planner_scale.py
+    # carries the timed figure)
+    t0 = time.process_time()
     pred = predict(cfg, plan, costs, seq_len=4096)
-    assert time.perf_counter() - t0 < 1.0
+    assert time.process_time() - t0 < 1.0
     assert pred.step_time_s > 0 and {s.source for s in pred.stages} == {"catalog"}
     # independent bound: no step is faster than the busiest island's compute at its stated efficiency
     fl = 3 * analytic.layer_flops(cfg, 128 * 64 * 4096, 4096) * 40 / 4096
