@@ -19,7 +19,7 @@
    (``MPIHostBridge``, its waits sleeping after ``--bridge-spin-s`` seconds of polling, default 0: unpinned
    on 2 cores a spinning wait takes the core the other island computes on), unpinned unless ``--pin``.
    Predicted as islands on one shared host (``DeviceCosts.on_shared_host``: the profile's measured co-run
-   factor; each process launches its own multi-device computations), the bridge being the MPI bridge's line
+   slowdown by the pair's size ratio; each process launches its own multi-device computations), the bridge being the MPI bridge's line
    measured between the two processes with the same spin and pinning (:func:`measure_bridge_fit`, as the
    profiler's ``fits.bridge``). The profile then measures its co-run factor beside a neighbour PROCESS
    (``python -m hethub_jax.profile --corun-neighbour process``), not a thread of its own process. Why
@@ -58,10 +58,13 @@
    the model before session 11). ``fitted_lines_mape`` / ``without_update_pair_mape`` (per row
    ``fitted_lines_ape``, ``without_update_pair_ape``): without session 12's terms, one at a time (the
    fitted lines between profiled microbatch sizes instead of the measured calls, ``DeviceCosts.token_parts``;
-   the tail's co-run at the stage-call factor instead of the measured update pair); ``size_ratio_corun_mape``
-   (``size_ratio_corun_ape``): the pipelines' co-run by the measured slowdown by the pair's size ratio
-   (``fits.corun.relation``, session 12) instead of the one measured factor ``fits.corun.factor`` (the
-   model since session 13, ``DeviceCosts.from_profile``'s ``corun_by_size``).
+   the tail's co-run at the stage-call factor instead of the measured update pair); the pipelines' OTHER
+   co-run model than the one in use (``hethub_jax.planner.costs.CORUN_BY_SIZE_DEFAULT`` decides per island
+   kind): with ``--islands processes`` the model is the measured slowdown by the pair's size ratio
+   (``fits.corun.relation``, session 12; the default for processes since session 15) and
+   ``one_factor_corun_mape`` (``one_factor_corun_ape``) is the one measured factor ``fits.corun.factor``
+   (sessions 13-14's model); with ``--islands threads`` the model is the one factor and
+   ``size_ratio_corun_mape`` (``size_ratio_corun_ape``) the relation.
    ``without_in_flight_mape`` (``without_in_flight_ape``): without session 13's measured factor of a
    call with microbatches in flight (``fits.in_flight``, ``DeviceCosts.in_flight_factor``).
    ``ping_pong_bridge_mape`` (``ping_pong_bridge_ape``; islands as processes): the bridge's latency from the
@@ -599,13 +602,19 @@ def predict_row(name: str, cfg, costs, base, bridge, args, ping_pong_bridge=None
     pred_lines = predict(cfg, plan, {i.name: lines for i in plan.islands}, seq_len=args.seq, bridge=bridge)
     nopair = replace(costs, corun_update_factor=0.0)
     pred_nopair = predict(cfg, plan, {i.name: nopair for i in plan.islands}, seq_len=args.seq, bridge=bridge)
-    # the pipelines' co-run by the pair's size ratio (fits.corun.relation; DeviceCosts.from_profile reads it only
-    # with corun_by_size: the one measured factor is the model since session 13)
-    by_size = replace(costs, corun_relation=_corun_relation((costs.profile or {}).get("fits", {}).get("corun")))
-    pred_size = predict(cfg, plan, {i.name: by_size for i in plan.islands}, seq_len=args.seq, bridge=bridge)
+    # the pipelines' OTHER co-run model (planner.costs.CORUN_BY_SIZE_DEFAULT decides the one in use): islands as
+    # processes are slowed by the pair's size ratio since session 15, so their comparison is the one measured factor
+    # ("one_factor_corun", the model of sessions 13-14); islands as threads keep the one factor, their comparison
+    # is the size ratio ("size_ratio_corun")
+    if costs.corun_relation:
+        other_name, other = "one_factor_corun", replace(costs, corun_relation=())
+    else:
+        other_name = "size_ratio_corun"
+        other = replace(costs, corun_relation=_corun_relation((costs.profile or {}).get("fits", {}).get("corun")))
+    pred_other = predict(cfg, plan, {i.name: other for i in plan.islands}, seq_len=args.seq, bridge=bridge)
     flat = replace(costs, in_flight={})  # session 13: without the measured in-flight factors
     pred_flat = predict(cfg, plan, {i.name: flat for i in plan.islands}, seq_len=args.seq, bridge=bridge)
-    variants = {"fitted_lines": pred_lines, "without_update_pair": pred_nopair, "size_ratio_corun": pred_size,
+    variants = {"fitted_lines": pred_lines, "without_update_pair": pred_nopair, other_name: pred_other,
                 "without_in_flight": pred_flat}
     if ping_pong_bridge is not None:  # session 14: the bridge at the ping-pong's latency, not a waiting receiver's
         variants["ping_pong_bridge"] = predict(cfg, plan, {i.name: costs for i in plan.islands}, seq_len=args.seq,
@@ -646,7 +655,8 @@ def finish_row(name: str, pred, pred_base, rounds: list, args, pred_warm=None, p
            "without_action_costs_ape": None if pred_plain is None else abs(pred_plain.step_time_s - meas) / meas,
            # session 12's terms left out one at a time: "fitted_lines" (no interpolation of the measured calls
            # between profiled microbatch sizes), "without_update_pair" (the tail at the stage-call co-run factor),
-           # "size_ratio_corun" (the pipelines' co-run by the pair's size ratio, not at the one factor);
+           # the pipelines' other co-run model: "one_factor_corun" (islands as processes, session 15) or
+           # "size_ratio_corun" (islands as threads);
            # session 13's "without_in_flight" (no factor for microbatches in flight, fits.in_flight)
            **{f"{k}_step_s": v.step_time_s for k, v in (variants or {}).items()},
            **{f"{k}_ape": abs(v.step_time_s - meas) / meas for k, v in (variants or {}).items()},
@@ -694,7 +704,8 @@ def summary(rows: list, names_by_round: list) -> dict:
             "without_cold_mape": (sum(r["without_cold_ape"] for r in rows) / n
                                   if all(r.get("without_cold_ape") is not None for r in rows) else None),
             **{f"{k}_mape": sum(r[f"{k}_ape"] for r in rows) / n for k in ("fitted_lines", "without_update_pair",
-                                                                         "size_ratio_corun", "without_in_flight",
+                                                                         "size_ratio_corun", "one_factor_corun",
+                                                                         "without_in_flight",
                                                                          "ping_pong_bridge")
                if all(f"{k}_ape" in r for r in rows)},
             "without_action_costs_mape": (sum(r["without_action_costs_ape"] for r in rows) / n
@@ -784,7 +795,8 @@ def main() -> None:
     t_profile = time.time() - t_start
     bridge_fit = None
     if args.islands == "processes":
-        # islands as processes of one host: they share its cores (the profile's measured co-run factor), each
+        # islands as processes of one host: they share its cores (the profile's measured co-run relation by the
+        # pair's size ratio: planner.costs.CORUN_BY_SIZE_DEFAULT), each
         # launches its own multi-device computations; between them the MPI host bridge, measured here between two
         # processes with the run's spin and pinning (the profiler's own fits.bridge needs mpiexec -n 2)
         costs = DeviceCosts.from_profile(prof_path).on_shared_host("this host")
@@ -847,6 +859,8 @@ def main() -> None:
              f"; without the update-pair factor {100 * figures['without_update_pair_mape']:.1f}%")
           + ("" if "size_ratio_corun_mape" not in figures else
              f"; with the co-run by the pair's size ratio {100 * figures['size_ratio_corun_mape']:.1f}%")
+          + ("" if "one_factor_corun_mape" not in figures else
+             f"; with the co-run at the one measured factor {100 * figures['one_factor_corun_mape']:.1f}%")
           + ("" if "without_in_flight_mape" not in figures else
              f"; without the in-flight factors {100 * figures['without_in_flight_mape']:.1f}%")
           + ("" if "ping_pong_bridge_mape" not in figures else
