@@ -45,6 +45,8 @@
    ``drift``: a fixed pair of calls (:func:`canary`) timed before and after the profile and at the start
    of every round, round / profile: the machine's own change of speed between the profile and each
    round (the rounds cannot show that one; a ``drift`` of 1.3 with every row 30% low is the machine).
+   The figures are NOT scaled by it (the canary's own spread on a quiet machine is as large as the drift, session
+   15); ``drift_scaled_mape`` (:func:`drift_scaled_mape`) is the mape had they been, printed beside.
    ``--breakdown`` lays each configuration's measured step (of its median round) beside its predicted
    timeline per island, stage and action kind (``hethub_jax.planner.accuracy.action_breakdown``).
    Each row also records the host's minor page faults per timed step (``faults_per_step``, from
@@ -687,6 +689,23 @@ def finish_row(name: str, pred, pred_base, rounds: list, args, pred_warm=None, p
     return row
 
 
+def drift_scaled_mape(rows: list, drift) -> "float | None":
+    """The mape had each round's measured step times been divided by that round's ``drift`` (its canary calls
+    over the profile's, :func:`canary`), i.e. the predictions scaled by the machine's measured change of speed;
+    None without a drift (a ``--profile`` given). A COMPARISON figure only, never the result: in session 14's
+    quiet run (/work/bench/s14/predictor_accuracy.json: drift 0.90, 0.73, 0.99 while measured / predicted was
+    1.10, 1.13, 1.17 per round) it gave 15.5% against 7.6% (size-ratio co-run) and 18.9% against 11.9% (one
+    factor): the canary's own spread (17.5 then 12.0 ms around one quiet profile) is larger than the drift it
+    would correct (docs/benchmarks.md, issue 13, session 15). ``rows[i]["rounds_s"]`` are in round order."""
+    if not drift:
+        return None
+    apes = []
+    for r in rows:
+        scaled = median([m / d for m, d in zip(r["rounds_s"], drift)])
+        apes.append(abs(r["predicted_step_s"] - scaled) / scaled)
+    return sum(apes) / len(apes)
+
+
 def summary(rows: list, names_by_round: list) -> dict:
     """The run's ``figures`` over the rows (see the module docstring, point 3)."""
     import math
@@ -841,6 +860,7 @@ def main() -> None:
                    # the yardstick (canary) before/after the profile and per round; drift = round / profile
                    canary_profile_s=canary_profile, canary_rounds_s=canary_rounds,
                    drift=[c / median(canary_profile) for c in canary_rounds] if canary_profile else None)
+    figures["drift_scaled_mape"] = drift_scaled_mape(rows, figures["drift"])
     print(f"MAPE {100 * figures['mape']:.1f}% against the median of {args.rounds} rounds (max "
           f"{100 * figures['max_ape']:.1f}%; against the rounds' minima {100 * figures['mape_min']:.1f}%) over "
           f"{len(rows)} configurations; {figures['within_spread']}/{len(rows)} predictions inside their rounds' "
@@ -871,7 +891,9 @@ def main() -> None:
           + f"; {figures['wall_s']:.0f} s (profile {t_profile:.0f} s); host allocator {alloc['allocator']}"
           + ("" if not figures["drift"] else "; machine speed drift (canary calls, round / profile) "
              + ", ".join(f"{x:.3f}" for x in figures["drift"])
-             + f" (canary around the profile {', '.join(f'{1e3 * x:.2f}' for x in canary_profile)} ms)"))
+             + f" (canary around the profile {', '.join(f'{1e3 * x:.2f}' for x in canary_profile)} ms; the "
+             f"mape with each round's measured steps divided by its drift {100 * figures['drift_scaled_mape']:.1f}%,"
+             " a comparison only)"))
     for r in rows:
         for k in ("records", "islands"):
             r.pop(k, None)
