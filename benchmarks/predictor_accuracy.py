@@ -71,6 +71,10 @@
    call with microbatches in flight (``fits.in_flight``, ``DeviceCosts.in_flight_factor``).
    ``ping_pong_bridge_mape`` (``ping_pong_bridge_ape``; islands as processes): the bridge's latency from the
    ping-pong line instead of a waiting receiver's measured wake-up (:func:`bridge_link`, session 14).
+   ``ring_bridge_allreduce_mape`` (``ring_bridge_allreduce_ape``; islands as processes): the islands' sum of the
+   shared gradients by the ring formula over the bridge's point-to-point line instead of the bridge's all-reduce
+   measured as the runtime calls it (:func:`bridge_allreduce_samples`, ``DeviceCosts.bridge_allreduce_fit``;
+   session 15).
 
 The host allocator (``--host-allocator``, default ``steady``, ``hethub_jax.host_allocator``): glibc
 settings under which XLA:CPU's large buffers are not mmapped and unmapped on every call, in ONE arena; the
@@ -376,9 +380,45 @@ def bridge_child_main(spec_path: str) -> None:
     from hethub_jax import profile
     samples = profile.measure_bridge(list(BRIDGE_SIZES), spec["repeats"], spec["spin_s"])
     wake = bridge_wake_lateness(spec["spin_s"], max(spec["repeats"], 15))
+    allreduce = bridge_allreduce_samples(spec["spin_s"], max(spec["repeats"], 7))
     if rank == 0:
         with open(spec["out"], "w") as f:
-            json.dump({"samples": samples, "wake_s": wake}, f)
+            json.dump({"samples": samples, "wake_s": wake, "allreduce_samples": allreduce}, f)
+
+
+#: float32 bytes of the bridge's all-reduce fit (:func:`bridge_allreduce_samples`): 64 KiB, 1 MiB and the tiny
+#: model's tied embedding (32000 x 64 float32 = 8,192,000 bytes), which the islands sum over the bridge every step
+ALLREDUCE_SIZES = (64 * 1024, 1024 * 1024, 8_192_000)
+
+
+def bridge_allreduce_samples(spin_s: float, repeats: int) -> list | None:
+    """Under ``mpiexec -n 2``: the MPI host bridge's all-reduce as the runtime calls it for the shared gradients
+    (``PipelineRuntime._reduce_shared``: ``allreduce_tree`` of a dict of float32 host arrays, op sum) at
+    :data:`ALLREDUCE_SIZES`, both ranks entering together (after a blocking barrier), the bridge's waits polling
+    without sleeping for ``spin_s``; per size the median over ``repeats`` (one untimed first) of the slower rank's
+    seconds. Returns ``[{"kind": "bridge_allreduce", "bytes", "seconds"}, ...]`` on rank 0, None on rank 1. Why
+    (docs/benchmarks.md, issue 13, session 15): the predictor's ring formula over the ping-pong line
+    (``2 alpha + bytes / bandwidth`` for two islands) is about 1.7 ms at 8.2 MB, while the all-reduce took 6.6x one
+    transfer of the same bytes on this bridge."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from hethub_jax.comm.mpi import MPIHostBridge
+    world = MPI.COMM_WORLD
+    br = MPIHostBridge(world.Dup(), timeout=120).with_spin(spin_s)
+    out = []
+    for nbytes in ALLREDUCE_SIZES:
+        x = {"e": np.ones(nbytes // 4, np.float32)}
+        times = []
+        for i in range(repeats + 1):
+            world.Barrier()
+            t0 = time.perf_counter()
+            br.allreduce_tree(x, op="sum")
+            dt = world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+            if i:
+                times.append(dt)
+        out.append({"kind": "bridge_allreduce", "bytes": nbytes, "seconds": float(np.median(times))})
+    return out if world.Get_rank() == 0 else None
 
 
 #: seconds the receiver has been waiting when the message is sent (:func:`bridge_wake_lateness`): longer than the
@@ -455,7 +495,8 @@ def _run_child(flag: str, spec: dict, what: str) -> None:
 def measure_bridge_fit(args) -> dict:
     """The MPI host bridge between two island processes, measured (:func:`bridge_child_main`) and fitted as the
     profiler fits ``fits.bridge`` (``hethub_jax.profile.fit_line``: ``c0 + c1 x bytes``). Returns
-    ``{"fit": {"c0", "c1"}, "samples": [...], "spin_s", "pin"}``."""
+    ``{"fit": {"c0", "c1"}, "samples": [...], "wake_s", "spin_s", "pin", "allreduce_fit": {"c0", "c1"},
+    "allreduce_samples": [...]}`` (the all-reduce: :func:`bridge_allreduce_samples`, fitted the same way)."""
     import shutil
 
     from hethub_jax.profile import fit_line
@@ -466,9 +507,12 @@ def measure_bridge_fit(args) -> dict:
     with open(out) as f:
         got = json.load(f)
     shutil.rmtree(d, ignore_errors=True)
-    samples = got["samples"]
+    samples, ar = got["samples"], got.get("allreduce_samples") or []
     return {"fit": fit_line([s["bytes"] for s in samples], [s["seconds"] for s in samples]), "samples": samples,
-            "wake_s": got["wake_s"], "spin_s": args.bridge_spin_s, "pin": args.pin}
+            "wake_s": got["wake_s"], "spin_s": args.bridge_spin_s, "pin": args.pin,
+            # the all-reduce of the shared gradients as the runtime calls it (DeviceCosts.bridge_allreduce_fit)
+            "allreduce_fit": fit_line([s["bytes"] for s in ar], [s["seconds"] for s in ar]) if len(ar) > 1 else None,
+            "allreduce_samples": ar}
 
 
 def bridge_link(fit: dict, wake: bool = True):
@@ -618,6 +662,10 @@ def predict_row(name: str, cfg, costs, base, bridge, args, ping_pong_bridge=None
     pred_flat = predict(cfg, plan, {i.name: flat for i in plan.islands}, seq_len=args.seq, bridge=bridge)
     variants = {"fitted_lines": pred_lines, "without_update_pair": pred_nopair, other_name: pred_other,
                 "without_in_flight": pred_flat}
+    if costs.bridge_allreduce_fit is not None:  # session 15: the shared sums by the ring formula over the p2p line
+        ring = replace(costs, bridge_allreduce_fit=None)
+        variants["ring_bridge_allreduce"] = predict(cfg, plan, {i.name: ring for i in plan.islands}, seq_len=args.seq,
+                                                    bridge=bridge)
     if ping_pong_bridge is not None:  # session 14: the bridge at the ping-pong's latency, not a waiting receiver's
         variants["ping_pong_bridge"] = predict(cfg, plan, {i.name: costs for i in plan.islands}, seq_len=args.seq,
                                                bridge=ping_pong_bridge)
@@ -724,7 +772,7 @@ def summary(rows: list, names_by_round: list) -> dict:
                                   if all(r.get("without_cold_ape") is not None for r in rows) else None),
             **{f"{k}_mape": sum(r[f"{k}_ape"] for r in rows) / n for k in ("fitted_lines", "without_update_pair",
                                                                          "size_ratio_corun", "one_factor_corun",
-                                                                         "without_in_flight",
+                                                                         "without_in_flight", "ring_bridge_allreduce",
                                                                          "ping_pong_bridge")
                if all(f"{k}_ape" in r for r in rows)},
             "without_action_costs_mape": (sum(r["without_action_costs_ape"] for r in rows) / n
@@ -821,9 +869,16 @@ def main() -> None:
         costs = DeviceCosts.from_profile(prof_path).on_shared_host("this host")
         bridge_fit = measure_bridge_fit(args)
         bridge = bridge_link(bridge_fit)
+        # the shared gradients' sum over the bridge: its all-reduce measured as the runtime calls it (session 15)
+        costs = costs.with_bridge_allreduce(bridge_fit["allreduce_fit"])
+        ar = bridge_fit["allreduce_fit"]
         print(f"MPI bridge between the island processes: {1e6 * bridge.alpha_s:.1f} us (a waiting receiver's wake-up; "
               f"ping-pong {1e6 * bridge_fit['fit']['c0']:.1f} us) + bytes / {bridge.bandwidth / 1e9:.2f} GB/s (spin "
-              f"{args.bridge_spin_s:g} s, {'pinned' if args.pin else 'unpinned'})", flush=True)
+              f"{args.bridge_spin_s:g} s, {'pinned' if args.pin else 'unpinned'})"
+              + ("" if ar is None else f"; its all-reduce {1e6 * ar['c0']:.1f} us + bytes / {1e-9 / ar['c1']:.2f} GB/s"
+                 f" ({1e3 * (ar['c0'] + ar['c1'] * ALLREDUCE_SIZES[-1]):.2f} ms at {ALLREDUCE_SIZES[-1]} bytes, the "
+                 f"ring formula over the ping-pong line "
+                 f"{1e3 * (2 * bridge.alpha_s + ALLREDUCE_SIZES[-1] / bridge.bandwidth):.2f} ms)"), flush=True)
     else:
         # the islands are threads of this process: they share its cores (the profile's measured co-run factor)
         # and its launcher of multi-device computations (DP / TP stages; the profile's measured fits.launch)
@@ -883,6 +938,9 @@ def main() -> None:
              f"; with the co-run at the one measured factor {100 * figures['one_factor_corun_mape']:.1f}%")
           + ("" if "without_in_flight_mape" not in figures else
              f"; without the in-flight factors {100 * figures['without_in_flight_mape']:.1f}%")
+          + ("" if "ring_bridge_allreduce_mape" not in figures else
+             f"; the shared sums by the ring formula over the bridge's ping-pong line "
+             f"{100 * figures['ring_bridge_allreduce_mape']:.1f}%")
           + ("" if "ping_pong_bridge_mape" not in figures else
              f"; with the bridge at the ping-pong's latency {100 * figures['ping_pong_bridge_mape']:.1f}%")
           + ("" if figures["others_cpu_share"] is None else

@@ -245,3 +245,34 @@ def test_island_kind_decides_the_corun_model():
     assert ratio(DeviceCosts.from_profile(prof).in_process("p", corun_by_size=True)) == pytest.approx(1.6, rel=1e-9)
     # no relation measured (profiles made with --corun off, or before session 12): the one factor either way
     assert ratio(DeviceCosts.from_profile(no_relation).on_shared_host("h")) == pytest.approx(3.0, rel=1e-9)
+
+
+# ---- the bridge's all-reduce of the shared gradients, measured (session 15) ---------------------------------
+
+def test_measured_bridge_allreduce_replaces_the_ring_formula_for_the_shared_sum():
+    """Two stages on two islands holding the tied embedding (vocab x hidden float32) sum its gradient over the
+    bridge. Without a measured all-reduce the predictor's ring formula for 2 islands, ``2 alpha + bytes / bw``;
+    with ``DeviceCosts.with_bridge_allreduce`` the measured line ``c0 + c1 x bytes`` instead. By hand: the
+    step's ``allreduce_s`` moves by exactly the difference (islands on hardware of their own, so nothing is
+    co-run scaled), and nothing else in the step does."""
+    from hethub_jax.planner.costs import LinkModel
+
+    class Tied(Cfg):
+        tie_word_embeddings = True
+
+    nbytes = 4.0 * Tied.vocab_size * Tied.hidden_size
+    plan = chain_plan(2, 4, islands=["a", "b"])
+    link = LinkModel(2e-4, 1e10)
+    base = DeviceCosts.from_profile(fixed_profile(0.01, 0.02, update=0.004))
+    ring = predict(Tied, plan, {"a": base, "b": base}, seq_len=8, bridge=link)
+    meas = base.with_bridge_allreduce({"c0": 1e-3, "c1": 2e-9})
+    got = predict(Tied, plan, {"a": meas, "b": meas}, seq_len=8, bridge=link)
+    assert meas.bridge_allreduce_s(nbytes) == pytest.approx(1e-3 + 2e-9 * nbytes)
+    assert got.allreduce_s - ring.allreduce_s == pytest.approx((1e-3 + 2e-9 * nbytes) - (2 * 2e-4 + nbytes / 1e10))
+    assert got.update_s == pytest.approx(ring.update_s) and got.pipeline_s == pytest.approx(ring.pipeline_s)
+    # only one island measured: the ring formula (the measurement is of the pair)
+    one = predict(Tied, plan, {"a": meas, "b": base}, seq_len=8, bridge=link)
+    assert one.allreduce_s == pytest.approx(ring.allreduce_s)
+    assert base.bridge_allreduce_s(nbytes) is None and meas.with_bridge_allreduce(None).bridge_allreduce_fit is None
+    with pytest.raises(ValueError, match="c1 >= 0"):
+        base.with_bridge_allreduce({"c0": 0.0, "c1": -1.0})

@@ -208,6 +208,14 @@ class DeviceCosts:
         of (None: each island is a process of its own). Set with :meth:`in_process`; with
         :attr:`serial_launch` the predictor runs those islands' multi-device compute actions one
         at a time.
+      bridge_allreduce_fit: MEASURED seconds of the MPI host bridge's all-reduce of ``x`` bytes between TWO island
+        processes as the runtime calls it (``MPIHostBridge.allreduce_tree`` of float32 host arrays, both entering
+        together; ``c0 + c1 x``): the cross-island sum of the shared gradients (``PipelineRuntime._reduce_shared``).
+        Set with :meth:`with_bridge_allreduce` (``benchmarks/predictor_accuracy.py`` measures it beside the bridge's
+        ping-pong) or read from a profile's ``fits.bridge_allreduce``; None: the predictor's ring formula over the
+        bridge's point-to-point line. Why (docs/benchmarks.md, issue 13, session 15): an 8.2 MB all-reduce took
+        6.6x one 8.2 MB transfer of the same bridge (14.5-14.8 ms against 2.2 ms, LOADED machine, 2026-12-03
+        10:16), where the ring formula gives 2 alpha + bytes / bandwidth, about 1.7 ms quiet.
       corun_by_size: the caller's choice of co-run model in :meth:`from_profile` (True: the relation by
         size ratio, False: the one factor), None when left to the island kind (:data:`CORUN_BY_SIZE_DEFAULT`,
         applied by :meth:`on_shared_host` / :meth:`in_process`).
@@ -323,6 +331,7 @@ class DeviceCosts:
     serial_launch: bool = False
     process: Optional[str] = None
     corun_by_size: Optional[bool] = None
+    bridge_allreduce_fit: Optional[_Linear] = None
     #: per profiled ``(dp, tp, phase)``, the MEASURED parts at each profiled token count: ``(tokens, base,
     #: layer, embed, head)`` seconds, tokens ascending, solved exactly from the four profiled stage kinds at
     #: that count (:func:`_token_parts`); read by :meth:`_token_part`. Empty for the catalog and for
@@ -451,6 +460,24 @@ class DeviceCosts:
         return replace(self, host=str(process), process=str(process),
                        corun_relation=self._corun_relation_for("threads", corun_by_size))
 
+    def with_bridge_allreduce(self, fit: Optional[Mapping[str, float]]) -> "DeviceCosts":
+        """A copy with :attr:`bridge_allreduce_fit` ``fit["c0"] + fit["c1"] x bytes`` (seconds; None: unset); a
+        negative least-squares intercept is kept (the line is evaluated at no less than 0 s, as the other fits).
+
+        Raises:
+          ValueError: if ``c0`` or ``c1`` is not finite or ``c1`` is negative."""
+        if fit is None:
+            return replace(self, bridge_allreduce_fit=None)
+        c0, c1 = float(fit["c0"]), float(fit["c1"])
+        if not (math.isfinite(c0) and math.isfinite(c1) and c1 >= 0):
+            raise ValueError(f"bridge all-reduce line needs finite c0 and c1 >= 0, got {c0}, {c1}")
+        return replace(self, bridge_allreduce_fit=_Linear(c0, c1))
+
+    def bridge_allreduce_s(self, nbytes: float) -> Optional[float]:
+        """MEASURED seconds of the bridge's all-reduce of ``nbytes`` bytes between two island processes
+        (:attr:`bridge_allreduce_fit`), None when not measured."""
+        return None if self.bridge_allreduce_fit is None else self.bridge_allreduce_fit(float(nbytes))
+
     def _corun_relation_for(self, islands: str, corun_by_size: Optional[bool]) -> Tuple[Tuple[float, float], ...]:
         """The :attr:`corun_relation` of islands of kind ``islands`` (a key of :data:`CORUN_BY_SIZE_DEFAULT`):
         the profile's measured relation when ``corun_by_size`` (else :attr:`corun_by_size`, else the kind's
@@ -537,6 +564,7 @@ class DeviceCosts:
                                    for m, v in (fits_in.get("norm_mesh") or {}).items() if v},
                    action_overhead_s=max(0.0, float((fits_in.get("runtime") or {}).get("per_action_s", 0.0))),
                    local_bridge_link=_local_bridge(fits_in.get("bridge_local")),
+                   bridge_allreduce_fit=lin(fits_in.get("bridge_allreduce")),
                    cold_extra=_cold(fits_in.get("cold")), profile_path=path, norm_fit=lin(fits_in.get("norm")),
                    update_cold_per_param_s=max(0.0, float((fits_in.get("update_cold") or {}).get("per_param_s", 0.0))),
                    update_runtime_scale=_update_runtime_scale(fits_in, profile.get("samples") or (),

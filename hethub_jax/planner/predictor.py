@@ -845,7 +845,9 @@ def _reduction_parts(cfg: Any, plan: Any, ctxs, bridge: LinkModel) -> Tuple[Dict
             cross += _zero1_exchange_s(bridge, list(reps.values()), nbytes + pb * n)
         elif len(isl) > 1:
             p = len(isl)
-            cross += 2 * (p - 1) * bridge.alpha_s + 2.0 * (p - 1) / p * nbytes / bridge.bandwidth
+            measured = _bridge_allreduce_s(ctxs, holders, nbytes) if p == 2 else None
+            cross += (measured if measured is not None
+                      else 2 * (p - 1) * bridge.alpha_s + 2.0 * (p - 1) / p * nbytes / bridge.bandwidth)
     first = {c.spec.island: c for c in ctxs.values()}
     per_island: Dict[str, float] = {}
     for (i, dp, tp), (b, t) in held.items():  # the island's holders on each stage mesh (measured per mesh)
@@ -858,6 +860,14 @@ def _reduction_parts(cfg: Any, plan: Any, ctxs, bridge: LinkModel) -> Tuple[Dict
     gather = _zero1_gather_host_s(cfg, plan, ctxs) if own else {}
     return ({i: per_island.get(i, 0.0) + norm.get(i, 0.0) + gather.get(i, 0.0) for i in norm},
             cross + (bridge.alpha_s if len(plan.islands) > 1 else 0.0))
+
+
+def _bridge_allreduce_s(ctxs, holders, nbytes: float) -> Optional[float]:
+    """The MEASURED seconds of the bridge's all-reduce of ``nbytes`` between the two islands of ``holders``
+    (``DeviceCosts.bridge_allreduce_s``: the slower of the holders' lines), None unless every holder's costs
+    carry it (then the ring formula over the bridge's point-to-point line applies)."""
+    got = [ctxs[k].costs.bridge_allreduce_s(nbytes) for k in holders]
+    return None if not got or any(t is None for t in got) else max(got)
 
 
 def _zero1_gather_host_s(cfg: Any, plan: Any, ctxs) -> Dict[str, float]:
