@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps after the compiling one")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--sync-acc", action="store_true", help="wait for the accumulated gradients before _reduce_shared")
-    ap.add_argument("--profile", default=None, help="a profile JSON: print the predictor's tail beside")
+    ap.add_argument("--profile", default=None, help="a profile JSON: print the PREDICTED tail parts beside")
     args = ap.parse_args()
     import jax
     import numpy as np
@@ -144,17 +144,15 @@ def main() -> None:
         end = 1e3 * float(np.median([st["run_end"] - min(both[q][i]["t0"] for q in range(len(both)))
                                      for i, st in enumerate(both[r])]))
         print(f"  island {name}: pipeline end {end:.1f} ms; " + "  ".join(f"{p} {v:.2f}" for p, v in med.items()))
-    if args.profile:
+    if args.profile:  # the predictor's tail parts with the profile's bridge line (fits.bridge, else host_copy)
         from hethub_jax.planner.costs import DeviceCosts
         from hethub_jax.planner.predictor import predict
         costs = DeviceCosts.from_profile(args.profile).on_shared_host("this host")
-        fit = pa.measure_bridge_fit  # noqa: F841  (the benchmark measures the bridge; here its profile's line)
         bridge = costs.bridge_link or costs.host_link
         p = predict(cfg, plan, {i.name: costs for i in plan.islands}, seq_len=args.seq, bridge=bridge)
         print(f"  PREDICTED (profile {args.profile}, bridge {'fits.bridge' if costs.bridge_link else 'host_copy'} "
               f"line): step {1e3 * p.step_time_s:.1f} ms, allreduce_s (sums + norm + bridge) "
               f"{1e3 * p.allreduce_s:.2f} ms, update_s {1e3 * p.update_s:.2f} ms")
-
 
 if __name__ == "__main__":
     main()
