@@ -19,7 +19,7 @@
    (``MPIHostBridge``, its waits sleeping after ``--bridge-spin-s`` seconds of polling, default 0: unpinned
    on 2 cores a spinning wait takes the core the other island computes on), unpinned unless ``--pin``.
    Predicted as islands on one shared host (``DeviceCosts.on_shared_host``: the profile's measured co-run
-   factor; each process launches its own multi-device computations), the bridge being the MPI bridge's line
+   slowdown by the pair's size ratio; each process launches its own multi-device computations), the bridge being the MPI bridge's line
    measured between the two processes with the same spin and pinning (:func:`measure_bridge_fit`, as the
    profiler's ``fits.bridge``). The profile then measures its co-run factor beside a neighbour PROCESS
    (``python -m hethub_jax.profile --corun-neighbour process``), not a thread of its own process. Why
@@ -45,6 +45,8 @@
    ``drift``: a fixed pair of calls (:func:`canary`) timed before and after the profile and at the start
    of every round, round / profile: the machine's own change of speed between the profile and each
    round (the rounds cannot show that one; a ``drift`` of 1.3 with every row 30% low is the machine).
+   The figures are NOT scaled by it (the canary's own spread on a quiet machine is as large as the drift, session
+   15); ``drift_scaled_mape`` (:func:`drift_scaled_mape`) is the mape had they been, printed beside.
    ``--breakdown`` lays each configuration's measured step (of its median round) beside its predicted
    timeline per island, stage and action kind (``hethub_jax.planner.accuracy.action_breakdown``).
    Each row also records the host's minor page faults per timed step (``faults_per_step``, from
@@ -58,14 +60,21 @@
    the model before session 11). ``fitted_lines_mape`` / ``without_update_pair_mape`` (per row
    ``fitted_lines_ape``, ``without_update_pair_ape``): without session 12's terms, one at a time (the
    fitted lines between profiled microbatch sizes instead of the measured calls, ``DeviceCosts.token_parts``;
-   the tail's co-run at the stage-call factor instead of the measured update pair); ``size_ratio_corun_mape``
-   (``size_ratio_corun_ape``): the pipelines' co-run by the measured slowdown by the pair's size ratio
-   (``fits.corun.relation``, session 12) instead of the one measured factor ``fits.corun.factor`` (the
-   model since session 13, ``DeviceCosts.from_profile``'s ``corun_by_size``).
+   the tail's co-run at the stage-call factor instead of the measured update pair); the pipelines' OTHER
+   co-run model than the one in use (``hethub_jax.planner.costs.CORUN_BY_SIZE_DEFAULT`` decides per island
+   kind): with ``--islands processes`` the model is the measured slowdown by the pair's size ratio
+   (``fits.corun.relation``, session 12; the default for processes since session 15) and
+   ``one_factor_corun_mape`` (``one_factor_corun_ape``) is the one measured factor ``fits.corun.factor``
+   (sessions 13-14's model); with ``--islands threads`` the model is the one factor and
+   ``size_ratio_corun_mape`` (``size_ratio_corun_ape``) the relation.
    ``without_in_flight_mape`` (``without_in_flight_ape``): without session 13's measured factor of a
    call with microbatches in flight (``fits.in_flight``, ``DeviceCosts.in_flight_factor``).
    ``ping_pong_bridge_mape`` (``ping_pong_bridge_ape``; islands as processes): the bridge's latency from the
    ping-pong line instead of a waiting receiver's measured wake-up (:func:`bridge_link`, session 14).
+   ``ring_bridge_allreduce_mape`` (``ring_bridge_allreduce_ape``; islands as processes): the islands' sum of the
+   shared gradients by the ring formula over the bridge's point-to-point line instead of the bridge's all-reduce
+   measured as the runtime calls it (:func:`bridge_allreduce_samples`, ``DeviceCosts.bridge_allreduce_fit``;
+   session 15).
 
 The host allocator (``--host-allocator``, default ``steady``, ``hethub_jax.host_allocator``): glibc
 settings under which XLA:CPU's large buffers are not mmapped and unmapped on every call, in ONE arena; the
@@ -371,9 +380,45 @@ def bridge_child_main(spec_path: str) -> None:
     from hethub_jax import profile
     samples = profile.measure_bridge(list(BRIDGE_SIZES), spec["repeats"], spec["spin_s"])
     wake = bridge_wake_lateness(spec["spin_s"], max(spec["repeats"], 15))
+    allreduce = bridge_allreduce_samples(spec["spin_s"], max(spec["repeats"], 7))
     if rank == 0:
         with open(spec["out"], "w") as f:
-            json.dump({"samples": samples, "wake_s": wake}, f)
+            json.dump({"samples": samples, "wake_s": wake, "allreduce_samples": allreduce}, f)
+
+
+#: float32 bytes of the bridge's all-reduce fit (:func:`bridge_allreduce_samples`): 64 KiB, 1 MiB and the tiny
+#: model's tied embedding (32000 x 64 float32 = 8,192,000 bytes), which the islands sum over the bridge every step
+ALLREDUCE_SIZES = (64 * 1024, 1024 * 1024, 8_192_000)
+
+
+def bridge_allreduce_samples(spin_s: float, repeats: int) -> list | None:
+    """Under ``mpiexec -n 2``: the MPI host bridge's all-reduce as the runtime calls it for the shared gradients
+    (``PipelineRuntime._reduce_shared``: ``allreduce_tree`` of a dict of float32 host arrays, op sum) at
+    :data:`ALLREDUCE_SIZES`, both ranks entering together (after a blocking barrier), the bridge's waits polling
+    without sleeping for ``spin_s``; per size the median over ``repeats`` (one untimed first) of the slower rank's
+    seconds. Returns ``[{"kind": "bridge_allreduce", "bytes", "seconds"}, ...]`` on rank 0, None on rank 1. Why
+    (docs/benchmarks.md, issue 13, session 15): the predictor's ring formula over the ping-pong line
+    (``2 alpha + bytes / bandwidth`` for two islands) is about 1.7 ms at 8.2 MB, while the all-reduce took 6.6x one
+    transfer of the same bytes on this bridge."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from hethub_jax.comm.mpi import MPIHostBridge
+    world = MPI.COMM_WORLD
+    br = MPIHostBridge(world.Dup(), timeout=120).with_spin(spin_s)
+    out = []
+    for nbytes in ALLREDUCE_SIZES:
+        x = {"e": np.ones(nbytes // 4, np.float32)}
+        times = []
+        for i in range(repeats + 1):
+            world.Barrier()
+            t0 = time.perf_counter()
+            br.allreduce_tree(x, op="sum")
+            dt = world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+            if i:
+                times.append(dt)
+        out.append({"kind": "bridge_allreduce", "bytes": nbytes, "seconds": float(np.median(times))})
+    return out if world.Get_rank() == 0 else None
 
 
 #: seconds the receiver has been waiting when the message is sent (:func:`bridge_wake_lateness`): longer than the
@@ -450,7 +495,8 @@ def _run_child(flag: str, spec: dict, what: str) -> None:
 def measure_bridge_fit(args) -> dict:
     """The MPI host bridge between two island processes, measured (:func:`bridge_child_main`) and fitted as the
     profiler fits ``fits.bridge`` (``hethub_jax.profile.fit_line``: ``c0 + c1 x bytes``). Returns
-    ``{"fit": {"c0", "c1"}, "samples": [...], "spin_s", "pin"}``."""
+    ``{"fit": {"c0", "c1"}, "samples": [...], "wake_s", "spin_s", "pin", "allreduce_fit": {"c0", "c1"},
+    "allreduce_samples": [...]}`` (the all-reduce: :func:`bridge_allreduce_samples`, fitted the same way)."""
     import shutil
 
     from hethub_jax.profile import fit_line
@@ -461,9 +507,12 @@ def measure_bridge_fit(args) -> dict:
     with open(out) as f:
         got = json.load(f)
     shutil.rmtree(d, ignore_errors=True)
-    samples = got["samples"]
+    samples, ar = got["samples"], got.get("allreduce_samples") or []
     return {"fit": fit_line([s["bytes"] for s in samples], [s["seconds"] for s in samples]), "samples": samples,
-            "wake_s": got["wake_s"], "spin_s": args.bridge_spin_s, "pin": args.pin}
+            "wake_s": got["wake_s"], "spin_s": args.bridge_spin_s, "pin": args.pin,
+            # the all-reduce of the shared gradients as the runtime calls it (DeviceCosts.bridge_allreduce_fit)
+            "allreduce_fit": fit_line([s["bytes"] for s in ar], [s["seconds"] for s in ar]) if len(ar) > 1 else None,
+            "allreduce_samples": ar}
 
 
 def bridge_link(fit: dict, wake: bool = True):
@@ -599,14 +648,24 @@ def predict_row(name: str, cfg, costs, base, bridge, args, ping_pong_bridge=None
     pred_lines = predict(cfg, plan, {i.name: lines for i in plan.islands}, seq_len=args.seq, bridge=bridge)
     nopair = replace(costs, corun_update_factor=0.0)
     pred_nopair = predict(cfg, plan, {i.name: nopair for i in plan.islands}, seq_len=args.seq, bridge=bridge)
-    # the pipelines' co-run by the pair's size ratio (fits.corun.relation; DeviceCosts.from_profile reads it only
-    # with corun_by_size: the one measured factor is the model since session 13)
-    by_size = replace(costs, corun_relation=_corun_relation((costs.profile or {}).get("fits", {}).get("corun")))
-    pred_size = predict(cfg, plan, {i.name: by_size for i in plan.islands}, seq_len=args.seq, bridge=bridge)
+    # the pipelines' OTHER co-run model (planner.costs.CORUN_BY_SIZE_DEFAULT decides the one in use): islands as
+    # processes are slowed by the pair's size ratio since session 15, so their comparison is the one measured factor
+    # ("one_factor_corun", the model of sessions 13-14); islands as threads keep the one factor, their comparison
+    # is the size ratio ("size_ratio_corun")
+    if costs.corun_relation:
+        other_name, other = "one_factor_corun", replace(costs, corun_relation=())
+    else:
+        other_name = "size_ratio_corun"
+        other = replace(costs, corun_relation=_corun_relation((costs.profile or {}).get("fits", {}).get("corun")))
+    pred_other = predict(cfg, plan, {i.name: other for i in plan.islands}, seq_len=args.seq, bridge=bridge)
     flat = replace(costs, in_flight={})  # session 13: without the measured in-flight factors
     pred_flat = predict(cfg, plan, {i.name: flat for i in plan.islands}, seq_len=args.seq, bridge=bridge)
-    variants = {"fitted_lines": pred_lines, "without_update_pair": pred_nopair, "size_ratio_corun": pred_size,
+    variants = {"fitted_lines": pred_lines, "without_update_pair": pred_nopair, other_name: pred_other,
                 "without_in_flight": pred_flat}
+    if costs.bridge_allreduce_fit is not None:  # session 15: the shared sums by the ring formula over the p2p line
+        ring = replace(costs, bridge_allreduce_fit=None)
+        variants["ring_bridge_allreduce"] = predict(cfg, plan, {i.name: ring for i in plan.islands}, seq_len=args.seq,
+                                                    bridge=bridge)
     if ping_pong_bridge is not None:  # session 14: the bridge at the ping-pong's latency, not a waiting receiver's
         variants["ping_pong_bridge"] = predict(cfg, plan, {i.name: costs for i in plan.islands}, seq_len=args.seq,
                                                bridge=ping_pong_bridge)
@@ -646,7 +705,8 @@ def finish_row(name: str, pred, pred_base, rounds: list, args, pred_warm=None, p
            "without_action_costs_ape": None if pred_plain is None else abs(pred_plain.step_time_s - meas) / meas,
            # session 12's terms left out one at a time: "fitted_lines" (no interpolation of the measured calls
            # between profiled microbatch sizes), "without_update_pair" (the tail at the stage-call co-run factor),
-           # "size_ratio_corun" (the pipelines' co-run by the pair's size ratio, not at the one factor);
+           # the pipelines' other co-run model: "one_factor_corun" (islands as processes, session 15) or
+           # "size_ratio_corun" (islands as threads);
            # session 13's "without_in_flight" (no factor for microbatches in flight, fits.in_flight)
            **{f"{k}_step_s": v.step_time_s for k, v in (variants or {}).items()},
            **{f"{k}_ape": abs(v.step_time_s - meas) / meas for k, v in (variants or {}).items()},
@@ -677,6 +737,23 @@ def finish_row(name: str, pred, pred_base, rounds: list, args, pred_warm=None, p
     return row
 
 
+def drift_scaled_mape(rows: list, drift) -> "float | None":
+    """The mape had each round's measured step times been divided by that round's ``drift`` (its canary calls
+    over the profile's, :func:`canary`), i.e. the predictions scaled by the machine's measured change of speed;
+    None without a drift (a ``--profile`` given). A COMPARISON figure only, never the result: in session 14's
+    quiet run (/work/bench/s14/predictor_accuracy.json: drift 0.90, 0.73, 0.99 while measured / predicted was
+    1.10, 1.13, 1.17 per round) it gave 15.5% against 7.6% (size-ratio co-run) and 18.9% against 11.9% (one
+    factor): the canary's own spread (17.5 then 12.0 ms around one quiet profile) is larger than the drift it
+    would correct (docs/benchmarks.md, issue 13, session 15). ``rows[i]["rounds_s"]`` are in round order."""
+    if not drift:
+        return None
+    apes = []
+    for r in rows:
+        scaled = median([m / d for m, d in zip(r["rounds_s"], drift)])
+        apes.append(abs(r["predicted_step_s"] - scaled) / scaled)
+    return sum(apes) / len(apes)
+
+
 def summary(rows: list, names_by_round: list) -> dict:
     """The run's ``figures`` over the rows (see the module docstring, point 3)."""
     import math
@@ -694,7 +771,8 @@ def summary(rows: list, names_by_round: list) -> dict:
             "without_cold_mape": (sum(r["without_cold_ape"] for r in rows) / n
                                   if all(r.get("without_cold_ape") is not None for r in rows) else None),
             **{f"{k}_mape": sum(r[f"{k}_ape"] for r in rows) / n for k in ("fitted_lines", "without_update_pair",
-                                                                         "size_ratio_corun", "without_in_flight",
+                                                                         "size_ratio_corun", "one_factor_corun",
+                                                                         "without_in_flight", "ring_bridge_allreduce",
                                                                          "ping_pong_bridge")
                if all(f"{k}_ape" in r for r in rows)},
             "without_action_costs_mape": (sum(r["without_action_costs_ape"] for r in rows) / n
@@ -784,15 +862,23 @@ def main() -> None:
     t_profile = time.time() - t_start
     bridge_fit = None
     if args.islands == "processes":
-        # islands as processes of one host: they share its cores (the profile's measured co-run factor), each
+        # islands as processes of one host: they share its cores (the profile's measured co-run relation by the
+        # pair's size ratio: planner.costs.CORUN_BY_SIZE_DEFAULT), each
         # launches its own multi-device computations; between them the MPI host bridge, measured here between two
         # processes with the run's spin and pinning (the profiler's own fits.bridge needs mpiexec -n 2)
         costs = DeviceCosts.from_profile(prof_path).on_shared_host("this host")
         bridge_fit = measure_bridge_fit(args)
         bridge = bridge_link(bridge_fit)
+        # the shared gradients' sum over the bridge: its all-reduce measured as the runtime calls it (session 15)
+        costs = costs.with_bridge_allreduce(bridge_fit["allreduce_fit"])
+        ar = bridge_fit["allreduce_fit"]
         print(f"MPI bridge between the island processes: {1e6 * bridge.alpha_s:.1f} us (a waiting receiver's wake-up; "
               f"ping-pong {1e6 * bridge_fit['fit']['c0']:.1f} us) + bytes / {bridge.bandwidth / 1e9:.2f} GB/s (spin "
-              f"{args.bridge_spin_s:g} s, {'pinned' if args.pin else 'unpinned'})", flush=True)
+              f"{args.bridge_spin_s:g} s, {'pinned' if args.pin else 'unpinned'})"
+              + ("" if ar is None else f"; its all-reduce {1e6 * ar['c0']:.1f} us + bytes / {1e-9 / ar['c1']:.2f} GB/s"
+                 f" ({1e3 * (ar['c0'] + ar['c1'] * ALLREDUCE_SIZES[-1]):.2f} ms at {ALLREDUCE_SIZES[-1]} bytes, the "
+                 f"ring formula over the ping-pong line "
+                 f"{1e3 * (2 * bridge.alpha_s + ALLREDUCE_SIZES[-1] / bridge.bandwidth):.2f} ms)"), flush=True)
     else:
         # the islands are threads of this process: they share its cores (the profile's measured co-run factor)
         # and its launcher of multi-device computations (DP / TP stages; the profile's measured fits.launch)
@@ -829,6 +915,7 @@ def main() -> None:
                    # the yardstick (canary) before/after the profile and per round; drift = round / profile
                    canary_profile_s=canary_profile, canary_rounds_s=canary_rounds,
                    drift=[c / median(canary_profile) for c in canary_rounds] if canary_profile else None)
+    figures["drift_scaled_mape"] = drift_scaled_mape(rows, figures["drift"])
     print(f"MAPE {100 * figures['mape']:.1f}% against the median of {args.rounds} rounds (max "
           f"{100 * figures['max_ape']:.1f}%; against the rounds' minima {100 * figures['mape_min']:.1f}%) over "
           f"{len(rows)} configurations; {figures['within_spread']}/{len(rows)} predictions inside their rounds' "
@@ -847,8 +934,13 @@ def main() -> None:
              f"; without the update-pair factor {100 * figures['without_update_pair_mape']:.1f}%")
           + ("" if "size_ratio_corun_mape" not in figures else
              f"; with the co-run by the pair's size ratio {100 * figures['size_ratio_corun_mape']:.1f}%")
+          + ("" if "one_factor_corun_mape" not in figures else
+             f"; with the co-run at the one measured factor {100 * figures['one_factor_corun_mape']:.1f}%")
           + ("" if "without_in_flight_mape" not in figures else
              f"; without the in-flight factors {100 * figures['without_in_flight_mape']:.1f}%")
+          + ("" if "ring_bridge_allreduce_mape" not in figures else
+             f"; the shared sums by the ring formula over the bridge's ping-pong line "
+             f"{100 * figures['ring_bridge_allreduce_mape']:.1f}%")
           + ("" if "ping_pong_bridge_mape" not in figures else
              f"; with the bridge at the ping-pong's latency {100 * figures['ping_pong_bridge_mape']:.1f}%")
           + ("" if figures["others_cpu_share"] is None else
@@ -857,7 +949,9 @@ def main() -> None:
           + f"; {figures['wall_s']:.0f} s (profile {t_profile:.0f} s); host allocator {alloc['allocator']}"
           + ("" if not figures["drift"] else "; machine speed drift (canary calls, round / profile) "
              + ", ".join(f"{x:.3f}" for x in figures["drift"])
-             + f" (canary around the profile {', '.join(f'{1e3 * x:.2f}' for x in canary_profile)} ms)"))
+             + f" (canary around the profile {', '.join(f'{1e3 * x:.2f}' for x in canary_profile)} ms; the "
+             f"mape with each round's measured steps divided by its drift {100 * figures['drift_scaled_mape']:.1f}%,"
+             " a comparison only)"))
     for r in rows:
         for k in ("records", "islands"):
             r.pop(k, None)

@@ -101,3 +101,27 @@ def test_cpu_snapshot_counts_finished_children_when_asked():
     grew_without = cpu_snapshot()[2] - before_without
     assert grew_with >= 0.29
     assert grew_without < 0.2
+
+
+DRIFT_CODE = r"""
+import json
+import benchmarks.predictor_accuracy as pa
+rows = [{"predicted_step_s": 1.0, "rounds_s": [0.9, 1.2, 1.5]}, {"predicted_step_s": 2.0, "rounds_s": [2.0, 2.0, 2.0]}]
+print(json.dumps([pa.drift_scaled_mape(rows, [0.9, 1.2, 1.5]), pa.drift_scaled_mape(rows, [1.0, 1.0, 1.0]),
+                  pa.drift_scaled_mape(rows, None)]))
+"""
+
+
+def test_drift_scaled_mape_by_hand():
+    """``drift_scaled_mape``: each round's measured step divided by that round's drift, the median over rounds
+    against the prediction. By hand: row 1, measured in proportion to the drift, scales to 1.0 in every round
+    (APE 0); row 2 scales to 2.22, 1.67, 1.33 (median 2 / 1.2, APE (2 - 2/1.2) / (2/1.2) = 0.2): mape 0.1. Drift 1
+    everywhere is the plain mape: row 1's median 1.2, APE 1/6; row 2's 0: 1/12. No drift (a given profile): None."""
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, "-c", DRIFT_CODE], capture_output=True, text=True, timeout=120, cwd=REPO,
+                       env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    scaled, plain, none = json.loads(p.stdout.strip().splitlines()[-1])
+    assert scaled == pytest.approx((0.0 + (2.0 - 2.0 / 1.2) / (2.0 / 1.2)) / 2)
+    assert plain == pytest.approx((1 / 6 + 0.0) / 2)
+    assert none is None

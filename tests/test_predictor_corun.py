@@ -65,8 +65,8 @@ def test_corun_extra_interpolates_the_measured_points_in_log_ratio():
 
 
 def test_from_profile_reads_the_relation_only_when_asked_for():
-    """Default: the one measured factor at every size ratio (the relation was no better in the quiet run,
-    docs/benchmarks.md issue 13 session 13); ``corun_by_size=True``: the measured points."""
+    """``from_profile`` alone: the one measured factor at every size ratio (the island kind decides later,
+    ``test_island_kind_decides_the_corun_model``); ``corun_by_size=True``: the measured points."""
     prof = _prof(1.5)
     prof["fits"]["corun"]["relation"] = [[0.1, 1.0], [10.0, 0.0]]
     c = DeviceCosts.from_profile(prof)
@@ -215,3 +215,64 @@ def test_measure_corun_with_a_process_neighbour():
     assert fit_corun(s)["neighbour_kind"] == "process"
     with pytest.raises(ValueError, match="neighbour"):
         measure_corun(get_preset("tiny"), devs[:2], 16, 1, "bogus")
+
+
+def test_island_kind_decides_the_corun_model():
+    """``CORUN_BY_SIZE_DEFAULT``: islands as PROCESSES sharing a host (``on_shared_host``) are slowed by the
+    measured relation by size ratio, islands as threads of one process (``in_process``) by the one factor,
+    unless the caller chose (``from_profile`` or the method's ``corun_by_size``). By hand, as
+    ``test_two_equal_replicas_take_the_relation_at_size_ratio_one``: two equal replicas overlap wholly at
+    size ratio 1, so the pipeline takes ``1 + extra(1)`` x its seconds alone: 1.6 with the relation
+    ((0.5, +0.2), (2, +1.0): +0.6 at 1, halfway in log), 3.0 with the one factor 3.0."""
+    from hethub_jax.planner.costs import CORUN_BY_SIZE_DEFAULT
+    from tests.test_predictor import _two_replicas
+    assert CORUN_BY_SIZE_DEFAULT == {"processes": True, "threads": False}
+    plan = _two_replicas(3)
+    prof = _prof(3.0)
+    prof["fits"]["corun"]["relation"] = [[0.5, 0.2], [2.0, 1.0]]
+    no_relation = _prof(3.0)
+    alone = predict(Cfg, plan, {i: DeviceCosts.from_profile(prof) for i in "ab"}, seq_len=8).pipeline_s
+
+    def ratio(costs):
+        return predict(Cfg, plan, {"a": costs, "b": costs}, seq_len=8).pipeline_s / alone
+
+    assert ratio(DeviceCosts.from_profile(prof).on_shared_host("h")) == pytest.approx(1.6, rel=1e-9)  # processes
+    assert ratio(DeviceCosts.from_profile(prof).in_process("p")) == pytest.approx(3.0, rel=1e-9)  # threads
+    # the caller's choice wins, in from_profile or in the method
+    assert ratio(DeviceCosts.from_profile(prof, corun_by_size=False).on_shared_host("h")) == pytest.approx(3.0, rel=1e-9)
+    assert ratio(DeviceCosts.from_profile(prof).on_shared_host("h", corun_by_size=False)) == pytest.approx(3.0, rel=1e-9)
+    assert ratio(DeviceCosts.from_profile(prof, corun_by_size=True).in_process("p")) == pytest.approx(1.6, rel=1e-9)
+    assert ratio(DeviceCosts.from_profile(prof).in_process("p", corun_by_size=True)) == pytest.approx(1.6, rel=1e-9)
+    # no relation measured (profiles made with --corun off, or before session 12): the one factor either way
+    assert ratio(DeviceCosts.from_profile(no_relation).on_shared_host("h")) == pytest.approx(3.0, rel=1e-9)
+
+
+# ---- the bridge's all-reduce of the shared gradients, measured (session 15) ---------------------------------
+
+def test_measured_bridge_allreduce_replaces_the_ring_formula_for_the_shared_sum():
+    """Two stages on two islands holding the tied embedding (vocab x hidden float32) sum its gradient over the
+    bridge. Without a measured all-reduce the predictor's ring formula for 2 islands, ``2 alpha + bytes / bw``;
+    with ``DeviceCosts.with_bridge_allreduce`` the measured line ``c0 + c1 x bytes`` instead. By hand: the
+    step's ``allreduce_s`` moves by exactly the difference (islands on hardware of their own, so nothing is
+    co-run scaled), and nothing else in the step does."""
+    from hethub_jax.planner.costs import LinkModel
+
+    class Tied(Cfg):
+        tie_word_embeddings = True
+
+    nbytes = 4.0 * Tied.vocab_size * Tied.hidden_size
+    plan = chain_plan(2, 4, islands=["a", "b"])
+    link = LinkModel(2e-4, 1e10)
+    base = DeviceCosts.from_profile(fixed_profile(0.01, 0.02, update=0.004))
+    ring = predict(Tied, plan, {"a": base, "b": base}, seq_len=8, bridge=link)
+    meas = base.with_bridge_allreduce({"c0": 1e-3, "c1": 2e-9})
+    got = predict(Tied, plan, {"a": meas, "b": meas}, seq_len=8, bridge=link)
+    assert meas.bridge_allreduce_s(nbytes) == pytest.approx(1e-3 + 2e-9 * nbytes)
+    assert got.allreduce_s - ring.allreduce_s == pytest.approx((1e-3 + 2e-9 * nbytes) - (2 * 2e-4 + nbytes / 1e10))
+    assert got.update_s == pytest.approx(ring.update_s) and got.pipeline_s == pytest.approx(ring.pipeline_s)
+    # only one island measured: the ring formula (the measurement is of the pair)
+    one = predict(Tied, plan, {"a": meas, "b": base}, seq_len=8, bridge=link)
+    assert one.allreduce_s == pytest.approx(ring.allreduce_s)
+    assert base.bridge_allreduce_s(nbytes) is None and meas.with_bridge_allreduce(None).bridge_allreduce_fit is None
+    with pytest.raises(ValueError, match="c1 >= 0"):
+        base.with_bridge_allreduce({"c0": 0.0, "c1": -1.0})

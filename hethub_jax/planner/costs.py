@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 from hethub_jax.planner import analytic
 from hethub_jax.planner.catalog import DeviceSpec, get_device
 
-__all__ = ["PHASES", "LinkModel", "DeviceCosts", "PROFILE_FORMAT", "cost_source_text"]
+__all__ = ["PHASES", "LinkModel", "DeviceCosts", "PROFILE_FORMAT", "cost_source_text", "CORUN_BY_SIZE_DEFAULT"]
 
 PHASES = ("F", "F_nosave", "B", "B_recompute")
 #: ``format`` field of profile JSON files written by ``python -m hethub_jax.profile``
@@ -35,6 +35,20 @@ _PHASE_FORWARDS = {"F": 1.0, "F_nosave": 1.0, "B": analytic.BACKWARD_FLOPS_FACTO
 #: all-reduces of T x D activations per layer and phase under Megatron TP (Shoeybi et al. 2019,
 #: section 3: f and g operators, 2 in the forward, 2 in the backward, 4 when the forward is recomputed)
 _PHASE_TP_ALLREDUCES = {"F": 2, "F_nosave": 2, "B": 2, "B_recompute": 4}
+
+
+#: THE one place that decides, per kind of island sharing a CPU host's cores, whether the predictor slows their
+#: overlapping compute by the profile's MEASURED co-run slowdown by the pair's size ratio (``fits.corun.relation``:
+#: True) or by its one MEASURED factor (``fits.corun.factor``: False); read by :meth:`DeviceCosts.on_shared_host`
+#: (``"processes"``: islands that are processes of their own, as ``hethub_jax.train`` and
+#: ``benchmarks/predictor_accuracy.py`` run them) and :meth:`DeviceCosts.in_process` (``"threads"``: islands that
+#: are threads of one process, ``predictor_accuracy.py --islands threads``), unless the caller chose with
+#: ``corun_by_size``. Sources (docs/benchmarks.md, issue 13): with the islands as processes and the relation measured
+#: beside a neighbour PROCESS, the quiet run of 2026-12-03 08:16 (5e008b3, /work/bench/s14/predictor_accuracy.json)
+#: gave mape 7.6% by size ratio against 11.9% with the one factor, closer on all 11 rows (session 15 recomputed it
+#: from the JSON); with the islands as threads the quiet run of 2026-12-03 05:30 gave 19.6% against 19.4%
+#: (the one factor as close or closer on 7 of 11 rows; session 13) and 20.8% against 17.2% in session 14.
+CORUN_BY_SIZE_DEFAULT: Dict[str, bool] = {"processes": True, "threads": False}
 
 
 def _check_phase(phase: str) -> None:
@@ -103,7 +117,8 @@ class DeviceCosts:
         ``profile.measure_corun``): ``((size_ratio, extra), ...)`` sorted by ``size_ratio`` = a call's
         alone seconds / its neighbour's alone seconds per call, ``extra`` = busy / alone - 1 beside
         that neighbour (>= 0); empty when not measured or not asked for (``from_profile``'s
-        ``corun_by_size``, off by default), then ``corun_factor - 1`` at every ratio (:meth:`corun_extra`).
+        ``corun_by_size``; :meth:`on_shared_host` reads it by default, :meth:`in_process` does not:
+        :data:`CORUN_BY_SIZE_DEFAULT`), then ``corun_factor - 1`` at every ratio (:meth:`corun_extra`).
       corun_update_factor: MEASURED slowdown of an island's optimizer update while another island of the
         host updates at the same time (``fits.corun_update.factor``: after the pipelines the islands start
         their updates together, and AdamW is bound by the memory bandwidth and cores they share): the
@@ -193,6 +208,17 @@ class DeviceCosts:
         of (None: each island is a process of its own). Set with :meth:`in_process`; with
         :attr:`serial_launch` the predictor runs those islands' multi-device compute actions one
         at a time.
+      bridge_allreduce_fit: MEASURED seconds of the MPI host bridge's all-reduce of ``x`` bytes between TWO island
+        processes as the runtime calls it (``MPIHostBridge.allreduce_tree`` of float32 host arrays, both entering
+        together; ``c0 + c1 x``): the cross-island sum of the shared gradients (``PipelineRuntime._reduce_shared``).
+        Set with :meth:`with_bridge_allreduce` (``benchmarks/predictor_accuracy.py`` measures it beside the bridge's
+        ping-pong) or read from a profile's ``fits.bridge_allreduce``; None: the predictor's ring formula over the
+        bridge's point-to-point line. Why (docs/benchmarks.md, issue 13, session 15): an 8.2 MB all-reduce took
+        6.6x one 8.2 MB transfer of the same bridge (14.5-14.8 ms against 2.2 ms, LOADED machine, 2026-12-03
+        10:16), where the ring formula gives 2 alpha + bytes / bandwidth, about 1.7 ms quiet.
+      corun_by_size: the caller's choice of co-run model in :meth:`from_profile` (True: the relation by
+        size ratio, False: the one factor), None when left to the island kind (:data:`CORUN_BY_SIZE_DEFAULT`,
+        applied by :meth:`on_shared_host` / :meth:`in_process`).
     """
 
     name: str
@@ -304,6 +330,8 @@ class DeviceCosts:
         default_factory=dict)
     serial_launch: bool = False
     process: Optional[str] = None
+    corun_by_size: Optional[bool] = None
+    bridge_allreduce_fit: Optional[_Linear] = None
     #: per profiled ``(dp, tp, phase)``, the MEASURED parts at each profiled token count: ``(tokens, base,
     #: layer, embed, head)`` seconds, tokens ascending, solved exactly from the four profiled stage kinds at
     #: that count (:func:`_token_parts`); read by :meth:`_token_part`. Empty for the catalog and for
@@ -396,31 +424,71 @@ class DeviceCosts:
                 return e0 + w * (e1 - e0)
         return pts[-1][1]
 
-    def on_shared_host(self, host: str = "local") -> "DeviceCosts":
-        """A copy whose islands share the cores of host ``host`` with the other islands given costs
-        with the same ``host`` (islands as threads or processes of one machine, as in
-        ``benchmarks/predictor_accuracy.py``); their overlapping compute is slowed by the MEASURED
-        co-run slowdown (:meth:`corun_extra`).
+    def on_shared_host(self, host: str = "local", corun_by_size: Optional[bool] = None) -> "DeviceCosts":
+        """A copy whose islands are PROCESSES sharing the cores of host ``host`` with the other islands
+        given costs with the same ``host`` (as ``hethub_jax.train`` and ``benchmarks/predictor_accuracy.py``
+        run CPU islands); their overlapping compute is slowed by the MEASURED co-run slowdown
+        (:meth:`corun_extra`).
+
+        ``corun_by_size``: slow it by the profile's co-run relation by the pair's size ratio
+        (``fits.corun.relation`` into :attr:`corun_relation`; True) or by the one factor
+        ``fits.corun.factor`` (False). None: the choice made in :meth:`from_profile` if one was made there,
+        else :data:`CORUN_BY_SIZE_DEFAULT` ``["processes"]`` (True since session 15). Costs without a
+        measured relation (the catalog, profiles made with ``--corun off`` or before session 12) keep the one
+        factor either way.
 
         Raises:
           ValueError: if ``host`` is empty.
         """
         if not host:
             raise ValueError("host must be a non-empty name")
-        return replace(self, host=str(host))
+        return replace(self, host=str(host), corun_relation=self._corun_relation_for("processes", corun_by_size))
 
-    def in_process(self, process: str = "local") -> "DeviceCosts":
+    def in_process(self, process: str = "local", corun_by_size: Optional[bool] = None) -> "DeviceCosts":
         """A copy whose islands are threads of ONE process, ``process``, with the other islands given
-        costs with the same ``process`` (``benchmarks/predictor_accuracy.py``: one thread per island):
-        they share that host's cores (:meth:`on_shared_host` with the same name) and, where the
+        costs with the same ``process`` (``benchmarks/predictor_accuracy.py --islands threads``: one thread
+        per island): they share that host's cores (:meth:`on_shared_host` with the same name) and, where the
         profile measured :attr:`serial_launch`, its launcher of multi-device computations.
+        ``corun_by_size`` as in :meth:`on_shared_host`; None: the choice made in :meth:`from_profile`, else
+        :data:`CORUN_BY_SIZE_DEFAULT` ``["threads"]`` (False: the one measured factor).
 
         Raises:
           ValueError: if ``process`` is empty.
         """
         if not process:
             raise ValueError("process must be a non-empty name")
-        return replace(self, host=str(process), process=str(process))
+        return replace(self, host=str(process), process=str(process),
+                       corun_relation=self._corun_relation_for("threads", corun_by_size))
+
+    def with_bridge_allreduce(self, fit: Optional[Mapping[str, float]]) -> "DeviceCosts":
+        """A copy with :attr:`bridge_allreduce_fit` ``fit["c0"] + fit["c1"] x bytes`` (seconds; None: unset); a
+        negative least-squares intercept is kept (the line is evaluated at no less than 0 s, as the other fits).
+
+        Raises:
+          ValueError: if ``c0`` or ``c1`` is not finite or ``c1`` is negative."""
+        if fit is None:
+            return replace(self, bridge_allreduce_fit=None)
+        c0, c1 = float(fit["c0"]), float(fit["c1"])
+        if not (math.isfinite(c0) and math.isfinite(c1) and c1 >= 0):
+            raise ValueError(f"bridge all-reduce line needs finite c0 and c1 >= 0, got {c0}, {c1}")
+        return replace(self, bridge_allreduce_fit=_Linear(c0, c1))
+
+    def bridge_allreduce_s(self, nbytes: float) -> Optional[float]:
+        """MEASURED seconds of the bridge's all-reduce of ``nbytes`` bytes between two island processes
+        (:attr:`bridge_allreduce_fit`), None when not measured."""
+        return None if self.bridge_allreduce_fit is None else self.bridge_allreduce_fit(float(nbytes))
+
+    def _corun_relation_for(self, islands: str, corun_by_size: Optional[bool]) -> Tuple[Tuple[float, float], ...]:
+        """The :attr:`corun_relation` of islands of kind ``islands`` (a key of :data:`CORUN_BY_SIZE_DEFAULT`):
+        the profile's measured relation when ``corun_by_size`` (else :attr:`corun_by_size`, else the kind's
+        default) is True, else empty (the one factor)."""
+        choice = corun_by_size if corun_by_size is not None else self.corun_by_size
+        if choice is None:
+            choice = CORUN_BY_SIZE_DEFAULT[islands]
+        if not choice:
+            return ()
+        measured = _corun_relation(((self.profile or {}).get("fits") or {}).get("corun"))
+        return measured or self.corun_relation
 
     # ---- constructors ------------------------------------------------------------------------------
     @classmethod
@@ -445,16 +513,18 @@ class DeviceCosts:
 
     @classmethod
     def from_profile(cls, profile: Union[Mapping[str, Any], str, os.PathLike],
-                     corun_by_size: bool = False) -> "DeviceCosts":
+                     corun_by_size: Optional[bool] = None) -> "DeviceCosts":
         """Costs from a profile written by ``python -m hethub_jax.profile`` (a dict or a JSON path).
 
-        ``corun_by_size``: read the profile's co-run slowdown by the pair's size ratio
-        (``fits.corun.relation`` into :attr:`corun_relation`). Off by default: islands on a shared host
-        are slowed by the one MEASURED factor ``fits.corun.factor``. Why (docs/benchmarks.md issue 13,
-        session 13): in the quiet run of 2026-12-03 the relation gave mape 19.6% against 19.4% with the
-        one factor, the one factor was as close or closer on 7 of 11 rows, and the relation's points (one
-        small call's slowdown beside a large one) moved 1.1-5.5x between consecutive measurements of the
-        same pair on the shared machine, against 1.1-1.6x for the factor's large pair.
+        ``corun_by_size``: True reads the profile's co-run slowdown by the pair's size ratio
+        (``fits.corun.relation`` into :attr:`corun_relation`) now and keeps it when the costs are put on a
+        host; False keeps the one MEASURED factor ``fits.corun.factor`` there; None (default): the relation
+        is not read here (the costs are not on a shared host yet, where no co-run applies) and
+        :meth:`on_shared_host` (islands as processes: by size ratio) or :meth:`in_process` (islands as
+        threads: the one factor) decides by :data:`CORUN_BY_SIZE_DEFAULT`, which gives the measurements
+        behind each choice. The relation's points (one small call's slowdown beside a large one) are the
+        noisier measurement: 1.1-5.5x between consecutive measurements of the same pair on the shared
+        machine, against 1.1-1.6x for the factor's large pair (session 13).
 
         Raises:
           ValueError: if the profile's ``format`` is not :data:`PROFILE_FORMAT` or a fit is missing.
@@ -485,6 +555,7 @@ class DeviceCosts:
                    host_link=link(host), bridge_link=link(br),
                    profile=dict(profile), corun_factor=_corun(fits_in.get("corun")),
                    corun_relation=_corun_relation(fits_in.get("corun")) if corun_by_size else (),
+                   corun_by_size=None if corun_by_size is None else bool(corun_by_size),
                    corun_update_factor=(_corun(fits_in["corun_update"]) if fits_in.get("corun_update") else 0.0),
                    dp_fits=dp_fits,
                    update_dp_fits={int(k): lin(v) for k, v in (fits_in.get("update_dp") or {}).items()},
@@ -493,6 +564,7 @@ class DeviceCosts:
                                    for m, v in (fits_in.get("norm_mesh") or {}).items() if v},
                    action_overhead_s=max(0.0, float((fits_in.get("runtime") or {}).get("per_action_s", 0.0))),
                    local_bridge_link=_local_bridge(fits_in.get("bridge_local")),
+                   bridge_allreduce_fit=lin(fits_in.get("bridge_allreduce")),
                    cold_extra=_cold(fits_in.get("cold")), profile_path=path, norm_fit=lin(fits_in.get("norm")),
                    update_cold_per_param_s=max(0.0, float((fits_in.get("update_cold") or {}).get("per_param_s", 0.0))),
                    update_runtime_scale=_update_runtime_scale(fits_in, profile.get("samples") or (),

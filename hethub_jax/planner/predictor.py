@@ -20,8 +20,9 @@ How a prediction is made (DESIGN.md section 7; details and formulas in ``docs/pr
      executes them one action at a time in the runtime's order
      (:func:`hethub_jax.planner.simulator.simulate_processes`); islands sharing one host's cores
      (``DeviceCosts.on_shared_host``) slow their overlapping compute by the profile's measured co-run
-     slowdown by the pair's size ratio (``DeviceCosts.corun_extra``; the one measured factor for older
-     profiles; a fixed point over the simulated timeline, :func:`_corun_factors`); islands that are
+     slowdown by the pair's size ratio (``DeviceCosts.corun_extra``; the one measured factor for islands
+     as threads and older profiles, ``costs.CORUN_BY_SIZE_DEFAULT``; a fixed point over the simulated
+     timeline, :func:`_corun_factors`); islands that are
      threads of one process (``DeviceCosts.in_process``) whose profile measured XLA:CPU's one-at-a-time
      launcher of multi-device computations (``fits.launch``) run the F and B of their DP / TP stages
      one at a time, first come first served (:func:`_launch_locks`), and their norms and updates after
@@ -819,8 +820,9 @@ def _corun_tail(cfg: Any, plan: Any, ctxs, bridge: LinkModel, hosts, upd_per_isl
 def _reduction_s(cfg: Any, plan: Any, ctxs, bridge: LinkModel) -> float:
     """Seconds of the sums of shared gradients (runtime ``_reduce_shared``: per island
     ``DeviceCosts.shared_sum_s`` of the float32 bytes its holders hold; a ring all-reduce over the
-    bridge when the holders are on several islands) and of the global norm (each stage reads its
-    gradients once, one small all-reduce)."""
+    bridge when the holders are on several islands, or for two islands the bridge's MEASURED all-reduce
+    line, :func:`_bridge_allreduce_s`) and of the global norm (each stage reads its gradients once, one
+    small all-reduce)."""
     parts, fixed = _reduction_parts(cfg, plan, ctxs, bridge)
     return max(parts.values(), default=0.0) + fixed
 
@@ -845,7 +847,9 @@ def _reduction_parts(cfg: Any, plan: Any, ctxs, bridge: LinkModel) -> Tuple[Dict
             cross += _zero1_exchange_s(bridge, list(reps.values()), nbytes + pb * n)
         elif len(isl) > 1:
             p = len(isl)
-            cross += 2 * (p - 1) * bridge.alpha_s + 2.0 * (p - 1) / p * nbytes / bridge.bandwidth
+            measured = _bridge_allreduce_s(ctxs, holders, nbytes) if p == 2 else None
+            cross += (measured if measured is not None
+                      else 2 * (p - 1) * bridge.alpha_s + 2.0 * (p - 1) / p * nbytes / bridge.bandwidth)
     first = {c.spec.island: c for c in ctxs.values()}
     per_island: Dict[str, float] = {}
     for (i, dp, tp), (b, t) in held.items():  # the island's holders on each stage mesh (measured per mesh)
@@ -858,6 +862,14 @@ def _reduction_parts(cfg: Any, plan: Any, ctxs, bridge: LinkModel) -> Tuple[Dict
     gather = _zero1_gather_host_s(cfg, plan, ctxs) if own else {}
     return ({i: per_island.get(i, 0.0) + norm.get(i, 0.0) + gather.get(i, 0.0) for i in norm},
             cross + (bridge.alpha_s if len(plan.islands) > 1 else 0.0))
+
+
+def _bridge_allreduce_s(ctxs, holders, nbytes: float) -> Optional[float]:
+    """The MEASURED seconds of the bridge's all-reduce of ``nbytes`` between the two islands of ``holders``
+    (``DeviceCosts.bridge_allreduce_s``: the slower of the holders' lines), None unless every holder's costs
+    carry it (then the ring formula over the bridge's point-to-point line applies)."""
+    got = [ctxs[k].costs.bridge_allreduce_s(nbytes) for k in holders]
+    return None if not got or any(t is None for t in got) else max(got)
 
 
 def _zero1_gather_host_s(cfg: Any, plan: Any, ctxs) -> Dict[str, float]:
