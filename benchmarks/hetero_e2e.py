@@ -127,8 +127,16 @@ def plans(cfg, args, costs) -> dict:
     rep = hdp.plan.replace(optimizer_sharding="replicated")
     pred_r = predict(cfg, rep, {i.name: costs[i.name] for i in rep.islands}, seq_len=args.seq,
                      bridge=bridge_for(both, [("fast", "slow")])).step_time_s
-    out = {"planned": (best.plan, best.step_time_s), "uniform": (uniform, pred_u),
+    # the planner's plan PREDICTED on the path the runtimes run (--bucket-mb, as train.grad_bucket_mb), both
+    # gradient all-reduce paths of a heterogeneous-DP plan beside each other (planner.predict_buckets)
+    bucket_mb = args.bucket_mb if args.bucket_mb > 0 else None
+    pred_b = predict(cfg, best.plan, {i.name: costs[i.name] for i in best.plan.islands}, seq_len=args.seq,
+                     bridge=bridge_for(both, [("fast", "slow")]), grad_bucket_mb=bucket_mb)
+    args.planned_prediction, args.planned_search_step_s = pred_b, best.step_time_s
+    out = {"planned": (best.plan, pred_b.step_time_s), "uniform": (uniform, pred_u),
            "hetero_dp": (hdp.plan, hdp.step_time_s), "hetero_dp_replicated": (rep, pred_r)}
+    if pred_b.grad_allreduce == "bucketed":  # the same plan unbucketed, measured in the same run
+        out["planned_unbucketed"] = (best.plan, pred_b.step_time_unbucketed_s)
     for isl in ("fast", "slow"):
         one = cluster_from_dict(cluster(args.slowdown, isl))
         alone = search(cfg, one, args.batch, args.seq, costs={isl: costs[isl]}, options=SearchOptions(top_k=1)).best
@@ -277,6 +285,8 @@ def main() -> None:
                 for n, (p, _) in contenders.items() if not n.startswith("alone") and not (same and n == "hetero_dp")}
     for rt in runtimes.values():  # as training does (train.grad_bucket_mb): applies to the hetero-DP plans
         rt.set_grad_buckets(args.bucket_mb if args.bucket_mb > 0 else None)
+    if "planned_unbucketed" in runtimes:  # the in-run comparison: the planner's plan, all-reduce after the backward
+        runtimes["planned_unbucketed"].set_grad_buckets(None)
     seen = {i: [] for i in ("fast", "slow")}
     for v in ALONE_VARIANTS:  # a variant is measured when it differs on either island (the same decision
         new = [contenders[f"{v}_{i}"][0].to_dict() not in seen[i] for i in ("fast", "slow")]  # on both ranks)
@@ -535,6 +545,8 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
     rows = {}
     for n in ("planned", "uniform", "hetero_dp", "hetero_dp_replicated"):
         rows[n] = tps(n if n in g[0]["times"] else "planned")  # the planner's plan may be the hetero-DP one
+    if "planned_unbucketed" in g[0]["times"]:  # the planner's plan unbucketed, same run (in-run comparison)
+        rows["planned_unbucketed"] = tps("planned_unbucketed")
     measured = {v: [tps(v, (r,)) for r in (0, 1)] for v in ALONE_VARIANTS if v in g[0]["times"]}
     best_v = [max(measured, key=lambda v: measured[v][r][0]) for r in (0, 1)]
     alone = [measured[v][r] for r, v in enumerate(best_v)]  # each island's fastest measured plan
@@ -549,6 +561,9 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
                                       for n in ("planned", "hetero_dp", "hetero_dp_replicated")},
                "prediction_error": round(abs(pred - rows["planned"][1]) / rows["planned"][1], 4),
                "predicted_step_s_planned": pred, "measured_step_s_planned": rows["planned"][1],
+               # session 15: the planner's plan PREDICTED on both gradient all-reduce paths (the runtimes run
+               # --bucket-mb's; planner.predict_buckets), and measured unbucketed in the same run
+               **_bucket_figures(args, rows, upper),
                "tokens_per_s": {n: r[0] for n, r in rows.items()},
                "tokens_per_s_alone": {"fast": alone[0][0], "slow": alone[1][0]}, "upper_bound_tokens_per_s": upper,
                "alone_bound_plan": {i: {"alone": "planner", "alone1f1b": "1f1b",
@@ -568,7 +583,7 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
                                               for x in g],
                "hetero_dp_reduce_after_backward_s_per_rank": [
                    median(x["reduce_s"].get("hetero_dp", x["reduce_s"]["planned"])) for x in g],
-               "predicted_parts_s": {n: _parts(contenders[n][0], cfg, costs, args)
+               "predicted_parts_s": {n: _parts(contenders[n][0], cfg, costs, args, n == "planned")
                                      for n in ("planned", "hetero_dp", "hetero_dp_replicated")},
                "parts_planned_last_step": _parts_compare(args, cfg, contenders, g, costs),
                # minor page faults per timed step of the planner's plan, per rank (hethub_jax.host_allocator:
@@ -612,6 +627,16 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
                             f"{exposed}") + f", all-reduce after the backward per rank {after}; PREDICTED (pipeline, "
           f"all-reduce + norm, update) {figures['predicted_parts_s']['hetero_dp']}, replicated update "
           f"{figures['predicted_parts_s']['hetero_dp_replicated']}")
+    bf = figures
+    if bf.get("predicted_step_s_planned_bucketed") is not None:
+        print(f"planned, gradient all-reduce: PREDICTED bucketed {bf['predicted_step_s_planned_bucketed']:.3f} s, "
+              f"unbucketed {bf['predicted_step_s_planned_unbucketed']:.3f} s (PREDICTED faster: "
+              f"{bf['predicted_faster_grad_allreduce']}; chunked last microbatch x "
+              f"{bf['predicted_buckets']['ratio']} from {bf['predicted_buckets']['ratio_source']})"
+              + (f"; measured bucketed {rows['planned'][1]:.3f} s, unbucketed {rows['planned_unbucketed'][1]:.3f} s, "
+                 f"fraction_of_upper_bound_unbucketed {bf['fraction_of_upper_bound_unbucketed']:.3f}, "
+                 f"prediction_error_unbucketed {bf['prediction_error_unbucketed']:.3f} [EMULATED]"
+                 if "planned_unbucketed" in rows else ""))
     print(f"hetero DP sharded (ZeRO-1) over replicated update: {figures['hetero_dp_over_replicated']:.3f}; "
           f"replicated fraction_of_upper_bound {figures['fraction_of_upper_bound_hetero_dp_replicated']:.3f}")
     for isl, d in figures["parts_planned_last_step"].items():
@@ -640,13 +665,38 @@ def _err(pred, measured):
     return None if pred is None or not measured else round(abs(pred - measured) / measured, 4)
 
 
-def _parts(plan, cfg, costs, args) -> list:
-    """The PREDICTED (pipeline, gradient all-reduce + norm, update) seconds of ``plan``."""
+def _bucket_figures(args, rows, upper) -> dict:
+    """The planner's plan's two gradient all-reduce paths (session 15): PREDICTED bucketed and unbucketed
+    steps (``predict(..., grad_bucket_mb=--bucket-mb)``: ``planner.predict_buckets``) and, when the plan
+    buckets, the same plan measured unbucketed in this run (``fraction_of_upper_bound_unbucketed``,
+    ``planned_bucketed_over_unbucketed`` = tokens/s bucketed over unbucketed, ``prediction_error_unbucketed``);
+    ``prediction_error_search_model``: the planner's own (unbucketed) prediction against the measured
+    planned step, the definition of ``prediction_error`` before session 15."""
+    p = args.planned_prediction
+    out = {"predicted_grad_allreduce_planned": p.grad_allreduce,
+           "predicted_step_s_planned_bucketed": p.step_time_bucketed_s,
+           "predicted_step_s_planned_unbucketed": p.step_time_unbucketed_s,
+           "predicted_faster_grad_allreduce": (p.buckets or {}).get("faster"),
+           "predicted_buckets": p.buckets,
+           "predicted_step_s_planned_search": args.planned_search_step_s,
+           "prediction_error_search_model": _err(args.planned_search_step_s, rows["planned"][1])}
+    if "planned_unbucketed" in rows:
+        out.update({"fraction_of_upper_bound_unbucketed": round(rows["planned_unbucketed"][0] / upper, 4),
+                    "planned_bucketed_over_unbucketed": round(rows["planned"][0] / rows["planned_unbucketed"][0], 4),
+                    "measured_step_s_planned_unbucketed": rows["planned_unbucketed"][1],
+                    "prediction_error_unbucketed": _err(p.step_time_unbucketed_s, rows["planned_unbucketed"][1])})
+    return out
+
+
+def _parts(plan, cfg, costs, args, configured: bool = False) -> list:
+    """The PREDICTED (pipeline, gradient all-reduce + norm, update) seconds of ``plan`` (``configured``: on
+    the runtimes' gradient all-reduce path, ``--bucket-mb``; else unbucketed, as before session 15)."""
     from hethub_jax.planner import cluster_from_dict
     from hethub_jax.planner.predictor import predict
     from hethub_jax.planner.search import bridge_for
     p = predict(cfg, plan, {i.name: costs[i.name] for i in plan.islands}, seq_len=args.seq,
-                bridge=bridge_for(cluster_from_dict(cluster(args.slowdown, bridge=args.bridge_link)), [("fast", "slow")]))
+                bridge=bridge_for(cluster_from_dict(cluster(args.slowdown, bridge=args.bridge_link)), [("fast", "slow")]),
+                grad_bucket_mb=(args.bucket_mb if configured and args.bucket_mb > 0 else None))
     return [round(p.pipeline_s, 4), round(p.allreduce_s, 4), round(p.update_s, 4)]
 
 
@@ -695,7 +745,7 @@ def _parts_compare(args, cfg, contenders, g, costs) -> dict:
     bridge = bridge_for(cluster_from_dict(cluster(args.slowdown, bridge=args.bridge_link)),
                         [("fast", "slow")])
     c = {i.name: costs[i.name] for i in plan.islands}
-    pred = predict(cfg, plan, c, seq_len=args.seq, bridge=bridge)
+    pred = args.planned_prediction  # on the runtimes' path (bucketed: the chunked last microbatch's term)
     tails = tail_parts(cfg, plan, c, seq_len=args.seq, bridge=bridge)
     slow = {i.name: i.slowdown for i in plan.islands}
     # a B action whose forward ran fused with it computes nothing of its own (PREDICTED 0 s; measured: the wait
@@ -762,7 +812,7 @@ def _timeline(args, cfg, contenders, g, costs) -> None:
     from hethub_jax.planner.search import bridge_for
     bridge = bridge_for(cluster_from_dict(cluster(args.slowdown, bridge=args.bridge_link)), [("fast", "slow")])
     pred = predicted_records(cfg, plan, {i.name: costs[i.name] for i in plan.islands}, seq_len=args.seq,
-                             bridge=bridge)
+                             bridge=bridge, prediction=args.planned_prediction)
     write_timeline_png(args.timeline_png, recs, pred, slowdown={i.name: i.slowdown for i in plan.islands},
                        title="hetero_e2e planned plan, last step")
     print(f"timeline: {args.timeline_png}")
