@@ -55,7 +55,12 @@ between the islands with ``--bridge measure`` (default ``assumed``: 50 us + byte
 The two-island runtimes use the bucketed gradient all-reduce overlapped with the last backward, as
 training does by default (``--bucket-mb``, default 25 MiB = ``train.grad_bucket_mb``; it applies to the
 heterogeneous-DP plans); the figures give each rank's bucket count, overlap and exposed wait, and the
-seconds spent in the gradient sums after the backward.
+seconds spent in the gradient sums after the backward. Since session 15, when the planner's plan buckets,
+the same plan also runs UNBUCKETED in the same interleaved loop (``planned_unbucketed``, the all-reduce after
+the whole backward: an in-run comparison), and the plan is PREDICTED on both paths
+(``hethub_jax.planner.predict_buckets``: the chunked last microbatch at the profile's measured ratio,
+``fits.chunked_last``, which ``--profile-islands`` measures on the whole-model stage at the profiled sizes up
+to 16; 1.0 for profiles without it, said in ``predicted_buckets.ratio_source``).
 
 Default global batch 64 (rows of ``--seq`` tokens; it was 16 before session 9, and the recorded runs used
 8 and 32): heterogeneous DP with a replicated update pays it on each island (the slow one's EMULATED 3x),
@@ -73,6 +78,12 @@ Figures: ``fraction_of_upper_bound`` = (b) / (a_fast + a_slow), ``planned_over_u
 ``parts_planned_last_step``: per island the planned plan's last step part by part, measured against PREDICTED
 (compute actions, the last one apart, pipeline, the rest of the step split: ``_parts_compare``);
 ``corun``: the measured co-run slowdown; ``bridge_link``: the link used and the measured one.
+Session 15: ``prediction_error`` compares the PREDICTED step on the runtimes' path (bucketed when
+``--bucket-mb`` > 0 and the plan buckets) with the measured one (``prediction_error_search_model``: the
+planner's own unbucketed figure, the definition before); ``predicted_step_s_planned_bucketed`` /
+``_unbucketed``, ``predicted_faster_grad_allreduce``, ``predicted_buckets`` (the bucketed path's terms);
+when the plan buckets, ``fraction_of_upper_bound_unbucketed`` (the planner's plan measured unbucketed in the
+same run), ``planned_bucketed_over_unbucketed`` (tokens/s) and ``prediction_error_unbucketed``.
 """
 from __future__ import annotations
 

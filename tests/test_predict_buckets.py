@@ -193,3 +193,20 @@ def test_host_sums_move_onto_a_cpu_islands_core():
     n = analytic.stage_params(Cfg, 0, 7, True, True)
     tensors = 9 * Cfg.num_hidden_layers + 2 + (0 if Cfg.tie_word_embeddings else 1)
     assert add == pytest.approx(c.shared_sum_s(4.0 * n, tensors), rel=0.05)
+
+
+def test_train_banner_gives_both_paths_and_the_faster():
+    from hethub_jax.train_predict import grad_allreduce_line, predict_run
+    run = predict_run(Cfg, _hdp((6, 2)), 8, costs=_costs(ratio=1.5, platform="cpu"), grad_bucket_mb=25.0)
+    p = run.prediction
+    assert p.grad_allreduce == "bucketed" and p.step_time_s == p.step_time_bucketed_s
+    # a 1.5x chunked microbatch on both replicas and the sums on the cores: PREDICTED slower than unbucketed
+    assert p.step_time_bucketed_s > p.step_time_unbucketed_s and p.buckets["faster"] == "unbucketed"
+    line = grad_allreduce_line(p)
+    assert "PREDICTED faster: unbucketed" in line and "this run: bucketed" in line and line in run.banner()
+    s = run.summary()
+    assert (s["step_time_bucketed_s"], s["step_time_unbucketed_s"], s["faster_grad_allreduce"]) == (
+        p.step_time_bucketed_s, p.step_time_unbucketed_s, "unbucketed")
+    off = predict_run(Cfg, _hdp((6, 2)), 8, costs=_costs(ratio=1.5, platform="cpu")).prediction
+    assert off.grad_allreduce == "unbucketed" and off.step_time_s == p.step_time_unbucketed_s
+    assert grad_allreduce_line(predict_run(Cfg, _hdp((2, 2), schedule="gpipe"), 8, costs=_costs()).prediction) is None
