@@ -253,6 +253,9 @@ def main() -> None:
         from hethub_jax.train_predict import microbatch_sizes_to_profile, planner_microbatch_sizes
         args.profile_mbs = ",".join(map(str, microbatch_sizes_to_profile(planner_microbatch_sizes(args.batch),
                                                                          every_power_of_two=True)))
+    args.canary_cfg, args.canary_profile = cfg, []
+    if args.profile_islands:  # the machine's speed when the profiles are taken (the yardstick, _canary_round)
+        args.canary_profile.append(_canary_round(world, rank, cfg, args))
     if args.profile_islands:
         pids = world.allgather(os.getpid())  # this job's ranks: not "other processes" in the profile's note
         others = [p for p in pids if p != os.getpid()]
@@ -265,6 +268,7 @@ def main() -> None:
                     mine = _profile_island(args, rank, others)
                 world.Barrier()
         profs = world.allgather(mine)
+        args.canary_profile.append(_canary_round(world, rank, cfg, args))
         if args.pool_stage_shapes:
             profs = pool_stage_shapes(profs)
         profiles = {"fast": profs[0], "slow": profs[1]}
@@ -518,6 +522,7 @@ def _measure(args, world, rank, core, runtimes, contenders):
     tail = {n: [] for n in names}  # per timed step: step start/end (perf_counter), update and gather seconds
     faults = {n: [] for n in names}  # minor page faults of this rank per timed step (getrusage)
     import resource
+    canary_steps = [_canary_round(world, rank, args.canary_cfg, args)]  # the yardstick before the timed steps
     for i in range(n_steps):
         order = names[i % len(names):] + names[:i % len(names)]
         for n in order:
@@ -538,11 +543,61 @@ def _measure(args, world, rank, core, runtimes, contenders):
                                 "param_exchange_s": getattr(runtimes[n], "last_exchange_s", 0.0)})
             if n == "planned":
                 records = res.records
-    return world.gather({"rank": rank, "core": core, "times": times, "tokens": tokens, "records": records,
+    canary_steps.append(_canary_round(world, rank, args.canary_cfg, args))  # and after them
+    return world.gather({"canary_profile_s": args.canary_profile, "canary_steps_s": canary_steps,"rank": rank, "core": core, "times": times, "tokens": tokens, "records": records,
                          "reduce_s": reduce, "buckets": buckets, "faults": faults, "tail": tail,
                          "bucket_off": {n: getattr(rt, "grad_bucket_off_reason", lambda: None)()
                                         for n, rt in runtimes.items()},
                          "machine": machine(), "load": (load0, loadavg())}, root=0)
+
+
+_CANARY: dict = {}
+
+
+def _canary_round(world, rank, cfg, args) -> float:
+    """This rank's canary (seconds), the ranks one after the other (a barrier between), each on its own pinned
+    core while the other waits, as the profiles are taken: two fixed small stage calls, one sample each
+    (``hethub_jax.profile.measure_stage``: a first stage's (layer 0) B and a last stage's (last layer) fused
+    F+B, median of 5 calls after one untimed), summed: a yardstick of the machine's speed. Timed before and
+    after the profiles and before and after the timed steps; ``figures.drift`` = steps / profile per rank
+    (the machine running the same calls faster (< 1) or slower (> 1) during the timed steps than during the
+    profile, which ``prediction_error`` cannot tell from a predictor error; session 14's two quiet runs had
+    errors of opposite signs). About 0.1 s per round on this model."""
+    import jax
+
+    from hethub_jax import profile
+    from hethub_jax.optim import OptimConfig, make_optimizer
+    from hethub_jax.parallel.stage import PipelineStage
+    if not _CANARY:
+        tx, L, dev = make_optimizer(OptimConfig()), cfg.num_hidden_layers, jax.devices()[0]
+        _CANARY["stages"] = [PipelineStage(cfg, a, a, [dev], 1, 1, seed=0, recompute=False, optimizer=tx)
+                             for a in (0, L - 1)]
+    first, last = _CANARY["stages"]
+    out = 0.0
+    for r in range(world.Get_size()):
+        if r == rank:
+            out = (profile.measure_stage(first, cfg, 1, args.seq, 5)["B"]
+                   + profile.measure_stage(last, cfg, 1, args.seq, 5)["B_recompute"])
+        world.Barrier()
+    return out
+
+
+def _drift(g, pred, measured) -> dict:
+    """``figures.drift``: per rank the canary seconds (:func:`_canary_round`) around the profiles and around
+    the timed steps, ``per_rank`` = median(steps) / median(profile) (None without --profile-islands), their
+    mean ``mean``, and ``prediction_error_rescaled``: |PREDICTED x mean - measured| / measured, the step
+    PREDICTED at the timed steps' machine speed. RESCALED, beside ``prediction_error`` (never instead of
+    it): the canary is two small calls, not the step's."""
+    from benchmarks.common import median
+    per = [median(x["canary_steps_s"]) / median(x["canary_profile_s"]) if x.get("canary_profile_s") else None
+           for x in g]
+    mean = sum(per) / len(per) if per and all(d is not None for d in per) else None
+    return {"canary_profile_s_per_rank": [x.get("canary_profile_s") for x in g],
+            "canary_steps_s_per_rank": [x.get("canary_steps_s") for x in g], "per_rank": per, "mean": mean,
+            "prediction_error_rescaled": (None if mean is None or not measured
+                                          else round(abs(pred * mean - measured) / measured, 4)),
+            "note": "canary = steps / profile: > 1 the machine ran slower during the timed steps than during the "
+                    "profiles; prediction_error_rescaled is RESCALED by it, not the benchmark's figure"}
 
 
 def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
@@ -575,6 +630,8 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
                # session 15: the planner's plan PREDICTED on both gradient all-reduce paths (the runtimes run
                # --bucket-mb's; planner.predict_buckets), and measured unbucketed in the same run
                **_bucket_figures(args, rows, upper),
+               # the machine's speed during the timed steps over that during the profiles (canary calls)
+               "drift": _drift(g, pred, rows["planned"][1]),
                "tokens_per_s": {n: r[0] for n, r in rows.items()},
                "tokens_per_s_alone": {"fast": alone[0][0], "slow": alone[1][0]}, "upper_bound_tokens_per_s": upper,
                "alone_bound_plan": {i: {"alone": "planner", "alone1f1b": "1f1b",
@@ -664,6 +721,11 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
                 t, q = m["tail"], p["tail"]
                 print("    rest of step, measured: " + ", ".join(f"{k[:-2]} {v:.3f}" for k, v in t.items())
                       + " s; PREDICTED: " + ", ".join(f"{k[:-2]} {v:.3f}" for k, v in q.items()) + " s")
+    d = figures["drift"]
+    print("drift (canary, timed steps / profiles) per rank: "
+          + (", ".join(f"{x:.3f}" for x in d["per_rank"]) if d["mean"] is not None else "not measured (no --profile-islands)")
+          + (f"; prediction_error RESCALED by the mean drift {d['prediction_error_rescaled']:.3f} (not the figure)"
+             if d["prediction_error_rescaled"] is not None else ""))
     print(f"upper bound {upper:.1f} tokens/s; fraction_of_upper_bound {figures['fraction_of_upper_bound']:.3f}, "
           f"planned_over_uniform {figures['planned_over_uniform']:.3f}, prediction_error "
           f"{figures['prediction_error']:.3f} (predicted {pred:.3f} s from {source}) [EMULATED]")
