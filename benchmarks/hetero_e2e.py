@@ -566,8 +566,12 @@ def _canary_round(world, rank, cfg, args) -> float:
     import jax
 
     from hethub_jax import profile
+    from hethub_jax.host_allocator import steady_host_allocator
     from hethub_jax.optim import OptimConfig, make_optimizer
     from hethub_jax.parallel.stage import PipelineStage
+    # the allocator the profile and the runtimes set (idempotent): without it the first canary, before the
+    # profile, ran 3x slower (XLA:CPU's buffers mmapped and faulted in again per call; LOADED check, session 15)
+    steady_host_allocator()
     if not _CANARY:
         tx, L, dev = make_optimizer(OptimConfig()), cfg.num_hidden_layers, jax.devices()[0]
         _CANARY["stages"] = [PipelineStage(cfg, a, a, [dev], 1, 1, seed=0, recompute=False, optimizer=tx)
