@@ -210,3 +210,16 @@ def test_train_banner_gives_both_paths_and_the_faster():
     off = predict_run(Cfg, _hdp((6, 2)), 8, costs=_costs(ratio=1.5, platform="cpu")).prediction
     assert off.grad_allreduce == "unbucketed" and off.step_time_s == p.step_time_unbucketed_s
     assert grad_allreduce_line(predict_run(Cfg, _hdp((2, 2), schedule="gpipe"), 8, costs=_costs()).prediction) is None
+
+
+def test_profile_fit_of_the_chunked_samples_by_hand():
+    from hethub_jax.profile import fit_chunked_last
+    samples = [{"kind": "chunked_last", "tokens": 512, "fused_seconds": 0.5, "seconds": 0.6, "copies_seconds": 0.7},
+               {"kind": "chunked_last", "tokens": 256, "fused_seconds": 0.2, "seconds": 0.25, "copies_seconds": 0.3}]
+    fit = fit_chunked_last(samples)
+    assert fit["points"] == [[256, pytest.approx(1.25)], [512, pytest.approx(1.2)]]
+    assert fit["copies_points"] == [[256, pytest.approx(1.5)], [512, pytest.approx(1.4)]]
+    assert fit_chunked_last([]) is None
+    prof = fixed_profile(0.02, 0.03)
+    prof["fits"]["chunked_last"] = fit  # the predictor reads what the profiler writes
+    assert pbk.chunked_last_ratio(DeviceCosts.from_profile(prof), 384) == (pytest.approx(1.225), "profile")
