@@ -55,7 +55,12 @@ between the islands with ``--bridge measure`` (default ``assumed``: 50 us + byte
 The two-island runtimes use the bucketed gradient all-reduce overlapped with the last backward, as
 training does by default (``--bucket-mb``, default 25 MiB = ``train.grad_bucket_mb``; it applies to the
 heterogeneous-DP plans); the figures give each rank's bucket count, overlap and exposed wait, and the
-seconds spent in the gradient sums after the backward.
+seconds spent in the gradient sums after the backward. Since session 15, when the planner's plan buckets,
+the same plan also runs UNBUCKETED in the same interleaved loop (``planned_unbucketed``, the all-reduce after
+the whole backward: an in-run comparison), and the plan is PREDICTED on both paths
+(``hethub_jax.planner.predict_buckets``: the chunked last microbatch at the profile's measured ratio,
+``fits.chunked_last``, which ``--profile-islands`` measures on the whole-model stage at the profiled sizes up
+to 16; 1.0 for profiles without it, said in ``predicted_buckets.ratio_source``).
 
 Default global batch 64 (rows of ``--seq`` tokens; it was 16 before session 9, and the recorded runs used
 8 and 32): heterogeneous DP with a replicated update pays it on each island (the slow one's EMULATED 3x),
@@ -73,6 +78,12 @@ Figures: ``fraction_of_upper_bound`` = (b) / (a_fast + a_slow), ``planned_over_u
 ``parts_planned_last_step``: per island the planned plan's last step part by part, measured against PREDICTED
 (compute actions, the last one apart, pipeline, the rest of the step split: ``_parts_compare``);
 ``corun``: the measured co-run slowdown; ``bridge_link``: the link used and the measured one.
+Session 15: ``prediction_error`` compares the PREDICTED step on the runtimes' path (bucketed when
+``--bucket-mb`` > 0 and the plan buckets) with the measured one (``prediction_error_search_model``: the
+planner's own unbucketed figure, the definition before); ``predicted_step_s_planned_bucketed`` /
+``_unbucketed``, ``predicted_faster_grad_allreduce``, ``predicted_buckets`` (the bucketed path's terms);
+when the plan buckets, ``fraction_of_upper_bound_unbucketed`` (the planner's plan measured unbucketed in the
+same run), ``planned_bucketed_over_unbucketed`` (tokens/s) and ``prediction_error_unbucketed``.
 """
 from __future__ import annotations
 
@@ -127,8 +138,16 @@ def plans(cfg, args, costs) -> dict:
     rep = hdp.plan.replace(optimizer_sharding="replicated")
     pred_r = predict(cfg, rep, {i.name: costs[i.name] for i in rep.islands}, seq_len=args.seq,
                      bridge=bridge_for(both, [("fast", "slow")])).step_time_s
-    out = {"planned": (best.plan, best.step_time_s), "uniform": (uniform, pred_u),
+    # the planner's plan PREDICTED on the path the runtimes run (--bucket-mb, as train.grad_bucket_mb), both
+    # gradient all-reduce paths of a heterogeneous-DP plan beside each other (planner.predict_buckets)
+    bucket_mb = args.bucket_mb if args.bucket_mb > 0 else None
+    pred_b = predict(cfg, best.plan, {i.name: costs[i.name] for i in best.plan.islands}, seq_len=args.seq,
+                     bridge=bridge_for(both, [("fast", "slow")]), grad_bucket_mb=bucket_mb)
+    args.planned_prediction, args.planned_search_step_s = pred_b, best.step_time_s
+    out = {"planned": (best.plan, pred_b.step_time_s), "uniform": (uniform, pred_u),
            "hetero_dp": (hdp.plan, hdp.step_time_s), "hetero_dp_replicated": (rep, pred_r)}
+    if pred_b.grad_allreduce == "bucketed":  # the same plan unbucketed, measured in the same run
+        out["planned_unbucketed"] = (best.plan, pred_b.step_time_unbucketed_s)
     for isl in ("fast", "slow"):
         one = cluster_from_dict(cluster(args.slowdown, isl))
         alone = search(cfg, one, args.batch, args.seq, costs={isl: costs[isl]}, options=SearchOptions(top_k=1)).best
@@ -234,6 +253,9 @@ def main() -> None:
         from hethub_jax.train_predict import microbatch_sizes_to_profile, planner_microbatch_sizes
         args.profile_mbs = ",".join(map(str, microbatch_sizes_to_profile(planner_microbatch_sizes(args.batch),
                                                                          every_power_of_two=True)))
+    args.canary_cfg, args.canary_profile = cfg, []
+    if args.profile_islands:  # the machine's speed when the profiles are taken (the yardstick, _canary_round)
+        args.canary_profile.append(_canary_round(world, rank, cfg, args))
     if args.profile_islands:
         pids = world.allgather(os.getpid())  # this job's ranks: not "other processes" in the profile's note
         others = [p for p in pids if p != os.getpid()]
@@ -246,6 +268,7 @@ def main() -> None:
                     mine = _profile_island(args, rank, others)
                 world.Barrier()
         profs = world.allgather(mine)
+        args.canary_profile.append(_canary_round(world, rank, cfg, args))
         if args.pool_stage_shapes:
             profs = pool_stage_shapes(profs)
         profiles = {"fast": profs[0], "slow": profs[1]}
@@ -277,6 +300,8 @@ def main() -> None:
                 for n, (p, _) in contenders.items() if not n.startswith("alone") and not (same and n == "hetero_dp")}
     for rt in runtimes.values():  # as training does (train.grad_bucket_mb): applies to the hetero-DP plans
         rt.set_grad_buckets(args.bucket_mb if args.bucket_mb > 0 else None)
+    if "planned_unbucketed" in runtimes:  # the in-run comparison: the planner's plan, all-reduce after the backward
+        runtimes["planned_unbucketed"].set_grad_buckets(None)
     seen = {i: [] for i in ("fast", "slow")}
     for v in ALONE_VARIANTS:  # a variant is measured when it differs on either island (the same decision
         new = [contenders[f"{v}_{i}"][0].to_dict() not in seen[i] for i in ("fast", "slow")]  # on both ranks)
@@ -497,6 +522,7 @@ def _measure(args, world, rank, core, runtimes, contenders):
     tail = {n: [] for n in names}  # per timed step: step start/end (perf_counter), update and gather seconds
     faults = {n: [] for n in names}  # minor page faults of this rank per timed step (getrusage)
     import resource
+    canary_steps = [_canary_round(world, rank, args.canary_cfg, args)]  # the yardstick before the timed steps
     for i in range(n_steps):
         order = names[i % len(names):] + names[:i % len(names)]
         for n in order:
@@ -517,11 +543,65 @@ def _measure(args, world, rank, core, runtimes, contenders):
                                 "param_exchange_s": getattr(runtimes[n], "last_exchange_s", 0.0)})
             if n == "planned":
                 records = res.records
-    return world.gather({"rank": rank, "core": core, "times": times, "tokens": tokens, "records": records,
+    canary_steps.append(_canary_round(world, rank, args.canary_cfg, args))  # and after them
+    return world.gather({"canary_profile_s": args.canary_profile, "canary_steps_s": canary_steps,"rank": rank, "core": core, "times": times, "tokens": tokens, "records": records,
                          "reduce_s": reduce, "buckets": buckets, "faults": faults, "tail": tail,
                          "bucket_off": {n: getattr(rt, "grad_bucket_off_reason", lambda: None)()
                                         for n, rt in runtimes.items()},
                          "machine": machine(), "load": (load0, loadavg())}, root=0)
+
+
+_CANARY: dict = {}
+
+
+def _canary_round(world, rank, cfg, args) -> float:
+    """This rank's canary (seconds), the ranks one after the other (a barrier between), each on its own pinned
+    core while the other waits, as the profiles are taken: two fixed small stage calls, one sample each
+    (``hethub_jax.profile.measure_stage``: a first stage's (layer 0) B and a last stage's (last layer) fused
+    F+B, median of 5 calls after one untimed), summed: a yardstick of the machine's speed. Timed before and
+    after the profiles and before and after the timed steps; ``figures.drift`` = steps / profile per rank
+    (the machine running the same calls faster (< 1) or slower (> 1) during the timed steps than during the
+    profile, which ``prediction_error`` cannot tell from a predictor error; session 14's two quiet runs had
+    errors of opposite signs). About 0.1 s per round on this model."""
+    import jax
+
+    from hethub_jax import profile
+    from hethub_jax.host_allocator import steady_host_allocator
+    from hethub_jax.optim import OptimConfig, make_optimizer
+    from hethub_jax.parallel.stage import PipelineStage
+    # the allocator the profile and the runtimes set (idempotent): without it the first canary, before the
+    # profile, ran 3x slower (XLA:CPU's buffers mmapped and faulted in again per call; LOADED check, session 15)
+    steady_host_allocator()
+    if not _CANARY:
+        tx, L, dev = make_optimizer(OptimConfig()), cfg.num_hidden_layers, jax.devices()[0]
+        _CANARY["stages"] = [PipelineStage(cfg, a, a, [dev], 1, 1, seed=0, recompute=False, optimizer=tx)
+                             for a in (0, L - 1)]
+    first, last = _CANARY["stages"]
+    out = 0.0
+    for r in range(world.Get_size()):
+        if r == rank:
+            out = (profile.measure_stage(first, cfg, 1, args.seq, 5)["B"]
+                   + profile.measure_stage(last, cfg, 1, args.seq, 5)["B_recompute"])
+        world.Barrier()
+    return out
+
+
+def _drift(g, pred, measured) -> dict:
+    """``figures.drift``: per rank the canary seconds (:func:`_canary_round`) around the profiles and around
+    the timed steps, ``per_rank`` = median(steps) / median(profile) (None without --profile-islands), their
+    mean ``mean``, and ``prediction_error_rescaled``: |PREDICTED x mean - measured| / measured, the step
+    PREDICTED at the timed steps' machine speed. RESCALED, beside ``prediction_error`` (never instead of
+    it): the canary is two small calls, not the step's."""
+    from benchmarks.common import median
+    per = [median(x["canary_steps_s"]) / median(x["canary_profile_s"]) if x.get("canary_profile_s") else None
+           for x in g]
+    mean = sum(per) / len(per) if per and all(d is not None for d in per) else None
+    return {"canary_profile_s_per_rank": [x.get("canary_profile_s") for x in g],
+            "canary_steps_s_per_rank": [x.get("canary_steps_s") for x in g], "per_rank": per, "mean": mean,
+            "prediction_error_rescaled": (None if mean is None or not measured
+                                          else round(abs(pred * mean - measured) / measured, 4)),
+            "note": "canary = steps / profile: > 1 the machine ran slower during the timed steps than during the "
+                    "profiles; prediction_error_rescaled is RESCALED by it, not the benchmark's figure"}
 
 
 def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
@@ -535,6 +615,8 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
     rows = {}
     for n in ("planned", "uniform", "hetero_dp", "hetero_dp_replicated"):
         rows[n] = tps(n if n in g[0]["times"] else "planned")  # the planner's plan may be the hetero-DP one
+    if "planned_unbucketed" in g[0]["times"]:  # the planner's plan unbucketed, same run (in-run comparison)
+        rows["planned_unbucketed"] = tps("planned_unbucketed")
     measured = {v: [tps(v, (r,)) for r in (0, 1)] for v in ALONE_VARIANTS if v in g[0]["times"]}
     best_v = [max(measured, key=lambda v: measured[v][r][0]) for r in (0, 1)]
     alone = [measured[v][r] for r, v in enumerate(best_v)]  # each island's fastest measured plan
@@ -549,6 +631,11 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
                                       for n in ("planned", "hetero_dp", "hetero_dp_replicated")},
                "prediction_error": round(abs(pred - rows["planned"][1]) / rows["planned"][1], 4),
                "predicted_step_s_planned": pred, "measured_step_s_planned": rows["planned"][1],
+               # session 15: the planner's plan PREDICTED on both gradient all-reduce paths (the runtimes run
+               # --bucket-mb's; planner.predict_buckets), and measured unbucketed in the same run
+               **_bucket_figures(args, rows, upper),
+               # the machine's speed during the timed steps over that during the profiles (canary calls)
+               "drift": _drift(g, pred, rows["planned"][1]),
                "tokens_per_s": {n: r[0] for n, r in rows.items()},
                "tokens_per_s_alone": {"fast": alone[0][0], "slow": alone[1][0]}, "upper_bound_tokens_per_s": upper,
                "alone_bound_plan": {i: {"alone": "planner", "alone1f1b": "1f1b",
@@ -568,7 +655,7 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
                                               for x in g],
                "hetero_dp_reduce_after_backward_s_per_rank": [
                    median(x["reduce_s"].get("hetero_dp", x["reduce_s"]["planned"])) for x in g],
-               "predicted_parts_s": {n: _parts(contenders[n][0], cfg, costs, args)
+               "predicted_parts_s": {n: _parts(contenders[n][0], cfg, costs, args, n == "planned")
                                      for n in ("planned", "hetero_dp", "hetero_dp_replicated")},
                "parts_planned_last_step": _parts_compare(args, cfg, contenders, g, costs),
                # minor page faults per timed step of the planner's plan, per rank (hethub_jax.host_allocator:
@@ -612,6 +699,16 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
                             f"{exposed}") + f", all-reduce after the backward per rank {after}; PREDICTED (pipeline, "
           f"all-reduce + norm, update) {figures['predicted_parts_s']['hetero_dp']}, replicated update "
           f"{figures['predicted_parts_s']['hetero_dp_replicated']}")
+    bf = figures
+    if bf.get("predicted_step_s_planned_bucketed") is not None:
+        print(f"planned, gradient all-reduce: PREDICTED bucketed {bf['predicted_step_s_planned_bucketed']:.3f} s, "
+              f"unbucketed {bf['predicted_step_s_planned_unbucketed']:.3f} s (PREDICTED faster: "
+              f"{bf['predicted_faster_grad_allreduce']}; chunked last microbatch x "
+              f"{bf['predicted_buckets']['ratio']} from {bf['predicted_buckets']['ratio_source']})"
+              + (f"; measured bucketed {rows['planned'][1]:.3f} s, unbucketed {rows['planned_unbucketed'][1]:.3f} s, "
+                 f"fraction_of_upper_bound_unbucketed {bf['fraction_of_upper_bound_unbucketed']:.3f}, "
+                 f"prediction_error_unbucketed {bf['prediction_error_unbucketed']:.3f} [EMULATED]"
+                 if "planned_unbucketed" in rows else ""))
     print(f"hetero DP sharded (ZeRO-1) over replicated update: {figures['hetero_dp_over_replicated']:.3f}; "
           f"replicated fraction_of_upper_bound {figures['fraction_of_upper_bound_hetero_dp_replicated']:.3f}")
     for isl, d in figures["parts_planned_last_step"].items():
@@ -628,6 +725,11 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
                 t, q = m["tail"], p["tail"]
                 print("    rest of step, measured: " + ", ".join(f"{k[:-2]} {v:.3f}" for k, v in t.items())
                       + " s; PREDICTED: " + ", ".join(f"{k[:-2]} {v:.3f}" for k, v in q.items()) + " s")
+    d = figures["drift"]
+    print("drift (canary, timed steps / profiles) per rank: "
+          + (", ".join(f"{x:.3f}" for x in d["per_rank"]) if d["mean"] is not None else "not measured (no --profile-islands)")
+          + (f"; prediction_error RESCALED by the mean drift {d['prediction_error_rescaled']:.3f} (not the figure)"
+             if d["prediction_error_rescaled"] is not None else ""))
     print(f"upper bound {upper:.1f} tokens/s; fraction_of_upper_bound {figures['fraction_of_upper_bound']:.3f}, "
           f"planned_over_uniform {figures['planned_over_uniform']:.3f}, prediction_error "
           f"{figures['prediction_error']:.3f} (predicted {pred:.3f} s from {source}) [EMULATED]")
@@ -640,13 +742,38 @@ def _err(pred, measured):
     return None if pred is None or not measured else round(abs(pred - measured) / measured, 4)
 
 
-def _parts(plan, cfg, costs, args) -> list:
-    """The PREDICTED (pipeline, gradient all-reduce + norm, update) seconds of ``plan``."""
+def _bucket_figures(args, rows, upper) -> dict:
+    """The planner's plan's two gradient all-reduce paths (session 15): PREDICTED bucketed and unbucketed
+    steps (``predict(..., grad_bucket_mb=--bucket-mb)``: ``planner.predict_buckets``) and, when the plan
+    buckets, the same plan measured unbucketed in this run (``fraction_of_upper_bound_unbucketed``,
+    ``planned_bucketed_over_unbucketed`` = tokens/s bucketed over unbucketed, ``prediction_error_unbucketed``);
+    ``prediction_error_search_model``: the planner's own (unbucketed) prediction against the measured
+    planned step, the definition of ``prediction_error`` before session 15."""
+    p = args.planned_prediction
+    out = {"predicted_grad_allreduce_planned": p.grad_allreduce,
+           "predicted_step_s_planned_bucketed": p.step_time_bucketed_s,
+           "predicted_step_s_planned_unbucketed": p.step_time_unbucketed_s,
+           "predicted_faster_grad_allreduce": (p.buckets or {}).get("faster"),
+           "predicted_buckets": p.buckets,
+           "predicted_step_s_planned_search": args.planned_search_step_s,
+           "prediction_error_search_model": _err(args.planned_search_step_s, rows["planned"][1])}
+    if "planned_unbucketed" in rows:
+        out.update({"fraction_of_upper_bound_unbucketed": round(rows["planned_unbucketed"][0] / upper, 4),
+                    "planned_bucketed_over_unbucketed": round(rows["planned"][0] / rows["planned_unbucketed"][0], 4),
+                    "measured_step_s_planned_unbucketed": rows["planned_unbucketed"][1],
+                    "prediction_error_unbucketed": _err(p.step_time_unbucketed_s, rows["planned_unbucketed"][1])})
+    return out
+
+
+def _parts(plan, cfg, costs, args, configured: bool = False) -> list:
+    """The PREDICTED (pipeline, gradient all-reduce + norm, update) seconds of ``plan`` (``configured``: on
+    the runtimes' gradient all-reduce path, ``--bucket-mb``; else unbucketed, as before session 15)."""
     from hethub_jax.planner import cluster_from_dict
     from hethub_jax.planner.predictor import predict
     from hethub_jax.planner.search import bridge_for
     p = predict(cfg, plan, {i.name: costs[i.name] for i in plan.islands}, seq_len=args.seq,
-                bridge=bridge_for(cluster_from_dict(cluster(args.slowdown, bridge=args.bridge_link)), [("fast", "slow")]))
+                bridge=bridge_for(cluster_from_dict(cluster(args.slowdown, bridge=args.bridge_link)), [("fast", "slow")]),
+                grad_bucket_mb=(args.bucket_mb if configured and args.bucket_mb > 0 else None))
     return [round(p.pipeline_s, 4), round(p.allreduce_s, 4), round(p.update_s, 4)]
 
 
@@ -695,7 +822,7 @@ def _parts_compare(args, cfg, contenders, g, costs) -> dict:
     bridge = bridge_for(cluster_from_dict(cluster(args.slowdown, bridge=args.bridge_link)),
                         [("fast", "slow")])
     c = {i.name: costs[i.name] for i in plan.islands}
-    pred = predict(cfg, plan, c, seq_len=args.seq, bridge=bridge)
+    pred = args.planned_prediction  # on the runtimes' path (bucketed: the chunked last microbatch's term)
     tails = tail_parts(cfg, plan, c, seq_len=args.seq, bridge=bridge)
     slow = {i.name: i.slowdown for i in plan.islands}
     # a B action whose forward ran fused with it computes nothing of its own (PREDICTED 0 s; measured: the wait
@@ -762,7 +889,7 @@ def _timeline(args, cfg, contenders, g, costs) -> None:
     from hethub_jax.planner.search import bridge_for
     bridge = bridge_for(cluster_from_dict(cluster(args.slowdown, bridge=args.bridge_link)), [("fast", "slow")])
     pred = predicted_records(cfg, plan, {i.name: costs[i.name] for i in plan.islands}, seq_len=args.seq,
-                             bridge=bridge)
+                             bridge=bridge, prediction=args.planned_prediction)
     write_timeline_png(args.timeline_png, recs, pred, slowdown={i.name: i.slowdown for i in plan.islands},
                        title="hetero_e2e planned plan, last step")
     print(f"timeline: {args.timeline_png}")

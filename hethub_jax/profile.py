@@ -29,6 +29,9 @@ What is measured, with the runtime's own code paths (``hethub_jax.parallel.stage
   * with ``--stage-shapes``: whole stages of the given layer ranges (e.g. the whole model, every
     one-stage replica's shape), the same four calls, used for stages of that shape instead of the
     fits (:func:`profile_stage_shapes`: seconds per layer rise with the layers of a call on a CPU core);
+  * with the whole model in ``--stage-shapes`` (every heterogeneous-DP replica's shape): the bucketed
+    all-reduce's chunked last microbatch against the fused one, and the same with the bucket thread's host
+    copies (:func:`measure_chunked_last`, ``fits.chunked_last``; ``--chunked-mbs``);
   * with ``--dp``: the stages on ``(dp, 1)`` meshes; on CPU (``--corun``) the slowdown of stage calls
     while a second island of the process computes, beside a larger and a smaller neighbour call
     (:func:`measure_corun`) and of two islands' optimizer
@@ -103,6 +106,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma-separated layer ranges FIRST-LAST (e.g. 0-7: the whole model) also measured as whole "
                         "stages at every microbatch size and TP degree (kind 'stage_shape'); the predictor then uses "
                         "these measured seconds for a stage of that shape instead of the fitted lines")
+    p.add_argument("--chunked-mbs", default="auto",
+                   help="with the whole model in --stage-shapes: microbatch sizes at which the bucketed all-reduce's "
+                        "chunked last microbatch is timed against the fused one (measure_chunked_last, fits.chunked_last; "
+                        f"auto: the profiled sizes up to {16}; none: skip)")
     p.add_argument("--job-pids", default="",
                    help="comma-separated process ids of this job's other processes on this machine (e.g. MPI ranks "
                         "profiling their own cores at the same time): their CPU time is not counted as other "
@@ -648,6 +655,99 @@ def profile_stage_shapes(cfg: Any, seq_len: int, mbs_list: Sequence[int], tps: S
                                 "is_first": fl == 0, "is_last": ll == L - 1, "dp": 1, "tp": tp, "phase": phase,
                                 "microbatch_size": mbs, "tokens": mbs * seq_len, "seconds": sec})
     return out
+
+
+#: the largest microbatch size at which :func:`measure_chunked_last` times the chunked last microbatch by
+#: default (heterogeneous DP's planned microbatches on this machine: 4 and 8 in the recorded runs)
+CHUNKED_MAX_MBS = 16
+
+
+def measure_chunked_last(cfg: Any, devices: Sequence[Any], seq_len: int, mbs_list: Sequence[int], repeats: int,
+                         bucket_mb: float = 25.0) -> List[dict]:
+    """The bucketed all-reduce's chunked last microbatch against the fused one (issue 17, session 15): on the
+    whole-model stage (every heterogeneous-DP replica's shape), per microbatch size, interleaved call by call
+    (so a drift of the machine's speed hits all three alike), median seconds of
+      * ``fused``: ``PipelineStage.forward_backward`` (the unbucketed path's last microbatch, and every
+        microbatch of a one-microbatch replica: ``plan.chunks_last_microbatch``),
+      * ``chunked``: ``buckets.StageChunks.forward_backward`` at ``bucket_mb`` (first bucket 1 MiB, as
+        ``PipelineRuntime.set_grad_buckets``) with a no-op hand-over: its programs only (one jit per bucket,
+        the layers' ``jax.vjp`` residuals leaving the jit),
+      * ``chunked_copies``: the same with each bucket's gradients copied to the host as float32 on a
+        background thread of this process (what the runtime's bucket thread does before its all-reduce,
+        ``buckets.BucketedReduction.ready``), joined at the end: on a CPU island that thread shares the core.
+    One ``{"kind": "chunked_last", "microbatch_size", "tokens", "num_buckets", "fused_seconds", "seconds",
+    "copies_seconds"}`` per size; :func:`fit_chunked_last` turns them into the predictor's ratio
+    (``hethub_jax.planner.predict_buckets.chunked_last_ratio``). Cost: 3 x (``repeats`` + 1) whole-model F+B
+    calls per size."""
+    import jax
+    import jax.numpy as jnp
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hethub_jax.optim import OptimConfig, make_optimizer
+    from hethub_jax.parallel import buckets as bk
+    from hethub_jax.parallel.stage import PipelineStage, StageInputs
+    L = cfg.num_hidden_layers
+    st = PipelineStage(cfg, 0, L - 1, list(devices[:1]), 1, 1, seed=0, recompute=False,
+                       optimizer=make_optimizer(OptimConfig()))
+    cap = max(1, int(bucket_mb * 2**20))
+    chunks = bk.StageChunks(st, cap, min(bk.DEFAULT_FIRST_BUCKET_BYTES, cap))
+    no, out = np.bool_(True), []
+    pool = ThreadPoolExecutor(1, thread_name_prefix="profile-bucket-copies")
+    try:
+        for mbs in mbs_list:
+            tokens, pos_h, mask, _ = _inputs(st, cfg, mbs, seq_len)
+
+            def args():
+                return StageInputs(st.place_tokens(tokens), st.place_tokens(pos_h), st.place_tokens(tokens),
+                                   st.place_tokens(mask))
+
+            def fused():
+                jax.block_until_ready(st.forward_backward(st.params, args(), st.new_grad_buffer(), no))
+
+            def chunked(copies: bool):
+                futs = []
+
+                def ready(_chunk, flat, _raw):
+                    if copies:
+                        futs.append(pool.submit(lambda f=flat: [np.asarray(v, np.float32) for v in f.values()]))
+                loss, acc = chunks.forward_backward(args(), st.new_grad_buffer(), no,
+                                                    lambda x, m: jax.block_until_ready(x), ready)
+                jax.block_until_ready((loss, acc))
+                for f in futs:
+                    f.result()
+            calls = {"fused": fused, "chunked": lambda: chunked(False), "copies": lambda: chunked(True)}
+            times: Dict[str, List[float]] = {k: [] for k in calls}
+            for i in range(repeats + 1):
+                for k, fn in (list(calls.items())[i % 3:] + list(calls.items())[:i % 3]):
+                    t0 = time.perf_counter()
+                    fn()
+                    if i:
+                        times[k].append(time.perf_counter() - t0)
+            stat = np.min if STATISTIC["name"] == "min" else np.median
+            out.append({"kind": "chunked_last", "microbatch_size": mbs, "tokens": mbs * seq_len,
+                        "num_buckets": len(chunks.chunks), "bucket_mb": float(bucket_mb),
+                        "fused_seconds": float(stat(times["fused"])), "seconds": float(stat(times["chunked"])),
+                        "copies_seconds": float(stat(times["copies"]))})
+    finally:
+        pool.shutdown()
+    del jnp
+    return out
+
+
+def fit_chunked_last(samples: List[dict]) -> Optional[Dict[str, Any]]:
+    """``{"points": [[tokens, chunked / fused], ...], "copies_points": [[tokens, chunked_copies / fused],
+    ...]}`` from :func:`measure_chunked_last`'s samples (None without any): the MEASURED ratio the predictor
+    multiplies a chunked replica's last fused F+B by (``predict_buckets.chunked_last_ratio``). The copies
+    ratio is recorded for comparison with the predictor's separate term for the host work on the core
+    (``DeviceCosts.shared_sum_s``), not used by it."""
+    pts = [s for s in samples if s.get("fused_seconds", 0) > 0]
+    if not pts:
+        return None
+    pts.sort(key=lambda s: s["tokens"])
+    return {"points": [[s["tokens"], s["seconds"] / s["fused_seconds"]] for s in pts],
+            "copies_points": [[s["tokens"], s["copies_seconds"] / s["fused_seconds"]] for s in pts],
+            "source": "measure_chunked_last: StageChunks.forward_backward over PipelineStage.forward_backward, "
+                      "whole-model stage, interleaved"}
 
 
 class _NeighbourProcess:
@@ -1662,6 +1762,7 @@ def build_profile(cfg: Any, args: Any, samples: List[dict], updates: List[dict],
                  "in_flight": fit_in_flight([c for c in corun if c["kind"] == "in_flight"]),
                  "actions": fit_action_costs([c for c in corun if c["kind"] == "action_costs"]),
                  "emulated_wait": fit_emulated_wait([c for c in corun if c["kind"] == "emulated_wait"]),
+                 "chunked_last": fit_chunked_last([c for c in corun if c["kind"] == "chunked_last"]),
                  "bridge_local": line([c for c in corun if c["kind"] == "bridge_local"], "bytes"),
                  "host_copy": line([c for c in copies if c["kind"] == "host_copy"], "bytes"),
                  "shared_sum": fit_shared_sum([c for c in copies if c["kind"] == "shared_sum"]),
@@ -1749,6 +1850,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     corun += [] if args.no_runtime else measure_in_flight(cfg, devices, args.seq_len, args.repeats)
     corun += [] if args.no_runtime else measure_action_costs(cfg, devices, args.seq_len, args.repeats)
     corun += [] if args.no_runtime else measure_emulated_wait(max(args.repeats, 20))
+    if (0, cfg.num_hidden_layers - 1) in shapes and args.chunked_mbs != "none":  # heterogeneous DP's bucketed path
+        cmbs = ([m for m in mbs_list if m <= CHUNKED_MAX_MBS] or [min(mbs_list)]) if args.chunked_mbs == "auto" \
+            else [int(x) for x in args.chunked_mbs.split(",")]
+        corun += measure_chunked_last(cfg, devices, args.seq_len, cmbs, args.repeats)
     act = args.seq_len * cfg.hidden_size * analytic.dtype_bytes(cfg.dtype)
     sizes = sorted({act * m for m in mbs_list} | {1 << 20, 8 << 20})
     if bridge is None and not args.no_runtime:  # not under mpiexec: the in-process bridge of islands as threads

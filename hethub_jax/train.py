@@ -889,7 +889,7 @@ def _plan_from_cluster(args: argparse.Namespace, cfg):
             return plan_from_cluster(
                 cfg.model, preset, args.cluster, global_batch=t.global_batch_size or DEFAULT_BATCH_SIZE,
                 seq_len=cfg.data.seq_len, microbatch_size=t.microbatch_size, profiles_dir=args.profiles,
-                out_dir=out_dir, rank=rank, world_size=size, log=say)
+                out_dir=out_dir, rank=rank, world_size=size, log=say, grad_bucket_mb=t.grad_bucket_mb)
         except (ValueError, OSError) as e:  # a planning error is shared by every rank: printed once
             raise _ConfigError(str(e)) from None
     path, pred, lines = _agreed(True if size > 1 else None, plan_it, t.message_timeout_s)
@@ -952,7 +952,8 @@ def _attach_prediction(run: _Run, planned) -> None:
         return
     from hethub_jax.train_predict import predict_run
     try:
-        run.prediction = predict_run(run.cfg.model, run.plan, run.cfg.data.seq_len, profiles_dir=run.args.profiles)
+        run.prediction = predict_run(run.cfg.model, run.plan, run.cfg.data.seq_len, profiles_dir=run.args.profiles,
+                                     grad_bucket_mb=run.cfg.train.grad_bucket_mb)
     except (ValueError, OSError) as e:
         run.prediction_note = f"no prediction: {e}"
 

@@ -242,6 +242,10 @@ class RunPrediction:
         return {"predicted": True, "source": self.source, "step_time_s": p.step_time_s,
                 "tokens_per_s": p.tokens_per_s, "bubble_fraction": self.bubble_fraction,
                 "fits": p.fits, "critical_path": p.critical_path,
+                "grad_allreduce": getattr(p, "grad_allreduce", "unbucketed"),
+                "step_time_unbucketed_s": getattr(p, "step_time_unbucketed_s", None),
+                "step_time_bucketed_s": getattr(p, "step_time_bucketed_s", None),
+                "faster_grad_allreduce": (getattr(p, "buckets", None) or {}).get("faster"),
                 "stages": [{"replica": s.replica, "stage": s.stage, "island": s.island, "source": s.source,
                             "memory_bytes": s.memory.total, "bubble_fraction": s.bubble_fraction}
                            for s in p.stages]}
@@ -251,6 +255,8 @@ class RunPrediction:
         p = self.prediction
         lines = [f"PREDICTED step time {p.step_time_s:.4g} s ({p.tokens_per_s:,.0f} tokens/s, mean bubble "
                  f"{100 * self.bubble_fraction:.1f}%) from {self.source}"]
+        line = grad_allreduce_line(p)
+        lines += [line] if line else []
         for s in p.stages:
             lines.append(f"  PREDICTED replica {s.replica} stage {s.stage} on {s.island}: "
                          f"{s.memory.total / 2**20:,.0f} MiB per device, bubble {100 * s.bubble_fraction:.1f}%"
@@ -266,6 +272,21 @@ class RunPrediction:
         except (AttributeError, IndexError, TypeError):
             return ""
         return f"; compute from {costs.mesh_source(spec.dp, spec.tp)}" if hasattr(costs, "mesh_source") else ""
+
+
+def grad_allreduce_line(p: Any) -> Optional[str]:
+    """One line on a heterogeneous-DP plan's two gradient all-reduce paths, both PREDICTED: the step
+    bucketed and unbucketed, which the run is configured for and which is PREDICTED faster; None when the
+    plan cannot bucket (``Prediction.step_time_bucketed_s`` None)."""
+    b, u, bk = getattr(p, "step_time_bucketed_s", None), getattr(p, "step_time_unbucketed_s", None), \
+        getattr(p, "buckets", None)
+    if b is None or u is None or not bk:
+        return None
+    src = sorted(set(bk.get("ratio_source", {}).values()))
+    return (f"  PREDICTED gradient all-reduce: bucketed {b:.4g} s, unbucketed {u:.4g} s per step; "
+            f"PREDICTED faster: {bk.get('faster')} (this run: {p.grad_allreduce}; chunked last microbatch "
+            f"{', '.join(f'{k} x{v:.3f}' for k, v in bk.get('ratio', {}).items()) or 'none'}"
+            f"{' from ' + '/'.join(src) if src else ''})")
 
 
 def _profile_date(path: Optional[str]) -> Optional[str]:
@@ -289,8 +310,11 @@ def _profile_for_island(profiles_dir: Optional[str], isl: Any) -> Optional[str]:
 
 def predict_run(cfg: Any, plan: Any, seq_len: int, *, profiles_dir: Optional[str] = None,
                 costs: Optional[Mapping[str, Any]] = None, bridge: Any = None,
-                source: Optional[str] = None) -> RunPrediction:
+                source: Optional[str] = None, grad_bucket_mb: Optional[float] = None) -> RunPrediction:
     """The PREDICTED step of ``plan`` (``cfg`` a ``LlamaConfig``, ``seq_len`` tokens per sample).
+    ``grad_bucket_mb``: the run's ``train.grad_bucket_mb`` (None: buckets off): a heterogeneous-DP plan's
+    step is PREDICTED on the path the run is configured for, the other path's figure beside it
+    (``Prediction.step_time_bucketed_s`` / ``step_time_unbucketed_s``, :meth:`RunPrediction.banner`).
 
     Costs: ``costs`` when given; else per island ``<profiles_dir>/<island>.json`` or
     ``<profiles_dir>/<platform>.json`` when present (measured), else the catalog's ``cpu`` entry for a
@@ -310,7 +334,7 @@ def predict_run(cfg: Any, plan: Any, seq_len: int, *, profiles_dir: Optional[str
             for k, p in zip(found, parts):
                 by_text.setdefault(p, []).append(k)
             source = "; ".join(f"{', '.join(ks)}: {p}" for p, ks in by_text.items())
-    pred = predict(cfg, plan, dict(costs), seq_len=seq_len, bridge=bridge)
+    pred = predict(cfg, plan, dict(costs), seq_len=seq_len, bridge=bridge, grad_bucket_mb=grad_bucket_mb)
     return RunPrediction(pred, dict(costs), bridge, seq_len, source or "given costs", plan)
 
 
@@ -671,7 +695,8 @@ def _read(path: str) -> Optional[str]:
 
 def plan_from_cluster(cfg: Any, model: str, cluster_path: str, *, global_batch: int, seq_len: int,
                       microbatch_size: Optional[int], profiles_dir: Optional[str], out_dir: str,
-                      rank: int = 0, world_size: int = 1, log=print) -> Tuple[str, RunPrediction, List[str]]:
+                      rank: int = 0, world_size: int = 1, log=print,
+                      grad_bucket_mb: Optional[float] = None) -> Tuple[str, RunPrediction, List[str]]:
     """Plan-less training's set-up: the planner's best plan for ``cfg`` on the cluster, written to
     ``<out_dir>/plan.json``, with its prediction and the lines to print.
 
@@ -682,6 +707,8 @@ def plan_from_cluster(cfg: Any, model: str, cluster_path: str, *, global_batch: 
       profiles_dir: saved profiles to reuse (``<dir>/<device>.json``); missing cpu profiles are measured
         into it. ``None``: ``<out_dir>/profiles``.
       rank, world_size: this process's MPI rank and the job size (rank 0 plans, the others receive).
+      grad_bucket_mb: the run's ``train.grad_bucket_mb``: the prediction's path for a heterogeneous-DP
+        plan's gradient all-reduce (:func:`predict_run`); the banner gives both paths' PREDICTED steps.
 
     Returns:
       ``(plan_path, prediction, lines)``.
@@ -720,5 +747,5 @@ def plan_from_cluster(cfg: Any, model: str, cluster_path: str, *, global_batch: 
     src = "; ".join(msg["notes"]) or "catalog"
     costs = cluster_costs(cluster, msg["profiles"])
     pred = predict_run(cfg, plan, seq_len, costs={i.name: costs[group[i.name]] for i in plan.islands},
-                       bridge=bridge_for(cluster, pairs), source=src)
+                       bridge=bridge_for(cluster, pairs), source=src, grad_bucket_mb=grad_bucket_mb)
     return path, pred, [*msg["notes"], *msg["lines"], f"plan written to {path}"]

@@ -3,6 +3,7 @@ simulator and ``predict`` pipeline code from before the rewrite): equal outputs,
 random plans and random action lists (pure Python, no JAX)."""
 import pickle
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -83,7 +84,10 @@ def test_predict_equals_the_reference_on_random_plans(problem):
     assert got.critical_path == want.critical_path
     assert got.stages == want.stages
     assert tuple(got.timeline) == want.timeline  # same records, same order, same floats
-    assert got == want
+    # the reference predates the bucketed path's figures (session 15): without grad_bucket_mb the step is
+    # the unbucketed one, the rest as the reference's
+    assert got.grad_allreduce == "unbucketed" and got.step_time_unbucketed_s == got.step_time_s
+    assert replace(got, step_time_unbucketed_s=None, step_time_bucketed_s=None, buckets=None) == want
 
 
 @st.composite

@@ -53,6 +53,7 @@ from flax import nnx
 
 from hethub_jax.models.llama import Llama
 from hethub_jax.models.loss import token_cross_entropy
+from hethub_jax.parallel.bucket_layout import layer_chunks  # noqa: F401  (the cut, JAX-free; re-exported)
 from hethub_jax.parallel.stage import PipelineStage, StageInputs, flat_name
 
 #: Default bucket size, bytes (PyTorch DDP's ``bucket_cap_mb=25``).
@@ -63,39 +64,6 @@ DEFAULT_FIRST_BUCKET_BYTES = 1 * 2**20
 
 def _nbytes(tree: Any) -> int:
     return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
-
-
-def layer_chunks(layer_bytes: list[int], first_layer: int, head_bytes: int, bucket_bytes: int,
-                 first_bucket_bytes: int) -> list[tuple[int, int]]:
-    """Cuts a stage's layers into buckets, walking from the last layer down.
-
-    Args:
-      layer_bytes: gradient bytes of each layer of the stage, in layer order.
-      first_layer: global index of the stage's first layer.
-      head_bytes: bytes reduced with the first bucket besides its layers (final norm, LM head, the
-        dense part of the embedding gradient).
-      bucket_bytes, first_bucket_bytes: a bucket closes once it holds at least this many bytes
-        (the first bucket at ``first_bucket_bytes``); every bucket holds at least one layer.
-
-    Returns:
-      Inclusive global layer ranges ``(a, b)`` in backward order (last layers first).
-
-    Raises:
-      ValueError: if a cap is not positive or there are no layers.
-    """
-    if bucket_bytes <= 0 or first_bucket_bytes <= 0:
-        raise ValueError(f"bucket sizes must be > 0 bytes, got {bucket_bytes} and {first_bucket_bytes}")
-    if not layer_bytes:
-        raise ValueError("a stage has at least one layer")
-    last = first_layer + len(layer_bytes) - 1
-    chunks, hi, size, cap = [], last, head_bytes, first_bucket_bytes
-    for i in range(last, first_layer - 1, -1):
-        size += layer_bytes[i - first_layer]
-        if size >= cap and i > first_layer:
-            chunks.append((i, hi))
-            hi, size, cap = i - 1, 0, bucket_bytes
-    chunks.append((first_layer, hi))
-    return chunks
 
 
 class StageChunks:

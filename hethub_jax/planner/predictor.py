@@ -168,6 +168,19 @@ class Prediction:
         island, labelled predicted by :func:`predicted_records`); a :class:`LazyRecords`, built on
         first use.
       fits: every stage fits its device memory.
+      grad_allreduce: the path of ``step_time_s`` (and of the pipeline, tail and timeline figures) for the
+        cross-replica gradient all-reduce of heterogeneous DP: ``"bucketed"`` (``predict``'s
+        ``grad_bucket_mb`` set and the plan buckets: :mod:`hethub_jax.planner.predict_buckets`) or
+        ``"unbucketed"`` (after the whole backward; also every plan that cannot bucket).
+      step_time_unbucketed_s, step_time_bucketed_s: seconds per step on each path; the bucketed one is
+        None when the plan cannot bucket (``predict_buckets.bucketing_off_reason``), the unbucketed one
+        is always set. ``step_time_s`` is one of them.
+      buckets: the bucketed path's terms (None when the plan cannot bucket): ``chunked_replicas``,
+        ``ratio`` (chunked / fused last microbatch per chunked replica, MEASURED by the profile or 1.0),
+        ``ratio_source``, ``on_core_s`` (the gradient sums on a chunked CPU island's core, added to its
+        last action), ``hidden_s`` (bucket work overlapped with the backward), ``exposed_s`` (its part
+        after the pipeline), ``bucket_mb``, ``fractions`` (bytes per bucket), ``pipeline_s``,
+        ``allreduce_s``, ``faster``: ``"bucketed"`` or ``"unbucketed"`` (the PREDICTED faster path).
     """
 
     step_time_s: float
@@ -179,12 +192,18 @@ class Prediction:
     critical_path: str
     timeline: Sequence[ActionRecord]
     fits: bool
+    grad_allreduce: str = "unbucketed"
+    step_time_unbucketed_s: Optional[float] = None
+    step_time_bucketed_s: Optional[float] = None
+    buckets: Optional[Dict[str, Any]] = None
 
     def to_dict(self) -> Dict[str, Any]:
         """JSON-ready dict (the timeline as a list of record dicts)."""
         return {"predicted": True, "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
                 "pipeline_s": self.pipeline_s, "allreduce_s": self.allreduce_s, "update_s": self.update_s,
                 "critical_path": self.critical_path, "fits": self.fits,
+                "grad_allreduce": self.grad_allreduce, "step_time_unbucketed_s": self.step_time_unbucketed_s,
+                "step_time_bucketed_s": self.step_time_bucketed_s, "buckets": self.buckets,
                 "stages": [s.to_dict() for s in self.stages],
                 "timeline": [asdict(r) for r in self.timeline]}
 
@@ -494,13 +513,16 @@ class _Pipeline:
 
 
 def _pipeline(cfg: Any, plan: Any, ctxs: Dict[Tuple[int, int], _StageCtx], bridge: LinkModel, seq_len: int,
-              fused_update_s: float, proc_of, arrays, corun: Optional[Mapping[Any, float]] = None) -> _Pipeline:
+              fused_update_s: float, proc_of, arrays, corun: Optional[Mapping[Any, float]] = None,
+              last_action: Optional[Mapping[Tuple[int, int], Tuple[float, float]]] = None) -> _Pipeline:
     """Times the step's pipelines (``arrays``: per replica its :class:`ScheduleArrays`): with one stage per
     process :func:`_run_replica` per replica, else the process-level simulator
     (:func:`~hethub_jax.planner.simulator.run_processes`, as ``simulate_processes``). ``corun``: optional
     factor per ``(key, id(action))`` (actions of ``arrays[r].lists``, as in :meth:`_Pipeline.events`)
     multiplying that action's seconds; the runtime's measured seconds between actions
-    (``DeviceCosts.between_actions_s``) are added to every action."""
+    (``DeviceCosts.between_actions_s``) are added to every action. ``last_action``: optional
+    ``(factor, extra seconds)`` per stage key for its last compute action (a last stage's last fused
+    F+B): the bucketed path's chunked last microbatch (:mod:`hethub_jax.planner.predict_buckets`)."""
     msg_bytes = plan.microbatch_size * seq_len * cfg.hidden_size * analytic.dtype_bytes(cfg.dtype)
     bridge_s = bridge.time_s(msg_bytes)
     keys = list(ctxs)
@@ -512,6 +534,10 @@ def _pipeline(cfg: Any, plan: Any, ctxs: Dict[Tuple[int, int], _StageCtx], bridg
         t, dt = _stage_times(ctx, arrays[r], s, ctx.costs.host_copy_s(msg_bytes), bridge_s,
                              s > 0 and ctxs[(r, s - 1)].spec.island != isl,
                              s < S - 1 and ctxs[(r, s + 1)].spec.island != isl, fused_update_s)
+        if last_action and (r, s) in last_action:
+            i = _last_compute(ctx, arrays[r], s)
+            m, add = last_action[(r, s)]
+            t[i] = t[i] * m + add
         if corun:
             t = [x * corun.get(((r, s), id(a)), 1.0) for x, a in zip(t, arrays[r].lists[s])]
         over = ctx.costs.between_actions_s()
@@ -562,6 +588,14 @@ def _pipeline(cfg: Any, plan: Any, ctxs: Dict[Tuple[int, int], _StageCtx], bridg
             raise ScheduleDeadlock(f"schedule deadlock in the plan's pipelines (processes {blocked} wait forever)")
     pl.finish(st, en, order, prev, wait)
     return pl
+
+
+def _last_compute(ctx: _StageCtx, arr: ScheduleArrays, s: int) -> int:
+    """Local index of stage ``s``'s last compute call: a last stage's last fused F (+B), else its last
+    F or B action."""
+    if ctx.is_last and arr.last_fused_f[s] >= 0:
+        return arr.last_fused_f[s]
+    return arr.compute[s][-1]
 
 
 def _serial_tail(cfg: Any, plan: Any, ctxs, locks: Mapping[Tuple[int, int], int],
@@ -980,7 +1014,8 @@ def _update_fusable(plan: Any, cfg: Any, per_replica=None) -> bool:
 
 
 def predict(cfg: Any, plan: Any, costs: Mapping[str, DeviceCosts], *, seq_len: int,
-            bridge: Optional[LinkModel] = None, concurrency: str = "runtime") -> Prediction:
+            bridge: Optional[LinkModel] = None, concurrency: str = "runtime",
+            grad_bucket_mb: Optional[float] = None) -> Prediction:
     """Predict one training step of ``plan`` for model ``cfg`` (module docstring: how).
 
     Args:
@@ -993,17 +1028,24 @@ def predict(cfg: Any, plan: Any, costs: Mapping[str, DeviceCosts], *, seq_len: i
         today's runtime runs them (one host process drives all of an island's stages and waits for
         each action); ``"stages"``: every stage runs concurrently on its own devices (a runtime with
         one driver per stage; an upper bound on what pipelining over one island can give).
+      grad_bucket_mb: the runtime's gradient bucket size, MiB (``train.grad_bucket_mb``; None: buckets
+        off). A heterogeneous-DP plan that can bucket (``predict_buckets.bucketing_off_reason``) is
+        PREDICTED on BOTH paths (:mod:`hethub_jax.planner.predict_buckets`); ``step_time_s`` is the
+        bucketed one when this is set, else the unbucketed one (the default: as before session 15);
+        the other path's bucket layout uses :data:`DEFAULT_GRAD_BUCKET_MB`.
 
     Returns:
       a :class:`Prediction` (every figure predicted).
     Raises:
-      ValueError: if the plan is invalid for ``cfg``, ``seq_len < 1``, an island has no costs, or
-        ``concurrency`` is unknown.
+      ValueError: if the plan is invalid for ``cfg``, ``seq_len < 1``, an island has no costs,
+        ``concurrency`` is unknown or ``grad_bucket_mb`` is not > 0.
     """
     if concurrency not in ("runtime", "stages"):
         raise ValueError(f"concurrency must be 'runtime' or 'stages', got {concurrency!r}")
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    if grad_bucket_mb is not None and not grad_bucket_mb > 0:
+        raise ValueError(f"grad_bucket_mb must be > 0 MiB or None (off), got {grad_bucket_mb}")
     plan.validate(cfg)
     bridge = bridge or DEFAULT_BRIDGE
     keys = [(r, s) for r in range(plan.num_replicas) for s in range(plan.replicas[r].num_stages)]
@@ -1019,13 +1061,19 @@ def predict(cfg: Any, plan: Any, costs: Mapping[str, DeviceCosts], *, seq_len: i
            for k, c in ctxs.items()}
     fused_update_s = upd[(0, 0)] * (1 + 1 / 7) if fuse else 0.0
     proc_of = (lambda k: ctxs[k].spec.island) if concurrency == "runtime" else (lambda k: k)
-    pl = _pipeline(cfg, plan, ctxs, bridge, seq_len, fused_update_s, proc_of, arrays)
-    hosts, corun = _shared_hosts(ctxs), None
-    for _ in range(CORUN_ROUNDS if hosts else 0):  # islands sharing a host's cores slow each other
-        corun = _corun_factors(pl.events(), ctxs, hosts, corun)
-        pl = _pipeline(cfg, plan, ctxs, bridge, seq_len, fused_update_s, proc_of, arrays, corun)
+    hosts = _shared_hosts(ctxs)
+
+    def timed(last_action=None) -> _Pipeline:
+        pl = _pipeline(cfg, plan, ctxs, bridge, seq_len, fused_update_s, proc_of, arrays, None, last_action)
+        corun = None
+        for _ in range(CORUN_ROUNDS if hosts else 0):  # islands sharing a host's cores slow each other
+            corun = _corun_factors(pl.events(), ctxs, hosts, corun)
+            pl = _pipeline(cfg, plan, ctxs, bridge, seq_len, fused_update_s, proc_of, arrays, corun, last_action)
+        return pl
+
+    pl = timed()
     pipeline_s = pl.pipeline_s
-    reduce_s = 0.0 if fuse else _reduction_s(cfg, plan, ctxs, bridge)
+    reduce_raw = reduce_s = 0.0 if fuse else _reduction_s(cfg, plan, ctxs, bridge)
     per_island: Dict[str, float] = {}
     for k, t in upd.items():
         per_island[ctxs[k].spec.island] = per_island.get(ctxs[k].spec.island, 0.0) + t
@@ -1033,17 +1081,117 @@ def predict(cfg: Any, plan: Any, costs: Mapping[str, DeviceCosts], *, seq_len: i
     if hosts and not fuse:
         reduce_s, update_s = _corun_tail(cfg, plan, ctxs, bridge, hosts, per_island, reduce_s, update_s)
     locks = {} if fuse else _launch_locks(ctxs, proc_of)
+    extra_norm_s = 0.0
     if locks:  # the islands' multi-device norms and updates run one at a time (one launcher)
         extra_norm_s, serial_update_s = _serial_tail(cfg, plan, ctxs, locks, upd)
         reduce_s, update_s = reduce_s + extra_norm_s, max(update_s, serial_update_s)
     step = pipeline_s + reduce_s + update_s
+    path, step_u, step_b, bk = "unbucketed", step, None, None
+    if not fuse and _bucket_off_reason(plan, arrays) is None:
+        pl_b, reduce_b, bk = _bucketed(cfg, plan, ctxs, bridge, arrays, timed, reduce_raw, reduce_s - extra_norm_s,
+                                       grad_bucket_mb or DEFAULT_GRAD_BUCKET_MB)
+        reduce_b += extra_norm_s
+        step_b = pl_b.pipeline_s + reduce_b + update_s
+        bk["faster"] = "bucketed" if step_b < step_u * (1 - 1e-9) else "unbucketed"  # a tie: no gain
+        if grad_bucket_mb is not None:
+            path, pl, pipeline_s, reduce_s, step = "bucketed", pl_b, pl_b.pipeline_s, reduce_b, step_b
     stages = tuple(_stage_prediction(cfg, plan, ctxs[k], None, pl.busy[j], pipeline_s, seq_len,
                                      in_flight=_in_flight(ctxs[k], arrays[k[0]], k[1]))
                    for j, k in enumerate(keys))
     crit = _critical_path(pl, ctxs, pipeline_s, reduce_s, update_s)
+    final = pl
     return Prediction(step, plan.global_batch_size * seq_len / step if step > 0 else float("inf"), stages,
-                      pipeline_s, reduce_s, update_s, crit, LazyRecords(lambda: pl.records(ctxs)),
-                      all(s.fits for s in stages))
+                      pipeline_s, reduce_s, update_s, crit, LazyRecords(lambda: final.records(ctxs)),
+                      all(s.fits for s in stages), path, step_u, step_b, bk)
+
+
+#: bucket size, MiB, of the path ``predict`` was not asked for (``train.grad_bucket_mb``'s default)
+DEFAULT_GRAD_BUCKET_MB = 25.0
+
+
+def _bucket_off_reason(plan: Any, arrays) -> Optional[str]:
+    from hethub_jax.planner.predict_buckets import bucketing_off_reason
+    return bucketing_off_reason(plan, arrays)
+
+
+def _bucketed(cfg: Any, plan: Any, ctxs, bridge: LinkModel, arrays, timed, reduce_raw: float, reduce_final: float,
+              bucket_mb: float):
+    """The bucketed path of a plan that buckets (:mod:`hethub_jax.planner.predict_buckets`, items 1-3):
+    ``(pipeline, gradient sums + norm seconds after it, terms dict)``. ``timed(last_action)`` times the
+    pipelines (co-run rounds included); ``reduce_raw`` / ``reduce_final``: the unbucketed reduction before
+    / after the host co-run adjustment (its island part is scaled by the same ratio here)."""
+    from hethub_jax.planner import predict_buckets as pbk
+    sums, norm, gather, cross_grad, fixed = _tail_split(cfg, plan, ctxs, bridge)
+    terms = pbk.bucketed_terms(cfg, plan, ctxs, sums, bucket_mb * 2**20)
+    last = {k: (terms.ratio[k], terms.on_core_s[k]) for k, ch in terms.chunked.items() if ch}
+    pl = timed(last)
+    # the bucket thread's work: each chunked island's own gradient sums as soon as ITS bucket is final (on a
+    # host-computing island they ran inside the chunked action: on_core_s), the cross-island transfer of a
+    # bucket once EVERY replica has it; one bucket at a time each, split by the buckets' bytes
+    ready: List[float] = [float("-inf")] * len(terms.fractions)
+    own_exposed: Dict[str, float] = {}
+    hidden_sums: Dict[str, float] = {}
+    for j, k in enumerate(pl.keys):
+        ctx = ctxs[k]
+        g = pl.lo[j] + _last_compute(ctx, arrays[k[0]], k[1])
+        st = pl.start[g] + (pl.wait[g] if pl.wait is not None else 0.0)
+        rs = pbk.ready_times(st, max(st, pl.end[g]), pbk.forward_fraction(ctx), terms.fractions, terms.chunked[k])
+        ready = [max(a, b) for a, b in zip(ready, rs)]
+        i = ctx.spec.island
+        if terms.chunked[k] and not pbk.computes_on_host(ctx.costs):
+            hidden_sums[i] = sums.get(i, 0.0)
+            own_exposed[i] = pbk.exposed_s(rs, [sums.get(i, 0.0) * f for f in terms.fractions], pl.pipeline_s)
+    cross_exposed = pbk.exposed_s(ready, [cross_grad * f for f in terms.fractions], pl.pipeline_s)
+    chunked_isl = {ctxs[k].spec.island for k, ch in terms.chunked.items() if ch}
+
+    def tail_sums(i: str) -> float:  # the island's sums left after the pipeline
+        return own_exposed.get(i, 0.0 if i in chunked_isl else sums.get(i, 0.0))
+    islands = set(norm) | set(sums) | set(gather)
+    isl_b = max((norm.get(i, 0.0) + gather.get(i, 0.0) + tail_sums(i) for i in islands), default=0.0)
+    isl_u = reduce_raw - fixed
+    scale = (reduce_final - fixed) / isl_u if isl_u > 0 else 1.0
+    reduce_b = isl_b * scale + (fixed - cross_grad) + cross_exposed
+    hidden = cross_grad + max(hidden_sums.values(), default=0.0)
+    exposed = cross_exposed + max(own_exposed.values(), default=0.0)
+    name = lambda k: f"r{k[0]} ({ctxs[k].spec.island})"  # noqa: E731
+    return pl, reduce_b, {
+        "bucket_mb": float(bucket_mb), "fractions": list(terms.fractions),
+        "chunked_replicas": {name(k): ch for k, ch in terms.chunked.items()},
+        "ratio": {name(k): v for k, v in terms.ratio.items()},
+        "ratio_source": {name(k): v for k, v in terms.ratio_source.items()},
+        "on_core_s": {name(k): v for k, v in terms.on_core_s.items()},
+        "hidden_s": hidden, "exposed_s": exposed, "cross_s": cross_grad, "cross_exposed_s": cross_exposed,
+        "pipeline_s": pl.pipeline_s, "allreduce_s": reduce_b}
+
+
+def _tail_split(cfg: Any, plan: Any, ctxs, bridge: LinkModel):
+    """The unbucketed reduction's parts (:func:`_reduction_parts`) split for the bucketed path:
+    ``(sums per island, norm reads per island, ZeRO-1 gather host work per island, the cross-island
+    GRADIENT transfer s, the fixed part of _reduction_parts)``. The gradient transfer is ZeRO-1's reduce
+    to the owners (:func:`_zero1_exchange_s` of the gradient bytes, one latency per peer) or the ring
+    all-reduce; the fixed part also holds the parameter gather and one bridge latency."""
+    parts, fixed = _reduction_parts(cfg, plan, ctxs, bridge)
+    pb = analytic.dtype_bytes(cfg.param_dtype)
+    counted = _norm_fractions(cfg, plan)
+    own = _owned_fractions(cfg, plan)
+    gather = _zero1_gather_host_s(cfg, plan, ctxs) if own else {}
+    norm: Dict[str, float] = {}
+    for k, c in ctxs.items():
+        norm[c.spec.island] = norm.get(c.spec.island, 0.0) + c.costs.norm_time_s(
+            c.n_params * counted[k], pb, c.spec.dp, c.spec.tp)
+    sums = {i: max(0.0, v - norm.get(i, 0.0) - gather.get(i, 0.0)) for i, v in parts.items()}
+    cross = 0.0
+    for n, _, holders in _shared_groups(cfg, plan):
+        isl = sorted({ctxs[k].spec.island for k in holders})
+        reps = {k[0]: own[k] for k in holders} if own else {}
+        if len(isl) > 1 and len(reps) > 1:
+            p, owned = len(reps), list(reps.values())
+            busiest = max(max(1.0 - f, (p - 1) * f) for f in owned)
+            cross += (p - 1) * bridge.alpha_s + busiest * 4.0 * n / bridge.bandwidth
+        elif len(isl) > 1:
+            p = len(isl)
+            cross += 2 * (p - 1) * bridge.alpha_s + 2.0 * (p - 1) / p * 4.0 * n / bridge.bandwidth
+    return sums, norm, gather, cross, fixed
 
 
 def _alone_on_cores(plan: Any, keys, costs: Mapping[str, DeviceCosts]) -> set:
