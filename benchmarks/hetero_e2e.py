@@ -285,7 +285,9 @@ def main() -> None:
     if args.corun == "measure":  # both ranks take part: each one's call alone and beside the other's
         corun = _measure_corun(cfg, args, world, rank)
         from dataclasses import replace
-        costs = {i: replace(c.on_shared_host("machine"), corun_factor=corun["factor"],
+        # the pinned pair's factor just measured, not a profile's size-ratio relation (that models
+        # unpinned processes, planner.costs.CORUN_BY_SIZE_DEFAULT)
+        costs = {i: replace(c.on_shared_host("machine", corun_by_size=False), corun_factor=corun["factor"],
                             corun_update_factor=corun["update_factor"]) for i, c in costs.items()}
         source += (f"; co-run slowdown of the two cores MEASURED {corun['factor']:.3f} (compute), "
                    f"{corun['update_factor']:.3f} (optimizer update)")
