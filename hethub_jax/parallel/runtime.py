@@ -478,7 +478,9 @@ class PipelineRuntime:
                 sub = self._group_comms[group]
                 # every process of a multi-process stage holds the whole sum; only its first counts
                 counts = all(self._counts(k) for k in self.local_keys)
-                host = {n: mp.host_copy(v).astype(np.float32) for n, v in local_sum.items()}
+                # float32 host arrays; no second copy of one already float32 (both collectives below only
+                # read them: they pack the leaves into a fresh buffer first)
+                host = {n: np.asarray(mp.host_copy(v), np.float32) for n, v in local_sum.items()}
                 host = host if counts else {n: np.zeros_like(v) for n, v in host.items()}
                 with self._naming_peers(group):
                     if self._reduce_to_owners():  # ZeRO-1: only the owner needs the sum
