@@ -221,6 +221,7 @@ def test_auto_keeps_the_path_measured_faster_and_stays_exact(bucketed_s, unbucke
     assert rec["path"] == ("bucketed" if keep else "unbucketed") and rec["reason"] is None
     assert rec["bucketed_s"] == pytest.approx(bucketed_s) and rec["unbucketed_s"] == pytest.approx(unbucketed_s)
     assert rt.grad_bucket_bytes == (20_000 if keep else None) and not rt.grad_bucket_auto_pending
+    assert (rt._bucket_pool is not None and bool(rt._chunks)) == keep  # unbucketed: no thread, no buckets left
     assert "MEASURED" in rt.grad_bucket_line() and ("NOT bucketed" in rt.grad_bucket_line()) != keep
     assert rt.choose_grad_buckets(data[0], timer=clock) is rec and clock.calls == 8  # chosen once
     rt.last_bucket_stats = None

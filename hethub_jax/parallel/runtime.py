@@ -776,9 +776,20 @@ class PipelineRuntime:
         bucketed_s, unbucketed_s = (float(secs[j].max(axis=1).min()) for j in range(len(paths)))
         keep = keeps_bucketed_allreduce(bucketed_s, unbucketed_s)
         self.grad_bucket_bytes = caps if keep else None
+        if not keep:  # nothing of the bucketed path stays: its thread, compiled buckets and arrival bridge
+            self._release_buckets()
         rec.update(path="bucketed" if keep else "unbucketed", bucketed_s=bucketed_s, unbucketed_s=unbucketed_s)
         self.grad_bucket_choice = rec
         return rec
+
+    def _release_buckets(self) -> None:
+        """Ends the bucket all-reduce thread and drops the compiled bucket programs (`_step_buckets`
+        makes them again if bucketing is turned back on)."""
+        if self._bucket_pool is not None:
+            self._bucket_pool.shutdown(wait=True)
+        self._bucket_pool, self._bucket_clock = None, None
+        self._chunks.clear()
+        self.__dict__.pop("_bucket_arrive", None)
 
     def _bucketing(self) -> bool:
         """True when the step's last backward runs in buckets (`hethub_jax.parallel.buckets`):
