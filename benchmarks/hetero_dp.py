@@ -17,8 +17,11 @@ balances the step times), or with `--given-shares` proportional to the given thr
 Measured in one run, the configurations interleaved step by step (rotating order, a barrier before
 every step; warm-up steps excluded; medians over steps):
   (a) `proportional`: the shares above (global batch 16, microbatch 4: 12/4 unless measured
-      otherwise); the last backward runs in layer buckets whose gradient all-reduce overlaps the
-      backward of the earlier layers (`hethub_jax.parallel.buckets`, `--bucket-mb`, default 25 MiB);
+      otherwise); the gradient all-reduce as training's default `train.grad_bucket_mb: auto` runs it:
+      after the shares are set, `PipelineRuntime.choose_grad_buckets` times a few passes of the step's
+      forward/backward with the all-reduce in 25 MiB layer buckets overlapped with the backward
+      (`hethub_jax.parallel.buckets`) and after the whole backward, and keeps the faster
+      (`plan.keeps_bucketed_allreduce`; figure `grad_allreduce_choice`, MEASURED seconds of both);
       tokens/s = global non-pad tokens / step time (the slower rank's time);
       The optimizer update is sharded over the two replicas (ZeRO-1, the plan's default
       `optimizer_sharding: auto`: each island updates the parameters it owns; gradients are reduced
@@ -26,15 +29,17 @@ every step; warm-up steps excluded; medians over steps):
       proportion to the batch shares (the runtime's default); `--measured-owners`: by measurement
       as in (am), in (a) and (a0) too;
   (a0) `proportional_unbucketed`: the same shares, the all-reduce after the whole backward (the
-      path before issue 17.5: the in-run baseline);
-  (am) `proportional_measured_owners`: as (a), the ZeRO-1 owners placed by measurement at the final
+      path before issue 17.5: an in-run baseline);
+  (ab) `proportional_bucketed`: the same shares, always bucketed (`--bucket-mb`, default 25 MiB; (a)
+      before session 15: the other in-run baseline; its shares are measured on this path, as before);
+  (am) `proportional_measured_owners`: as (a) (its all-reduce path as (a) chose), the ZeRO-1 owners placed by measurement at the final
       shares (`measure_step_costs` again: each replica's F/B seconds per step and its whole update's
       seconds, `PipelineRuntime.last_step_costs`; `plan.balanced_update_fractions` puts the update
       where a replica would otherwise wait for the other; `PipelineRuntime.set_update_weights`). It
       was (a) in session 13; six quiet runs (sessions 13-14, docs/benchmarks.md) never showed it ahead
       of owners by shares and in two it gave the slow island 72-87% of the update, so it is kept as
       the in-run comparison only;
-  (ar) `proportional_replicated`: as (a) with `optimizer_sharding: replicated` (every island
+  (ar) `proportional_replicated`: as (a) (its all-reduce path as (a) chose) with `optimizer_sharding: replicated` (every island
       all-reduces every gradient and updates every parameter: the path before session 10), its
       shares measured the same way for that update;
   (b) `equal`: equal shares 8/8 (bucketed);
@@ -46,13 +51,13 @@ every step; warm-up steps excluded; medians over steps):
       communicator), both at the same time on their own cores, each with the global batch of its share
       in (a) (12 and 4 rows: the same per-step work as in (a)); tokens/s of each island alone.
 Figures: `fraction_of_upper_bound` = (a) / (c_fast + c_slow), `fraction_of_upper_bound_unbucketed`
-= (a0) / (c_fast + c_slow), `fraction_of_upper_bound_replicated` = (ar) / (c_fast + c_slow),
+= (a0) / (c_fast + c_slow), `fraction_of_upper_bound_bucketed` = (ab) / (c_fast + c_slow), `over_bucketed` = (a) / (ab), `fraction_of_upper_bound_replicated` = (ar) / (c_fast + c_slow),
 `over_equal_shares` = (a) / (b), `over_unbucketed` = (a) / (a0), `over_replicated` = (a) / (ar),
 `fraction_of_upper_bound_measured_owners` = (am) / (c_fast + c_slow), `over_measured_owners` = (a) / (am),
 `update_owner_fractions` (the measured fractions of (am)), `owned_bytes_fraction_per_replica` (what the
 tensors' owners give in (a)),
 `num_buckets`, and `overlap_fraction`: the share of the bucket all-reduce time (device->host copies,
-bridge, on the slow rank, which finishes last) spent before its backward ended.
+bridge, on the slow rank, which finishes last) spent before its backward ended, both of (ab).
 """
 
 from __future__ import annotations
@@ -88,8 +93,8 @@ def alone_plan(layers: int, island: dict, gbs: int, mbs: int) -> dict:
 
 
 #: the heterogeneous-DP configurations (both ranks; a step ends on both together)
-DP_CONFIGS = ("proportional", "proportional_unbucketed", "proportional_replicated", "proportional_measured_owners",
-              "equal")
+DP_CONFIGS = ("proportional", "proportional_unbucketed", "proportional_bucketed", "proportional_replicated",
+              "proportional_measured_owners", "equal")
 
 
 def owned_fraction(rt) -> list:
@@ -171,22 +176,29 @@ def main() -> None:
                                   optimizer_sharding="replicated"))
     runtimes = {"proportional": PipelineRuntime(prop, config, optim, seed=0, comm=comm, rank=rank),
                 "proportional_unbucketed": PipelineRuntime(prop, config, optim, seed=0, comm=comm, rank=rank),
+                "proportional_bucketed": PipelineRuntime(prop, config, optim, seed=0, comm=comm, rank=rank),
                 "proportional_replicated": PipelineRuntime(repl, config, optim, seed=0, comm=comm, rank=rank),
                 "proportional_measured_owners": PipelineRuntime(prop, config, optim, seed=0, comm=comm, rank=rank),
                 "equal": PipelineRuntime(equal, config, optim, seed=0, comm=comm, rank=rank)}
-    for n in ("proportional", "proportional_replicated", "proportional_measured_owners", "equal"):  # bucketed, 25 MiB as DDP
-        runtimes[n].set_grad_buckets(args.bucket_mb)
+    for n in ("proportional_bucketed", "proportional_replicated", "proportional_measured_owners", "equal"):
+        runtimes[n].set_grad_buckets(args.bucket_mb)  # bucketed, 25 MiB as DDP ((ar), (am): as (a) chooses below)
+    runtimes["proportional"].set_grad_buckets("auto")  # training's default: bucketed or not by measurement
     costs = costs_repl = None
     if not args.given_shares:  # warm-up measurement on an extra batch (equal shares to start)
         from hethub_jax.parallel.plan import balanced_shares
         mbs = args.microbatch
-        costs = runtimes["proportional"].measure_step_costs(global_batches[-1], steps=2)
+        costs = runtimes["proportional_bucketed"].measure_step_costs(global_batches[-1], steps=2)
         units = balanced_shares(args.batch // mbs, [u * mbs for u in costs[0]], costs[1])
-        for n in ("proportional", "proportional_unbucketed", "proportional_measured_owners"):
+        for n in ("proportional", "proportional_unbucketed", "proportional_bucketed", "proportional_measured_owners"):
             runtimes[n].set_batch_shares([u * mbs for u in units])
         costs_repl = runtimes["proportional_replicated"].measure_step_costs(global_batches[-1], steps=2)
         units = balanced_shares(args.batch // mbs, [u * mbs for u in costs_repl[0]], costs_repl[1])
         runtimes["proportional_replicated"].set_batch_shares([u * mbs for u in units])
+    # (a): the all-reduce path by warm-up measurement at the final shares (training's default, auto)
+    choice = runtimes["proportional"].choose_grad_buckets(global_batches[-1])
+    chosen_mb = args.bucket_mb if choice["path"] == "bucketed" else None
+    for n in ("proportional_replicated", "proportional_measured_owners"):
+        runtimes[n].set_grad_buckets(chosen_mb)
     update_balance = {}
     # ZeRO-1 ownership from F/B and update seconds measured at the final shares: (am), and (a), (a0) if asked
     from hethub_jax.parallel.plan import balanced_update_fractions
@@ -211,6 +223,10 @@ def main() -> None:
               "not two real accelerator types")
         how = ("given throughputs 3:1" if costs is None else "measured: " + ", ".join(
             f"{isl} {1 / u:.1f} samples/s + {f * 1e3:.0f} ms/step update" for isl, u, f in zip(("fast", "slow"), *costs)))
+        print(f"  gradient all-reduce of (a) (train.grad_bucket_mb auto), MEASURED step forward/backward + all-reduce: "
+              f"bucketed ({choice['bucket_mb']:g} MiB) {choice['bucketed_s']:.4f} s, after the backward "
+              f"{choice['unbucketed_s']:.4f} s (fastest of {choice['steps']}, EMULATED slowdown included) -> "
+              f"(a) runs {choice['path'].upper()}")
         print(f"  shares: proportional {shares} ({how}; replicated update: {shares_repl}), equal {equal.batch_shares()}, alone: fast {shares[0]} rows, "
               f"slow {shares[1]} rows")
         sys.stdout.flush()
@@ -258,7 +274,7 @@ def main() -> None:
     gather_wait = []  # overlapped: seconds each step's first action waited for the previous gather
     if args.gather_rounds > 0:
         ov = PipelineRuntime(prop, config, optim, seed=0, comm=comm, rank=rank)
-        ov.set_grad_buckets(args.bucket_mb)
+        ov.set_grad_buckets(chosen_mb)
         ov.set_batch_shares(shares)
         ov.set_update_weights(runtimes["proportional"].update_weights)
         ov.overlap_param_gather = not args.gather_control
@@ -304,6 +320,10 @@ def main() -> None:
         "fraction_of_upper_bound_unbucketed": round(tps["proportional_unbucketed"] / upper, 4),
         "over_equal_shares": round(tps["proportional"] / tps["equal"], 4),
         "over_unbucketed": round(tps["proportional"] / tps["proportional_unbucketed"], 4),
+        "fraction_of_upper_bound_bucketed": round(tps["proportional_bucketed"] / upper, 4),
+        "over_bucketed": round(tps["proportional"] / tps["proportional_bucketed"], 4),
+        "grad_allreduce_choice": dict(choice, measured="MEASURED warm-up seconds per step (forward/backward + "
+                                      "gradient all-reduce, slowest rank, fastest pass; EMULATED slowdown included)"),
         "fraction_of_upper_bound_replicated": round(tps["proportional_replicated"] / upper, 4),
         "over_replicated": round(tps["proportional"] / tps["proportional_replicated"], 4),
         "fraction_of_upper_bound_measured_owners": round(tps["proportional_measured_owners"] / upper, 4),
@@ -311,10 +331,11 @@ def main() -> None:
         "update_owner_fractions": update_balance.get("proportional_measured_owners", {}).get("fractions"),
         "update_balance_measured": update_balance or None,
         "owned_bytes_fraction_per_replica": owned_fraction(runtimes["proportional"]),
-        "optimizer_sharding": "zero1 (proportional, proportional_unbucketed, equal); replicated (proportional_replicated)",
+        "optimizer_sharding": "zero1 (proportional, proportional_unbucketed, proportional_bucketed, equal); replicated "
+                              "(proportional_replicated)",
         "shares_replicated": shares_repl,
         "zero1_param_exchange_s_slow_rank": median(by_rank[1]["mine"]["proportional"]["exchange"]),
-        **bucket_figures(by_rank[1]["mine"]["proportional"]["buckets"]),
+        **bucket_figures(by_rank[1]["mine"]["proportional_bucketed"]["buckets"]),
         "shares": shares, "shares_source": "given throughputs 3:1" if costs is None else "measured",
         "measured_unit_s": None if costs is None else costs[0], "measured_fixed_s": None if costs is None else costs[1],
         "tokens_per_s_proportional": tps["proportional"],
@@ -337,11 +358,11 @@ def main() -> None:
             "gather_blocks": f"{args.gather_rounds} rounds x {args.gather_steps} consecutive steps per configuration"
                              + (" (A/A control: both gather after the update)" if args.gather_control else "")})
     rows = []
-    row_shares = {"proportional": shares, "proportional_unbucketed": shares,
+    row_shares = {"proportional": shares, "proportional_unbucketed": shares, "proportional_bucketed": shares,
                   "proportional_replicated": shares_repl, "proportional_measured_owners": shares,
                   "equal": equal.batch_shares()}
     for n in row_shares:
-        label = f"shares {row_shares[n]}"
+        label = f"shares {row_shares[n]}" + (f", {choice['path']} by measurement" if n == "proportional" else "")
         rows.append({"config": n, "shares": row_shares[n],
                      "tokens_per_s": tps[n],
                      "median_step_s": median([max(a, b) for a, b in zip(by_rank[0]["mine"][n]["times"],
@@ -378,19 +399,20 @@ def main() -> None:
         what = r.get("label") or f"{r['rows_per_step']} rows/step"
         print(f"{r['config'] + ' (' + what + ')':<44} {r['tokens_per_s']:>9.1f} {r['median_step_s']:>8.3f}")
     print(f"upper bound (fast alone + slow alone) {upper:.1f} tokens/s")
-    print(f"fraction_of_upper_bound = {figures['fraction_of_upper_bound']:.3f}, "
+    print(f"fraction_of_upper_bound = {figures['fraction_of_upper_bound']:.3f} ((a) ran {choice['path']}), "
           f"unbucketed {figures['fraction_of_upper_bound_unbucketed']:.3f}, "
+          f"bucketed {figures['fraction_of_upper_bound_bucketed']:.3f}, "
           f"replicated update {figures['fraction_of_upper_bound_replicated']:.3f}, "
           f"owners by measurement {figures['fraction_of_upper_bound_measured_owners']:.3f} "
           f"(ZeRO-1 bytes owned {figures['owned_bytes_fraction_per_replica']}), "
           f"over_equal_shares = {figures['over_equal_shares']:.3f}  "
           f"[EMULATED slowdown {args.slowdown:g}x on island slow]")
-    print(f"gradient all-reduce over the bridge (proportional, slow rank, median): "
+    print(f"gradient all-reduce over the bridge ((a), slow rank, median): "
           f"{figures['grad_allreduce_s_slow_rank_proportional'] * 1e3:.1f} ms/step "
           f"(fast rank incl. waiting: {rows[0]['median_grad_reduce_s_per_rank'][0] * 1e3:.1f} ms); unbucketed "
           f"{rows[1]['median_grad_reduce_s_per_rank'][1] * 1e3:.1f} ms")
-    chunks = runtimes["proportional"]._chunks.get((0, 0))
-    print(f"buckets: {figures['num_buckets']} (layer ranges, backward order: {chunks[1].chunks if chunks else None}); slow rank, median per step: bucket all-reduce "
+    chunks = runtimes["proportional_bucketed"]._chunks.get((0, 0))
+    print(f"(ab) buckets: {figures['num_buckets']} (layer ranges, backward order: {chunks[1].chunks if chunks else None}); slow rank, median per step: bucket all-reduce "
           f"{figures['bucket_reduce_s'] * 1e3:.1f} ms, {figures['overlap_fraction']:.0%} of it before the "
           f"backward ended (overlapped), exposed wait after the backward {figures['bucket_exposed_s'] * 1e3:.1f} ms")
     if args.gather_rounds > 0:

@@ -27,7 +27,7 @@ import os
 from typing import Annotated, Any, Iterable, Literal, Mapping, Optional
 
 import yaml
-from pydantic import Field, StringConstraints, model_validator
+from pydantic import Field, StringConstraints, field_validator, model_validator
 
 from hethub_jax.data import DataConfig
 from hethub_jax.models.config import PRESETS, LlamaConfig, get_preset
@@ -90,11 +90,18 @@ class TrainSettings(StrictModel):
       plan: path of a plan JSON (``docs/plan_format.md``); ``None``: one island ``main`` on the
         local JAX platform, one stage with all layers on one device, schedule ``1f1b``.
       trace_file: write a Chrome trace (Perfetto) of the last step's actions here (``None``: none).
-      grad_bucket_mb: heterogeneous DP: bucket size of the gradient all-reduce overlapped with the
-        backward, MiB (as PyTorch DDP's ``bucket_cap_mb``, whose default is 25; the first bucket is
-        1 MiB or this if smaller); default 25.0 (measured faster than the all-reduce after the whole
-        backward in three consecutive quiet runs of ``benchmarks/hetero_dp.py``: docs/benchmarks.md,
-        issues 5 and 17.5); ``None``: off, the all-reduce runs after the whole backward.
+      grad_bucket_mb: heterogeneous DP: the gradient all-reduce across replicas. ``auto`` (default):
+        a warm-up after the batch shares are set times a few steps' forward/backward with the
+        all-reduce in buckets of 25 MiB and with the all-reduce after the whole backward (3 timed
+        passes of each, interleaved, after one compiling pass each; no update applied) and keeps the
+        faster (``hethub_jax.parallel.plan.keeps_bucketed_allreduce``), printing both MEASURED seconds
+        (EMULATED slowdowns included where the plan has them). Why measured: which path wins depends
+        on the shares and the islands (docs/benchmarks.md, issues 5 and 17.5: bucketed ahead in session
+        8's quiet runs, after the backward ahead in sessions 13-14's). A number: always in buckets of
+        this many MiB, overlapped with the backward (as PyTorch DDP's ``bucket_cap_mb``, whose
+        default is 25; the first bucket is 1 MiB or this if smaller). ``None``: always after the
+        whole backward. Both paths give the same sums. Only plans of several one-stage replicas can
+        bucket; other plans ignore it (the banner says why).
 
     Raises:
       ValueError: on construction, naming the field and the constraint (through :func:`from_dict`:
@@ -119,7 +126,17 @@ class TrainSettings(StrictModel):
     on_nonfinite_loss: Literal["stop", "skip"] = "stop"
     plan: Optional[PathStr] = None
     trace_file: Optional[PathStr] = None
-    grad_bucket_mb: Optional[Annotated[float, Field(gt=0)]] = 25.0
+    grad_bucket_mb: Optional[Annotated[float, Field(gt=0)] | Literal["auto"]] = "auto"
+
+    @field_validator("grad_bucket_mb", mode="before")
+    @classmethod
+    def _bucket_mb(cls, v: Any) -> Any:
+        if v is None or (isinstance(v, str) and v == "auto"):
+            return v
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise ValueError(f"grad_bucket_mb must be a number of MiB > 0, 'auto' (measure bucketed against "
+                             f"unbucketed in a warm-up) or null (unbucketed), got {v!r}")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> "TrainSettings":

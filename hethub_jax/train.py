@@ -6,7 +6,9 @@
    (``hethub_jax.config``) -> under ``mpiexec``, start this rank's island -> the plan
    (``Plan.validate``) -> the datasets (``hethub_jax.data``) -> launch checks -> the pipeline runtime
    (``hethub_jax.parallel.runtime``). Every failure here is a configuration error.
-2. warm-up (``_warm_up_batch_shares``): heterogeneous DP without shares in the plan measures them.
+2. warm-up (``_warm_up_batch_shares``, ``_warm_up_grad_allreduce``): heterogeneous DP without shares in
+   the plan measures them; with ``train.grad_bucket_mb: auto`` (default) it then times the gradient
+   all-reduce in buckets and after the backward and keeps the faster.
 3. resume (``_resume``) from the newest checkpoint with ``train.resume``; the banner.
 4. the loop (``_train_loop``): ``train.steps`` optimizer steps; after each, the hooks built by
    ``_build_hooks`` (``hethub_jax.train_hooks``: validation, checkpoints, Chrome trace, metrics,
@@ -989,6 +991,30 @@ def _warm_up_batch_shares(run: _Run) -> None:
               + f" -> batch shares {rt.shares}", flush=True)
 
 
+def _warm_up_grad_allreduce(run: _Run) -> None:
+    """``train.grad_bucket_mb: auto``: after the batch shares are set, time the step's forward/backward
+    with the gradient all-reduce in buckets and after the whole backward on one batch and keep the
+    faster (``PipelineRuntime.choose_grad_buckets``; no update is applied); prints both MEASURED
+    seconds. Nothing to do for a number, null, or a plan that cannot bucket (the banner says why)."""
+    rt = run.rt
+    if not getattr(rt, "grad_bucket_auto_pending", False):
+        return
+    if rt.grad_bucket_off_reason() is not None:
+        rt.choose_grad_buckets({})  # records why nothing is timed (no batch is read)
+        return
+    if run.log:
+        print("heterogeneous DP: train.grad_bucket_mb auto: timing the gradient all-reduce in buckets and after "
+              "the backward in a warm-up (forward/backward on one batch, no update)...", flush=True)
+    warm = next(iter(run.train_ds.batches(run.plan.global_batch_size)))
+    c = rt.choose_grad_buckets(warm)
+    if run.log:
+        print(f"heterogeneous DP: MEASURED step forward/backward + all-reduce: bucketed ({c['bucket_mb']:g} MiB) "
+              f"{c['bucketed_s']:.4g} s, after the backward {c['unbucketed_s']:.4g} s (fastest of {c['steps']}"
+              + (", EMULATED slowdowns included" if run.emulation else "")
+              + f") -> keeps the {'bucketed' if c['path'] == 'bucketed' else 'unbucketed (after the backward)'} "
+                f"all-reduce", flush=True)
+
+
 def _plan_brief(plan: dict) -> str:
     """One line for a plan dict (``Plan.to_dict()``): islands and each replica's layer split."""
     try:
@@ -1139,6 +1165,7 @@ def _run_record(run: _Run) -> dict[str, Any]:
         "kind": "run", "start_step": run.start_step, "resumed_from": run.resumed_from,
         "time_unix": time.time(), "config": run.cfg.to_dict(),
         "plan": plan.to_dict(), "plan_file": run.cfg.train.plan, "batch_shares": list(run.rt.shares),
+        "grad_allreduce": getattr(run.rt, "grad_bucket_choice", None),
         "batch_shares_source": run.share_source,
         "num_params": run.cfg.model.num_params(),
         "emulation": {"active": bool(run.emulation), "lines": run.emulation,
@@ -1333,6 +1360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(run: _Run, args: argparse.Namespace) -> int:
     """Warm-up, resume, banner, hooks and the loop of ``main``."""
     _warm_up_batch_shares(run)
+    _warm_up_grad_allreduce(run)
     t = run.cfg.train
     if run.resuming:
         _agreed(run.comm, lambda: _resume(run), t.message_timeout_s)

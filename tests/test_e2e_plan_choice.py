@@ -169,9 +169,9 @@ def test_e2e_benchmark_defaults_follow_training():
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     from benchmarks.hetero_e2e import parser
-    from hethub_jax.config import TrainSettings
+    from hethub_jax.parallel.plan import AUTO_GRAD_BUCKET_MB
     args = parser().parse_args(["--json", "x.json"])
-    assert args.bucket_mb == TrainSettings().grad_bucket_mb
+    assert args.bucket_mb == AUTO_GRAD_BUCKET_MB  # the size training's default (auto) measures
     assert args.profile_mbs == "auto" and args.batch == 64
 
 

@@ -170,3 +170,96 @@ def test_bucketing_off_reason_matches_what_a_step_does():
         assert (rt.last_bucket_stats is not None and rt.last_bucket_stats["num_buckets"] > 0) == bucketed
     rt.set_grad_buckets(None)
     assert "train.grad_bucket_mb null" in rt.grad_bucket_off_reason()
+
+
+def test_keeps_bucketed_allreduce_by_hand():
+    """The decision rule of ``train.grad_bucket_mb: auto`` (and of a predictor): bucketed only when
+    strictly faster; a tie keeps the simpler unbucketed path; bad seconds are refused."""
+    from hethub_jax.parallel.plan import keeps_bucketed_allreduce
+    assert keeps_bucketed_allreduce(0.40, 0.45) is True
+    assert keeps_bucketed_allreduce(0.45, 0.40) is False
+    assert keeps_bucketed_allreduce(0.5, 0.5) is False
+    assert keeps_bucketed_allreduce(np.float32(1.0), 2) is True
+    for bad in (-0.1, float("nan"), float("inf"), "1.0", None, True):
+        with pytest.raises(ValueError, match="bucketed_step_s must be a finite number"):
+            keeps_bucketed_allreduce(bad, 1.0)
+        with pytest.raises(ValueError, match="unbucketed_step_s must be a finite number"):
+            keeps_bucketed_allreduce(1.0, bad)
+
+
+class PathClock:
+    """A stubbed timer for `PipelineRuntime.choose_grad_buckets`: every second call (a timing's end)
+    advances the clock by the cost of the path the runtime is on at that moment (bucketed when
+    `grad_bucket_bytes` is set), so each timed pass measures exactly that cost."""
+
+    def __init__(self, rt, bucketed_s, unbucketed_s):
+        self.rt, self.cost, self.now, self.calls = rt, (bucketed_s, unbucketed_s), 100.0, 0
+
+    def __call__(self):
+        self.calls += 1
+        if self.calls % 2 == 0:
+            self.now += self.cost[0] if self.rt.grad_bucket_bytes is not None else self.cost[1]
+        return self.now
+
+
+@pytest.mark.parametrize("bucketed_s,unbucketed_s", [(0.3, 0.5), (0.5, 0.3)])
+def test_auto_keeps_the_path_measured_faster_and_stays_exact(bucketed_s, unbucketed_s):
+    """``grad_bucket_mb: auto`` with a stubbed timer: the runtime keeps the path whose timed passes
+    took less (the stub's costs come back as the measured seconds), says so in its banner line, and
+    training afterwards matches the unsplit single-device run (the timed passes apply no update).
+    Shares 9/1: one chunked and one fused (one-microbatch) replica."""
+    cfg = model_config(True)
+    data = batches(10, padded=True)
+    rt = PipelineRuntime(dp_plan(shares=[9, 1]), cfg, OPTIM, seed=7, debug_nan=True)
+    rt.set_grad_buckets("auto")
+    assert rt.grad_bucket_auto_pending and rt.grad_bucket_bytes == 25 * 2**20
+    rt.grad_bucket_bytes, rt.first_grad_bucket_bytes = 20_000, 1  # several buckets on the small test model
+    clock = PathClock(rt, bucketed_s, unbucketed_s)
+    rec = rt.choose_grad_buckets(data[0], steps=2, timer=clock)
+    assert clock.calls == 2 * 2 * 2  # two paths, two timed passes each, two timer calls per pass
+    keep = bucketed_s < unbucketed_s
+    assert rec["path"] == ("bucketed" if keep else "unbucketed") and rec["reason"] is None
+    assert rec["bucketed_s"] == pytest.approx(bucketed_s) and rec["unbucketed_s"] == pytest.approx(unbucketed_s)
+    assert rt.grad_bucket_bytes == (20_000 if keep else None) and not rt.grad_bucket_auto_pending
+    assert (rt._bucket_pool is not None and bool(rt._chunks)) == keep  # unbucketed: no thread, no buckets left
+    assert "MEASURED" in rt.grad_bucket_line() and ("NOT bucketed" in rt.grad_bucket_line()) != keep
+    assert rt.choose_grad_buckets(data[0], timer=clock) is rec and clock.calls == 8  # chosen once
+    rt.last_bucket_stats = None
+    check_steps_against(rt, single_device_run(cfg, data), data)
+    assert_replicas_bitwise_equal(rt)
+    assert (rt.last_bucket_stats is not None) == keep
+
+
+def test_auto_chooses_at_the_first_step_when_nobody_measured():
+    """A runtime left at ``auto`` measures both paths before its first `train_step` (real clock) and
+    trains exactly as the unsplit run; a one-replica plan times nothing and says why."""
+    from hethub_jax.parallel.plan import Plan
+    cfg = model_config(False)
+    data = batches(10, padded=True)
+    rt = PipelineRuntime(dp_plan([3.0, 1.0]), cfg, OPTIM, seed=7, debug_nan=True)
+    rt.set_grad_buckets("auto")
+    check_steps_against(rt, single_device_run(cfg, data), data)
+    assert_replicas_bitwise_equal(rt)
+    rec = rt.grad_bucket_choice
+    assert rec["path"] in ("bucketed", "unbucketed") and rec["bucketed_s"] > 0 and rec["unbucketed_s"] > 0
+    one = PipelineRuntime(Plan.from_dict({
+        "islands": [{"name": "i0", "platform": "cpu"}], "stages": [{"island": "i0", "first_layer": 0, "last_layer": 10}],
+        "global_batch_size": 2, "microbatch_size": 1, "schedule": "1f1b", "recompute": "none"}), cfg, OPTIM, seed=7)
+    one.set_grad_buckets("auto")
+    rec = one.choose_grad_buckets({}, timer=lambda: pytest.fail("nothing to time"))
+    assert rec["path"] is None and rec["bucketed_s"] is None and "one replica" in rec["reason"]
+
+
+def test_bad_grad_bucket_values_give_a_clear_error():
+    from hethub_jax.config import ConfigError, from_dict
+    rt = PipelineRuntime(dp_plan([3.0, 1.0]), model_config(False), OPTIM, seed=7)
+    for bad in ("fast", "AUTO", -1.0, 0, float("nan"), True, [25]):
+        with pytest.raises(ValueError, match="number of MiB > 0, 'auto' or None"):
+            rt.set_grad_buckets(bad)
+        with pytest.raises(ConfigError, match="grad_bucket_mb must be a number of MiB > 0, 'auto'"):
+            from_dict({"train": {"grad_bucket_mb": bad}})
+    rt.set_grad_buckets("auto")
+    with pytest.raises(ValueError, match="steps >= 1"):
+        rt.choose_grad_buckets(batches(10, n=1)[0], steps=0)
+    assert from_dict({"train": {}}).train.grad_bucket_mb == "auto"
+    assert from_dict({"train": {"grad_bucket_mb": 10}}).train.grad_bucket_mb == 10.0

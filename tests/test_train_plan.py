@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hethub_jax.parallel.plan import Plan, balanced_shares, proportional_shares
+from hethub_jax.parallel.plan import Plan, balanced_shares, keeps_bucketed_allreduce, proportional_shares
 from hethub_jax.train import main
 
 PLANS = Path(__file__).resolve().parents[1] / "configs" / "plans"
@@ -121,4 +121,12 @@ def test_plan_without_shares_or_throughputs_measures_them_in_a_warm_up(tmp_path,
     assert shares[0] > shares[1], (shares, thr)  # the emulated-slow replica gets the smaller share
     assert f"-> batch shares {shares}" in out and banner_shares(out) == shares
     assert "(EMULATED slowdowns included)" in out and run_rec["emulation"]["active"] is True
+    # train.grad_bucket_mb auto (default): both all-reduce paths timed after the shares, the faster kept
+    # (plan.keeps_bucketed_allreduce), printed with both MEASURED seconds and recorded
+    c = run_rec["grad_allreduce"]
+    assert c["path"] == ("bucketed" if keeps_bucketed_allreduce(c["bucketed_s"], c["unbucketed_s"]) else "unbucketed")
+    m = re.search(rf"MEASURED step forward/backward \+ all-reduce: bucketed \(25 MiB\) ({num}) s, after the backward "
+                  rf"({num}) s \(fastest of 3, EMULATED slowdowns included\) -> keeps the (\w+)", out)
+    assert m and m.group(3) == c["path"], out
+    assert ("NOT bucketed" in out) == (c["path"] == "unbucketed") and "MEASURED" in out.split("gradient all-reduce across")[1]
     assert recs[-1]["status"] == "ok"

@@ -312,6 +312,38 @@ def chunks_last_microbatch(num_microbatches: int) -> bool:
     return num_microbatches >= 2
 
 
+#: the bucket size (MiB) that ``train.grad_bucket_mb: auto`` measures against the unbucketed all-reduce
+#: (PyTorch DDP's ``bucket_cap_mb`` default, 25: https://pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html)
+AUTO_GRAD_BUCKET_MB = 25.0
+
+
+def keeps_bucketed_allreduce(bucketed_step_s: float, unbucketed_step_s: float) -> bool:
+    """Whether a heterogeneous-DP run keeps the bucketed gradient all-reduce (layer buckets overlapped
+    with the last backward, `hethub_jax.parallel.buckets`) rather than the all-reduce after the whole
+    backward, given the step time of each path. The ONE place of this rule: the runtime applies it to
+    seconds MEASURED in its warm-up (`PipelineRuntime.choose_grad_buckets`, ``train.grad_bucket_mb:
+    auto``), and a predictor should apply it to its PREDICTED step times of the two paths.
+
+    Rule: bucketed only when strictly faster; a tie keeps the unbucketed path (one program per
+    microbatch, no background thread). Both paths give the same sums (exact), so only time decides.
+    Why measured, not fixed: on CPU islands the chunked last microbatch costs CPU on the same core
+    that computes, and which side wins depends on the shares (docs/benchmarks.md, heterogeneous data
+    parallelism: unbucketed ahead in sessions 13-14's quiet runs at 12/4 shares, bucketed ahead in
+    session 8's).
+
+    Args:
+      bucketed_step_s: seconds per step (or any common unit) of the bucketed path, >= 0.
+      unbucketed_step_s: the same for the all-reduce after the whole backward, >= 0.
+
+    Raises:
+      ValueError: if either is negative or not finite.
+    """
+    for name, v in (("bucketed_step_s", bucketed_step_s), ("unbucketed_step_s", unbucketed_step_s)):
+        if isinstance(v, bool) or not (isinstance(v, numbers.Real) and math.isfinite(v) and v >= 0):
+            raise ValueError(f"{name} must be a finite number of seconds >= 0, got {v!r}")
+    return bool(bucketed_step_s < unbucketed_step_s)
+
+
 def zero1_owners(sizes: Mapping[str, int], shares: Sequence[float]) -> Dict[str, int]:
     """The replica that updates each parameter tensor under ZeRO-1 (``optimizer_sharding``).
 

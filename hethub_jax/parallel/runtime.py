@@ -31,7 +31,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -194,10 +194,14 @@ class PipelineRuntime:
         # all-reduced in the background while the next bucket computes (`hethub_jax.parallel.buckets`;
         # `_bucketing` says when it applies). None (this class's default, see `set_grad_buckets`): off,
         # the all-reduce runs after the whole backward. Training turns it on through
-        # `train.grad_bucket_mb` (default 25 MiB: measured faster in three consecutive
-        # quiet runs of benchmarks/hetero_dp.py, docs/benchmarks.md).
+        # `train.grad_bucket_mb` (default ``auto``: bucketed or not, whichever a warm-up measures faster,
+        # `choose_grad_buckets`).
         self.grad_bucket_bytes: int | None = None
         self.first_grad_bucket_bytes: int = bk.DEFAULT_FIRST_BUCKET_BYTES
+        # ``auto`` (`set_grad_buckets`): True until `choose_grad_buckets` has measured both paths (the
+        # first `train_step` measures them if nobody did); the measurement's record afterwards
+        self.grad_bucket_auto_pending = False
+        self.grad_bucket_choice: dict | None = None
         # each bucket's all-reduce first waits (sleeping) until every replica has the bucket
         # (`buckets.BucketedReduction`, ``arrive``); False: it spins from the start (`spin_s`)
         self.bucket_arrival_sleeps = True
@@ -474,7 +478,9 @@ class PipelineRuntime:
                 sub = self._group_comms[group]
                 # every process of a multi-process stage holds the whole sum; only its first counts
                 counts = all(self._counts(k) for k in self.local_keys)
-                host = {n: mp.host_copy(v).astype(np.float32) for n, v in local_sum.items()}
+                # float32 host arrays; no second copy of one already float32 (both collectives below only
+                # read them: they pack the leaves into a fresh buffer first)
+                host = {n: np.asarray(mp.host_copy(v), np.float32) for n, v in local_sum.items()}
                 host = host if counts else {n: np.zeros_like(v) for n, v in host.items()}
                 with self._naming_peers(group):
                     if self._reduce_to_owners():  # ZeRO-1: only the owner needs the sum
@@ -687,20 +693,103 @@ class PipelineRuntime:
         return out
 
     # ---- bucketed gradient all-reduce overlapped with the backward (heterogeneous DP) ----------
-    def set_grad_buckets(self, bucket_mb: float | None) -> None:
+    def set_grad_buckets(self, bucket_mb: float | str | None) -> None:
         """Bucket size of the overlapped gradient all-reduce, MiB (``None``: off); the first bucket
-        is `buckets.DEFAULT_FIRST_BUCKET_BYTES` or the bucket size if smaller.
+        is `buckets.DEFAULT_FIRST_BUCKET_BYTES` or the bucket size if smaller. ``"auto"``: buckets of
+        `plan.AUTO_GRAD_BUCKET_MB` (25) or off, whichever `choose_grad_buckets` measures faster (it runs
+        before the first `train_step` if not called earlier); until then the bucketed path is set (what
+        `measure_step_costs` measures).
 
         Raises:
-          ValueError: if ``bucket_mb`` is not None and not > 0.
+          ValueError: if ``bucket_mb`` is not None, ``"auto"`` or a number > 0.
         """
+        from hethub_jax.parallel.plan import AUTO_GRAD_BUCKET_MB
+
+        self.grad_bucket_auto_pending, self.grad_bucket_choice = False, None
         if bucket_mb is None:
             self.grad_bucket_bytes = None
             return
-        if not bucket_mb > 0:
-            raise ValueError(f"grad_bucket_mb must be > 0 MiB or None (off), got {bucket_mb}")
+        if isinstance(bucket_mb, str) and bucket_mb == "auto":
+            self.grad_bucket_auto_pending = True
+            bucket_mb = AUTO_GRAD_BUCKET_MB
+        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0 \
+                or not math.isfinite(bucket_mb):
+            raise ValueError(f"grad_bucket_mb must be a number of MiB > 0, 'auto' or None (off), got {bucket_mb!r}")
         self.grad_bucket_bytes = max(1, int(bucket_mb * 2**20))
         self.first_grad_bucket_bytes = min(bk.DEFAULT_FIRST_BUCKET_BYTES, self.grad_bucket_bytes)
+
+    def choose_grad_buckets(self, batch: dict[str, np.ndarray], steps: int = 3,
+                            timer: Callable[[], float] = time.perf_counter) -> dict | None:
+        """``grad_bucket_mb: auto`` (`set_grad_buckets`): time the step's forward/backward with the
+        gradient all-reduce (no update is applied; parameters and optimizer state are not changed) on
+        ``batch`` with buckets and without, keep the faster (`plan.keeps_bucketed_allreduce`), and
+        return the record (also `grad_bucket_choice`). Collective: every rank calls it with the same
+        batch; every rank gets the same choice (the seconds are shared). No-op returning the earlier
+        record (None if never auto) unless ``auto`` is pending. When bucketing cannot apply
+        (`grad_bucket_off_reason`: one replica, several stages, ...) nothing is timed.
+
+        Measurement: each path runs once untimed (compiles), then ``steps`` times, the two paths
+        interleaved (the order alternates); a step's seconds are the slowest rank's (the ranks end
+        together at the all-reduce), a path's the fastest of its steps (a load spike lengthens a step,
+        never shortens it). Emulated slowdowns (`PipelineRuntime._emulate`) are included, as in
+        training. Costs 2 (``steps`` + 1) forward/backward passes, i.e. a few warm-up steps.
+
+        Returns:
+          None or ``{"path": "bucketed" | "unbucketed", "bucketed_s": float | None, "unbucketed_s":
+          float | None, "bucket_mb": float, "steps": int, "reason": str | None}`` (seconds per step,
+          MEASURED; ``reason``: why nothing was timed).
+
+        Raises:
+          ValueError: if ``steps`` < 1; as `train_step` for a bad batch.
+        """
+        from hethub_jax.parallel.plan import keeps_bucketed_allreduce
+
+        if not self.grad_bucket_auto_pending:
+            return self.grad_bucket_choice
+        if steps < 1:
+            raise ValueError(f"choose_grad_buckets needs steps >= 1, got {steps}")
+        self.grad_bucket_auto_pending = False
+        caps = self.grad_bucket_bytes
+        rec = {"path": None, "bucketed_s": None, "unbucketed_s": None, "bucket_mb": caps / 2**20,
+               "steps": steps, "reason": self.grad_bucket_off_reason()}
+        if rec["reason"] is not None:
+            self.grad_bucket_choice = rec
+            return rec
+        self.wait_params()
+        size, me = (1, 0) if self.comm is None else (self.comm.size, self.rank)
+        paths = (caps, None)
+        secs = np.zeros((len(paths), steps, size))
+        try:
+            for caps_now in paths:  # compiles each path's programs
+                self.grad_bucket_bytes = caps_now
+                self._forward_backward(batch)
+            for i in range(steps):
+                for j in (range(len(paths)) if i % 2 == 0 else reversed(range(len(paths)))):
+                    self.grad_bucket_bytes = paths[j]
+                    t0 = timer()
+                    self._forward_backward(batch)
+                    secs[j, i, me] = timer() - t0
+        finally:
+            self.grad_bucket_bytes = caps
+            self.last_bucket_stats = None
+        secs = self._allreduce_world(secs.reshape(-1)).reshape(secs.shape)  # each rank fills its own slot
+        bucketed_s, unbucketed_s = (float(secs[j].max(axis=1).min()) for j in range(len(paths)))
+        keep = keeps_bucketed_allreduce(bucketed_s, unbucketed_s)
+        self.grad_bucket_bytes = caps if keep else None
+        if not keep:  # nothing of the bucketed path stays: its thread, compiled buckets and arrival bridge
+            self._release_buckets()
+        rec.update(path="bucketed" if keep else "unbucketed", bucketed_s=bucketed_s, unbucketed_s=unbucketed_s)
+        self.grad_bucket_choice = rec
+        return rec
+
+    def _release_buckets(self) -> None:
+        """Ends the bucket all-reduce thread and drops the compiled bucket programs (`_step_buckets`
+        makes them again if bucketing is turned back on)."""
+        if self._bucket_pool is not None:
+            self._bucket_pool.shutdown(wait=True)
+        self._bucket_pool, self._bucket_clock = None, None
+        self._chunks.clear()
+        self.__dict__.pop("_bucket_arrive", None)
 
     def _bucketing(self) -> bool:
         """True when the step's last backward runs in buckets (`hethub_jax.parallel.buckets`):
@@ -719,6 +808,10 @@ class PipelineRuntime:
         F, then all B: the last backward's forward ran long before, its residuals saved whole)."""
         plan = self.plan
         if self.grad_bucket_bytes is None:
+            c = self.grad_bucket_choice
+            if c is not None and c["path"] == "unbucketed":
+                return (f"off: train.grad_bucket_mb auto measured the all-reduce after the backward faster "
+                        f"(MEASURED {c['unbucketed_s']:.4g} s/step against {c['bucketed_s']:.4g} s/step bucketed)")
             return "off (train.grad_bucket_mb null)"
         if plan.num_replicas < 2 or not self.shared:
             return "no heterogeneous-DP gradients to all-reduce (one replica)"
@@ -741,8 +834,13 @@ class PipelineRuntime:
             return None
         why = self.grad_bucket_off_reason()
         if why is None:
+            c = self.grad_bucket_choice
+            how = (" (train.grad_bucket_mb auto: chosen by the first step's warm-up measurement)"
+                   if self.grad_bucket_auto_pending else
+                   f" (train.grad_bucket_mb auto: MEASURED {c['bucketed_s']:.4g} s/step against "
+                   f"{c['unbucketed_s']:.4g} s/step after the backward)" if c is not None and c["bucketed_s"] is not None else "")
             return (f"gradient all-reduce across replicas: in buckets of {self.grad_bucket_bytes / 2**20:g} MiB "
-                    f"(first {self.first_grad_bucket_bytes / 2**20:g} MiB) overlapped with the last backward")
+                    f"(first {self.first_grad_bucket_bytes / 2**20:g} MiB) overlapped with the last backward{how}")
         return f"gradient all-reduce across replicas: NOT bucketed: {why}"
 
     def _step_buckets(self, batch: dict[str, np.ndarray]) -> bk.BucketedReduction | None:
@@ -837,6 +935,8 @@ class PipelineRuntime:
           ValueError: if the batch does not match the plan or has no non-pad tokens.
           TimeoutError: if a message from another process does not arrive within `timeout_s`.
         """
+        if self.grad_bucket_auto_pending:  # ``grad_bucket_mb: auto`` and nobody measured yet: measure now
+            self.choose_grad_buckets(batch)
         t0 = time.perf_counter()
         if self._update_fusable():  # one stage holds everything: the update runs inside the last F+B
             num_tokens = self._check_batch(batch, self.plan.global_batch_size)

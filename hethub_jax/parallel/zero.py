@@ -84,7 +84,12 @@ def reduce_to_owners(comm: Any, local: Mapping[str, np.ndarray], owner: Callable
         total = None
         for src in range(size):  # group-rank order: the same sum on any owner
             part = _pack(ns, local) if src == me else parts[src].wait(timeout)
-            total = part.copy() if total is None else total + part
+            # both buffers are this call's own (a fresh pack or receive buffer): the first is the running
+            # sum itself, the others are added into it in place (the same additions in the same order)
+            if total is None:
+                total = part
+            else:
+                total += part
         _unpack(total, ns, local, out)
     for s in sends:
         s.wait(timeout)
