@@ -23,7 +23,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from hethub_jax.planner.costs import cost_source_text
 
@@ -310,9 +310,9 @@ def _profile_for_island(profiles_dir: Optional[str], isl: Any) -> Optional[str]:
 
 def predict_run(cfg: Any, plan: Any, seq_len: int, *, profiles_dir: Optional[str] = None,
                 costs: Optional[Mapping[str, Any]] = None, bridge: Any = None,
-                source: Optional[str] = None, grad_bucket_mb: Optional[float] = None) -> RunPrediction:
+                source: Optional[str] = None, grad_bucket_mb: Optional[Union[float, str]] = None) -> RunPrediction:
     """The PREDICTED step of ``plan`` (``cfg`` a ``LlamaConfig``, ``seq_len`` tokens per sample).
-    ``grad_bucket_mb``: the run's ``train.grad_bucket_mb`` (None: buckets off): a heterogeneous-DP plan's
+    ``grad_bucket_mb``: the run's ``train.grad_bucket_mb`` (None: buckets off; ``"auto"``: the faster PREDICTED path): a heterogeneous-DP plan's
     step is PREDICTED on the path the run is configured for, the other path's figure beside it
     (``Prediction.step_time_bucketed_s`` / ``step_time_unbucketed_s``, :meth:`RunPrediction.banner`).
 
@@ -696,7 +696,7 @@ def _read(path: str) -> Optional[str]:
 def plan_from_cluster(cfg: Any, model: str, cluster_path: str, *, global_batch: int, seq_len: int,
                       microbatch_size: Optional[int], profiles_dir: Optional[str], out_dir: str,
                       rank: int = 0, world_size: int = 1, log=print,
-                      grad_bucket_mb: Optional[float] = None) -> Tuple[str, RunPrediction, List[str]]:
+                      grad_bucket_mb: Optional[Union[float, str]] = None) -> Tuple[str, RunPrediction, List[str]]:
     """Plan-less training's set-up: the planner's best plan for ``cfg`` on the cluster, written to
     ``<out_dir>/plan.json``, with its prediction and the lines to print.
 

@@ -223,3 +223,19 @@ def test_profile_fit_of_the_chunked_samples_by_hand():
     prof = fixed_profile(0.02, 0.03)
     prof["fits"]["chunked_last"] = fit  # the predictor reads what the profiler writes
     assert pbk.chunked_last_ratio(DeviceCosts.from_profile(prof), 384) == (pytest.approx(1.225), "profile")
+
+
+def test_auto_predicts_the_path_the_runtime_rule_keeps():
+    """``grad_bucket_mb="auto"`` (training's default): the PREDICTED step is the path
+    ``plan.keeps_bucketed_allreduce`` keeps given the two PREDICTED step times (the runtime's rule on its
+    measured seconds), with 25 MiB buckets; bad values are refused."""
+    from hethub_jax.parallel.plan import keeps_bucketed_allreduce
+    for ratio in (1.5, 3.0):
+        p = predict(Cfg, _hdp((3, 1)), _costs(ratio=ratio), seq_len=8, grad_bucket_mb="auto", bridge=FAR)
+        keep = keeps_bucketed_allreduce(p.step_time_bucketed_s, p.step_time_unbucketed_s)
+        assert p.step_time_s == (p.step_time_bucketed_s if keep else p.step_time_unbucketed_s)
+        b = predict(Cfg, _hdp((3, 1)), _costs(ratio=ratio), seq_len=8, grad_bucket_mb=25, bridge=FAR)
+        assert b.step_time_bucketed_s == p.step_time_bucketed_s
+    for bad in ("fast", 0, -1.0, True):
+        with pytest.raises(ValueError, match="'auto' or None"):
+            predict(Cfg, _hdp((3, 1)), _costs(), seq_len=8, grad_bucket_mb=bad)

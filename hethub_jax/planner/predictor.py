@@ -39,7 +39,7 @@ import functools
 from functools import reduce
 import operator
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from hethub_jax.parallel.schedule import Action, ActionKind, ScheduleDeadlock, max_in_flight
 from hethub_jax.parallel.trace import ActionRecord
@@ -1015,7 +1015,7 @@ def _update_fusable(plan: Any, cfg: Any, per_replica=None) -> bool:
 
 def predict(cfg: Any, plan: Any, costs: Mapping[str, DeviceCosts], *, seq_len: int,
             bridge: Optional[LinkModel] = None, concurrency: str = "runtime",
-            grad_bucket_mb: Optional[float] = None) -> Prediction:
+            grad_bucket_mb: Optional[Union[float, str]] = None) -> Prediction:
     """Predict one training step of ``plan`` for model ``cfg`` (module docstring: how).
 
     Args:
@@ -1032,20 +1032,28 @@ def predict(cfg: Any, plan: Any, costs: Mapping[str, DeviceCosts], *, seq_len: i
         off). A heterogeneous-DP plan that can bucket (``predict_buckets.bucketing_off_reason``) is
         PREDICTED on BOTH paths (:mod:`hethub_jax.planner.predict_buckets`); ``step_time_s`` is the
         bucketed one when this is set, else the unbucketed one (the default: as before session 15);
-        the other path's bucket layout uses :data:`DEFAULT_GRAD_BUCKET_MB`.
+        the other path's bucket layout uses :data:`DEFAULT_GRAD_BUCKET_MB`. ``"auto"`` (training's default,
+        ``train.grad_bucket_mb: auto``): buckets of :data:`DEFAULT_GRAD_BUCKET_MB`, and ``step_time_s`` is the
+        path ``hethub_jax.parallel.plan.keeps_bucketed_allreduce`` keeps given the two PREDICTED step times
+        (the rule the runtime applies to its MEASURED warm-up seconds).
 
     Returns:
       a :class:`Prediction` (every figure predicted).
     Raises:
       ValueError: if the plan is invalid for ``cfg``, ``seq_len < 1``, an island has no costs,
-        ``concurrency`` is unknown or ``grad_bucket_mb`` is not > 0.
+        ``concurrency`` is unknown or ``grad_bucket_mb`` is not ``"auto"``, None or > 0.
     """
     if concurrency not in ("runtime", "stages"):
         raise ValueError(f"concurrency must be 'runtime' or 'stages', got {concurrency!r}")
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    if grad_bucket_mb is not None and not grad_bucket_mb > 0:
-        raise ValueError(f"grad_bucket_mb must be > 0 MiB or None (off), got {grad_bucket_mb}")
+    from hethub_jax.parallel.plan import keeps_bucketed_allreduce
+
+    auto = isinstance(grad_bucket_mb, str) and grad_bucket_mb == "auto"
+    if auto:
+        grad_bucket_mb = DEFAULT_GRAD_BUCKET_MB
+    if grad_bucket_mb is not None and (isinstance(grad_bucket_mb, (str, bool)) or not grad_bucket_mb > 0):
+        raise ValueError(f"grad_bucket_mb must be > 0 MiB, 'auto' or None (off), got {grad_bucket_mb!r}")
     plan.validate(cfg)
     bridge = bridge or DEFAULT_BRIDGE
     keys = [(r, s) for r in range(plan.num_replicas) for s in range(plan.replicas[r].num_stages)]
@@ -1092,8 +1100,9 @@ def predict(cfg: Any, plan: Any, costs: Mapping[str, DeviceCosts], *, seq_len: i
                                        grad_bucket_mb or DEFAULT_GRAD_BUCKET_MB)
         reduce_b += extra_norm_s
         step_b = pl_b.pipeline_s + reduce_b + update_s
-        bk["faster"] = "bucketed" if step_b < step_u * (1 - 1e-9) else "unbucketed"  # a tie: no gain
-        if grad_bucket_mb is not None:
+        # the runtime's rule (train.grad_bucket_mb auto), on PREDICTED seconds; a tie keeps the unbucketed path
+        bk["faster"] = "bucketed" if keeps_bucketed_allreduce(step_b, step_u) else "unbucketed"
+        if grad_bucket_mb is not None and (not auto or bk["faster"] == "bucketed"):
             path, pl, pipeline_s, reduce_s, step = "bucketed", pl_b, pl_b.pipeline_s, reduce_b, step_b
     stages = tuple(_stage_prediction(cfg, plan, ctxs[k], None, pl.busy[j], pipeline_s, seq_len,
                                      in_flight=_in_flight(ctxs[k], arrays[k[0]], k[1]))
