@@ -52,9 +52,11 @@ other, beside an idle core); since session 14 the same pair also times the whole
 EMULATED wait after its own); the two ranks' MPI bridge is measured and recorded, and used for the link
 between the islands with ``--bridge measure`` (default ``assumed``: 50 us + bytes / 1 GB/s).
 
-The two-island runtimes use the bucketed gradient all-reduce overlapped with the last backward, as
-training does by default (``--bucket-mb``, default 25 MiB = ``train.grad_bucket_mb``; it applies to the
-heterogeneous-DP plans); the figures give each rank's bucket count, overlap and exposed wait, and the
+The two-island runtimes use the bucketed gradient all-reduce overlapped with the last backward
+(``--bucket-mb``, default 25 MiB, the size training's ``train.grad_bucket_mb: auto`` tries; it applies to the
+heterogeneous-DP plans; since session 15 training's default ``auto`` keeps whichever of the bucketed and the
+unbucketed path its warm-up MEASURES faster, so read ``fraction_of_upper_bound`` (bucketed) beside
+``fraction_of_upper_bound_unbucketed``); the figures give each rank's bucket count, overlap and exposed wait, and the
 seconds spent in the gradient sums after the backward. Since session 15, when the planner's plan buckets,
 the same plan also runs UNBUCKETED in the same interleaved loop (``planned_unbucketed``, the all-reduce after
 the whole backward: an in-run comparison), and the plan is PREDICTED on both paths
@@ -192,8 +194,9 @@ def parser():
                          "global batch and the global batch: every size the planner may choose is then "
                          "interpolated between profiled sizes, not extrapolated)")
     ap.add_argument("--bucket-mb", type=float, default=25.0,
-                    help="gradient bucket size of the two-island runtimes, MiB (train.grad_bucket_mb, whose "
-                         "default this is; 0: off, the all-reduce after the whole backward)")
+                    help="gradient bucket size of the two-island runtimes, MiB (the size train.grad_bucket_mb "
+                         "auto tries; 0: off, the all-reduce after the whole backward; a bucketed planner's "
+                         "plan is also measured unbucketed in the same run)")
     ap.add_argument("--timeline-png", default=None, help="Gantt chart of the planned plan's last step")
     ap.add_argument("--pool-stage-shapes", action="store_true",
                     help="with --profile-islands: both islands take the mean of the two ranks' whole-stage figures of "
