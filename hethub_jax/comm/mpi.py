@@ -56,13 +56,15 @@ from mpi4py import MPI
 
 from .base import (HEADER_MAX, REDUCE_OPS, CommError, CommTimeoutError, Communicator, Header,
                    Request, _NAME_OF as _SENDABLE, as_host_array, check_tag, dtype_from_name, encode_header, place, poll_until,
-                   reduction_dtype)
+                   reduce_arrays, reduction_dtype)
 
-__all__ = ["MPIHostBridge", "DEFAULT_CHUNK_BYTES", "HOTPATH"]
+__all__ = ["MPIHostBridge", "DEFAULT_CHUNK_BYTES", "DEFAULT_EXCHANGE_MAX_RANKS", "HOTPATH"]
 
 #: default payload chunk: 1 GiB, below MPI's 2**31-1 element count limit for MPI.BYTE.
 DEFAULT_CHUNK_BYTES = 1 << 30
 _MAX_CHUNK = (1 << 31) - 1
+#: default ``exchange_max_ranks``: communicators of up to 2 ranks all-reduce by exchanging whole buffers.
+DEFAULT_EXCHANGE_MAX_RANKS = 2
 _N_INTERNAL = 16  # internal (negative) tags -1 .. -16
 
 _MPI_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
@@ -378,13 +380,18 @@ class MPIHostBridge(Communicator):
         (default 1 GiB).
       timeout: default deadline of blocking calls, seconds (``math.inf``: none).
       spin_s: seconds a wait polls without sleeping before backing off (latency vs CPU use).
+      exchange_max_ranks: largest communicator size whose ``allreduce`` exchanges whole buffers
+        and reduces them on the host in rank order (bitwise the same result on every rank); larger
+        ones use MPI's ``Iallreduce``. Default 2: each rank then receives one buffer, as in any
+        all-reduce; with ``n`` ranks it receives ``n - 1``.
 
     Raises:
-      ValueError: chunk_bytes out of range, or spin_s negative.
+      ValueError: chunk_bytes out of range, spin_s negative, or exchange_max_ranks < 0.
     """
 
     def __init__(self, comm: Any = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 timeout: float = 300.0, spin_s: float = 0.05):
+                 timeout: float = 300.0, spin_s: float = 0.05,
+                 exchange_max_ranks: int = DEFAULT_EXCHANGE_MAX_RANKS):
         self._comm = MPI.COMM_WORLD if comm is None else comm
         if not 1 <= int(chunk_bytes) <= _MAX_CHUNK:
             raise ValueError(f"chunk_bytes must be in [1, {_MAX_CHUNK}], got {chunk_bytes}")
@@ -393,6 +400,9 @@ class MPIHostBridge(Communicator):
         if not spin_s >= 0:
             raise ValueError(f"spin_s must be >= 0 seconds, got {spin_s}")
         self._spin_s = float(spin_s)
+        if not isinstance(exchange_max_ranks, (int, np.integer)) or exchange_max_ranks < 0:
+            raise ValueError(f"exchange_max_ranks must be an int >= 0, got {exchange_max_ranks!r}")
+        self._exchange_max_ranks = int(exchange_max_ranks)
         self._hot_spin = min(self._spin_s, self._timeout)  # C spin budget at the default timeout
         self._rank, self._size = self._comm.Get_rank(), self._comm.Get_size()
         tag_ub = self._comm.Get_attr(MPI.TAG_UB) or 32767
@@ -415,7 +425,7 @@ class MPIHostBridge(Communicator):
 
     def with_spin(self, spin_s: float) -> "MPIHostBridge":
         """A bridge over the same MPI communicator whose waits poll without sleeping for ``spin_s``
-        seconds (same chunk size and timeout). For a background thread that should sleep while its
+        seconds (same chunk size, timeout and ``exchange_max_ranks``). For a background thread that should sleep while its
         peers have not arrived rather than take a CPU core from compute (``spin_s=0``: back off at
         once, at most ``max_sleep_s`` = 1 ms late). The two objects share the communicator: use
         both from one thread only (MPI matches collectives in the order they are called).
@@ -423,12 +433,18 @@ class MPIHostBridge(Communicator):
         Raises:
           ValueError: if spin_s is negative.
         """
-        return MPIHostBridge(self._comm, chunk_bytes=self._chunk_bytes, timeout=self._timeout, spin_s=spin_s)
+        return MPIHostBridge(self._comm, chunk_bytes=self._chunk_bytes, timeout=self._timeout, spin_s=spin_s,
+                             exchange_max_ranks=self._exchange_max_ranks)
 
     @property
     def spin_s(self) -> float:
         """Seconds a wait polls without sleeping before backing off (fixed at construction)."""
         return self._spin_s
+
+    @property
+    def exchange_max_ranks(self) -> int:
+        """Largest size whose ``allreduce`` exchanges whole buffers (fixed at construction)."""
+        return self._exchange_max_ranks
 
     @property
     def chunk_bytes(self) -> int:
@@ -691,12 +707,85 @@ class MPIHostBridge(Communicator):
             desc = ", ".join(f"rank {r}: {h.describe()}" for r, h in enumerate(hs))
             raise CommError(f"{what}: ranks disagree on dtype/shape ({desc})")
 
+    _EXCHANGE_TAG = -4  # internal tag of allreduce's exchange of whole buffers (base uses -1, -2)
+
     def allreduce(self, x: Any, op: str = "sum", *, timeout: float | None = None,
                   device: Any = None, sharding: Any = None) -> Any:
+        """``Communicator.allreduce``: every rank gets the reduction of every rank's ``x``.
+
+        Up to ``exchange_max_ranks`` ranks (default 2): every rank sends its whole buffer to every
+        other (``isend`` / ``irecv`` of the bridge, in the array's own dtype: bfloat16 travels as 2
+        bytes per element) and reduces the ``size`` arrays on the host in rank order,
+        ``((x_0 op x_1) op x_2) ...`` in ``base.reduction_dtype`` (as ``base.reduce_arrays`` and
+        the in-process backend), so the result is bitwise the same on every rank and the same as
+        ``LocalCommunicator``'s. Above that: MPI's ``Iallreduce`` in pieces of at most
+        ``chunk_bytes`` after an all-gather of the headers (MPI's own reduction order, which for 3
+        ranks and more need not be the same on every rank for floats). Why the exchange: between
+        two processes MPICH's ``Iallreduce`` of 1-8 MiB took 2.2-3.8x the exchange plus the host sum
+        (docs/benchmarks.md, issue 3, session 15).
+
+        Args:
+          x: array-like, the same dtype and shape on every rank.
+          op: "sum", "max" or "min". float16 / bfloat16 / float8 reduce in float32 and are cast back
+            (round to nearest even, once); bool sum is logical or; integers wrap as numpy's do.
+          timeout: seconds (None: the bridge's default).
+
+        Returns:
+          An array of x's dtype and shape (numpy unless ``device`` / ``sharding`` is given).
+
+        Raises:
+          ValueError: unknown op.
+          CommError: ranks passed different dtypes or shapes (raised on every rank, naming them).
+          CommTimeoutError: a rank did not take part within ``timeout`` seconds.
+        """
         if op not in REDUCE_OPS:
             raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
         deadline = self._deadline(timeout)
         arr = as_host_array(x)
+        if self._size <= self._exchange_max_ranks:
+            res = self._allreduce_exchange(arr, op, deadline)
+        else:
+            res = self._allreduce_mpi(arr, op, deadline)
+        return place(res, device, sharding)
+
+    def _allreduce_exchange(self, arr: np.ndarray, op: str, deadline: float) -> np.ndarray:
+        """Every rank's whole ``arr`` to every other, then the reduction in rank order (``allreduce``)."""
+        n, me, tag = self._size, self._rank, self._EXCHANGE_TAG
+        peers = [(me + k) % n for k in range(1, n)]  # rotated: rank r sends to r+1 first
+        recvs = {src: self._post(src, tag, True, out=np.empty(arr.shape, arr.dtype))
+                 for src in sorted(peers)}
+        sends = [self._isend_part(arr, dst, tag, 0, 1) for dst in peers]
+        parts: dict[int, np.ndarray] = {me: arr}
+        headers: dict[int, Header] = {}
+        try:
+            for src, req in recvs.items():
+                try:
+                    parts[src] = req.wait(max(deadline - time.monotonic(), 0.0))[1]
+                except CommTimeoutError:
+                    raise
+                except CommError:
+                    if req._header is None:  # not a shape/dtype mismatch (an MPI failure)
+                        raise
+                    headers[src] = req._header  # consumed: the other ranks' messages still come
+            for s in sends:
+                s.wait(max(deadline - time.monotonic(), 0.0))
+        except BaseException:
+            for req in recvs.values():
+                req.cancel()
+            for s in sends:
+                if not s._done:
+                    self._abandon(s._reqs, s._keep)
+            raise
+        if headers:
+            mine = Header.for_array(arr, 0)
+            desc = ", ".join(f"rank {r}: {headers[r].describe() if r in headers else mine.describe()}"
+                             for r in range(n))
+            raise CommError(f"allreduce({op}): ranks disagree on dtype/shape ({desc})")
+        return reduce_arrays([parts[r] for r in range(n)], op)
+
+    def _allreduce_mpi(self, arr: np.ndarray, op: str, deadline: float) -> np.ndarray:
+        """MPI's ``Iallreduce`` in pieces of at most ``chunk_bytes`` (``allreduce`` above
+        ``exchange_max_ranks`` ranks)."""
         self._same(arr, f"allreduce({op})", deadline)
         red = reduction_dtype(arr.dtype)
         src = arr.astype(red, copy=False).reshape(-1)
@@ -710,7 +799,7 @@ class MPIHostBridge(Communicator):
         res = out.reshape(arr.shape)
         if red != arr.dtype:
             res = res.astype(arr.dtype) if arr.dtype != np.bool_ else res != 0
-        return place(res, device, sharding)
+        return res
 
     def broadcast(self, x: Any, root: int = 0, *, timeout: float | None = None,
                   device: Any = None, sharding: Any = None) -> Any:
@@ -762,4 +851,4 @@ class MPIHostBridge(Communicator):
         if sub == MPI.COMM_NULL:
             return None
         return MPIHostBridge(sub, chunk_bytes=self.chunk_bytes, timeout=self._timeout,
-                             spin_s=self.spin_s)
+                             spin_s=self.spin_s, exchange_max_ranks=self._exchange_max_ranks)
