@@ -123,7 +123,8 @@ def test_mpi_only_checks_and_clean_exit(mpi_results):
     backend, proc, results = mpi_results
     tail = proc.stdout[-3000:] + "\n" + proc.stderr[-3000:]
     assert proc.returncode == 0, tail
-    for name in ("chunking_mpi", "fast_path_timeouts_mpi", "fast_paths_taken_mpi"):
+    for name in ("chunking_mpi", "fast_path_timeouts_mpi", "fast_paths_taken_mpi", "allreduce_rank_order_3_mpi",
+                 "allreduce_exchange_timeout_mpi"):
         assert results.get(name) == {r: "PASS" for r in range(comm_checks.SIZE)}, (name, tail)
     assert "pending" not in proc.stderr, proc.stderr[-2000:]  # no request left behind
     # HETHUB_COMM_HOTPATH=0 turns the C hot path off; otherwise it is used wherever it was built

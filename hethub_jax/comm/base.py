@@ -184,7 +184,8 @@ def reduce_arrays(arrays: Sequence[np.ndarray], op: str) -> np.ndarray:
     if len(arrays) == 1:
         acc = arrays[0].astype(red, copy=True)
     else:  # the first two into a new array: no copy of a_0 first (one pass fewer over the data)
-        acc = fn(arrays[0].astype(red, copy=False), arrays[1].astype(red, copy=False))
+        acc = fn(arrays[0].astype(red, copy=False), arrays[1].astype(red, copy=False),
+                 out=np.empty(arrays[0].shape, red))  # out=: an array for 0-d inputs too
         for a in arrays[2:]:
             fn(acc, a.astype(red, copy=False), out=acc)
     if red == dtype:

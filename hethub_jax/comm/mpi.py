@@ -757,21 +757,29 @@ class MPIHostBridge(Communicator):
         sends = [self._isend_part(arr, dst, tag, 0, 1) for dst in peers]
         parts: dict[int, np.ndarray] = {me: arr}
         headers: dict[int, Header] = {}
+        waited: set[int] = set()  # receives whose wait ran (a wait that times out withdraws its own)
         try:
             for src, req in recvs.items():
+                waited.add(src)
                 try:
                     parts[src] = req.wait(max(deadline - time.monotonic(), 0.0))[1]
-                except CommTimeoutError:
-                    raise
+                except CommTimeoutError as e:
+                    raise CommTimeoutError(f"allreduce({op}) on rank {me} of {n}: rank {src} did not "
+                                           f"take part ({e})") from None
                 except CommError:
                     if req._header is None:  # not a shape/dtype mismatch (an MPI failure)
                         raise
                     headers[src] = req._header  # consumed: the other ranks' messages still come
-            for s in sends:
-                s.wait(max(deadline - time.monotonic(), 0.0))
+            for s, dst in zip(sends, peers):
+                try:
+                    s.wait(max(deadline - time.monotonic(), 0.0))
+                except CommTimeoutError as e:
+                    raise CommTimeoutError(f"allreduce({op}) on rank {me} of {n}: rank {dst} did not "
+                                           f"take part ({e})") from None
         except BaseException:
-            for req in recvs.values():
-                req.cancel()
+            for src, req in recvs.items():
+                if src not in waited:
+                    req.cancel()
             for s in sends:
                 if not s._done:
                     self._abandon(s._reqs, s._keep)
