@@ -161,6 +161,16 @@ def reduction_dtype(dtype: np.dtype) -> np.dtype:
     return dtype
 
 
+_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _widen_bfloat16(a: np.ndarray) -> np.ndarray:
+    """float32 of a bfloat16 array by moving its 16 bits to the top of 32 (bfloat16 is the upper half
+    of a float32 by definition: every value, NaN payloads included, maps exactly as ml_dtypes' cast
+    does); several times faster than ``astype(np.float32)``."""
+    return (a.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
 def reduce_arrays(arrays: Sequence[np.ndarray], op: str) -> np.ndarray:
     """Reduction in rank order: ``((a_0 op a_1) op a_2) ...`` elementwise in
     ``reduction_dtype(a_0.dtype)``, cast back once at the end (bool: nonzero, so a sum is logical or).
@@ -181,13 +191,13 @@ def reduce_arrays(arrays: Sequence[np.ndarray], op: str) -> np.ndarray:
     dtype = arrays[0].dtype
     red = reduction_dtype(dtype)
     fn = {"sum": np.add, "max": np.maximum, "min": np.minimum}[op]
+    wide = _widen_bfloat16 if dtype == _BFLOAT16 else lambda a: a.astype(red, copy=False)
     if len(arrays) == 1:
         acc = arrays[0].astype(red, copy=True)
     else:  # the first two into a new array: no copy of a_0 first (one pass fewer over the data)
-        acc = fn(arrays[0].astype(red, copy=False), arrays[1].astype(red, copy=False),
-                 out=np.empty(arrays[0].shape, red))  # out=: an array for 0-d inputs too
+        acc = fn(wide(arrays[0]), wide(arrays[1]), out=np.empty(arrays[0].shape, red))  # out=: 0-d too
         for a in arrays[2:]:
-            fn(acc, a.astype(red, copy=False), out=acc)
+            fn(acc, wide(a), out=acc)
     if red == dtype:
         return acc
     return acc != 0 if dtype == np.bool_ else acc.astype(dtype)
@@ -565,7 +575,8 @@ class Communicator(abc.ABC):
             by_dtype.setdefault(a.dtype, []).append(i)
         for dtype in sorted(by_dtype, key=lambda d: d.name):
             idx = by_dtype[dtype]
-            flat = np.concatenate([host[i].reshape(-1) for i in idx]) if idx else None
+            # one leaf of this dtype: its own memory (a view, no copy); several: one buffer
+            flat = host[idx[0]].reshape(-1) if len(idx) == 1 else np.concatenate([host[i].reshape(-1) for i in idx])
             red = self.allreduce(flat, op, timeout=timeout)
             off = 0
             for i in idx:
