@@ -180,3 +180,9 @@ def test_local_send_is_buffered_copy():
     a.send(x, 1)
     x[:] = -1
     assert np.array_equal(b.recv(0), np.arange(4))
+
+
+def test_local_allreduce_rank_order_3_ranks():
+    """The in-process backend on 3 ranks: numpy's rank-ordered reduction, the same bits on every rank
+    (the MPI bridge's 3-rank case is ``allreduce_rank_order_3_mpi``)."""
+    run_local(lambda c: comm_checks.assert_rank_order_allreduce(c, "3 local ranks"), n=3)

@@ -35,9 +35,12 @@ match messages in order.
 
 Contiguous numpy inputs are sent from their own memory (no copy); the send request keeps the array
 alive until it completes. Every wait polls (``Test``) against a deadline and raises
-``CommTimeoutError`` naming the peer and tag. Collectives use MPI non-blocking collectives
-(``Iallreduce``, ``Ibcast``, ``Iallgather``, ``Ibarrier``) under the same deadline; float16,
-bfloat16 and float8 reduce in float32 and are cast back (see ``base.reduction_dtype``).
+``CommTimeoutError`` naming the peer and tag. ``allreduce`` on up to ``exchange_max_ranks`` ranks
+(default 2) exchanges whole buffers over these messages and reduces on the host in rank order
+(bitwise the same on every rank); other collectives, and ``allreduce`` on more ranks, use MPI
+non-blocking collectives (``Iallreduce``, ``Ibcast``, ``Iallgather``, ``Ibarrier``) under the same
+deadline; float16, bfloat16 and float8 reduce in float32 and are cast back (see
+``base.reduction_dtype``).
 
 A communicator must not be used by two threads at once.
 """
@@ -720,9 +723,12 @@ class MPIHostBridge(Communicator):
         the in-process backend), so the result is bitwise the same on every rank and the same as
         ``LocalCommunicator``'s. Above that: MPI's ``Iallreduce`` in pieces of at most
         ``chunk_bytes`` after an all-gather of the headers (MPI's own reduction order, which for 3
-        ranks and more need not be the same on every rank for floats). Why the exchange: between
-        two processes MPICH's ``Iallreduce`` of 1-8 MiB took 2.2-3.8x the exchange plus the host sum
-        (docs/benchmarks.md, issue 3, session 15).
+        ranks and more need not be the same on every rank for floats). Why the exchange: MPICH's
+        ``Iallreduce`` runs several rounds, each advanced only inside MPI calls of both ranks, so
+        it pays the bridge's polling (with ``spin_s=0`` its sleeps) several times, where one
+        exchange pays it once: between two processes the ``Iallreduce`` path took 1.2-2.3x the
+        exchange with sleeping waits at 64 KiB-32 MiB (``benchmarks/bridge.py --allreduce``;
+        docs/benchmarks.md, issue 3, session 15; a LOADED machine).
 
         Args:
           x: array-like, the same dtype and shape on every rank.
