@@ -59,7 +59,7 @@ from mpi4py import MPI
 
 from .base import (HEADER_MAX, REDUCE_OPS, CommError, CommTimeoutError, Communicator, Header,
                    Request, _NAME_OF as _SENDABLE, as_host_array, check_tag, dtype_from_name, encode_header, place, poll_until,
-                   reduce_arrays, reduction_dtype)
+                   reduce_arrays, reduction_dtype, widen)
 
 __all__ = ["MPIHostBridge", "DEFAULT_CHUNK_BYTES", "DEFAULT_EXCHANGE_MAX_RANKS", "HOTPATH"]
 
@@ -759,7 +759,15 @@ class MPIHostBridge(Communicator):
         deadline = self._deadline(timeout)
         arr = as_host_array(x)
         if self._size <= self._exchange_max_ranks:
-            res = self._allreduce_exchange(arr, op, deadline)
+            red = reduction_dtype(arr.dtype)
+            if red == arr.dtype or arr.dtype == np.bool_ or self._size == 1:
+                res = self._allreduce_exchange(arr, op, deadline)
+            else:  # float16 / bfloat16 / float8: each rank widens its own array (at once, in parallel)
+                # and sends float32, as the Iallreduce path did: widening on the receiver costs more
+                # here than the bytes it saves (8 MiB bfloat16: 0.72-0.78x; docs/benchmarks.md). The
+                # headers then name float32, so the dtypes are compared first.
+                self._same(arr, f"allreduce({op})", deadline)
+                res = self._allreduce_exchange(widen(arr), op, deadline).astype(arr.dtype)
         else:
             res = self._allreduce_mpi(arr, op, deadline)
         return place(res, device, sharding)
