@@ -59,7 +59,7 @@ from mpi4py import MPI
 
 from .base import (HEADER_MAX, REDUCE_OPS, CommError, CommTimeoutError, Communicator, Header,
                    Request, _NAME_OF as _SENDABLE, as_host_array, check_tag, dtype_from_name, encode_header, place, poll_until,
-                   reduce_arrays, reduction_dtype, widen)
+                   reduce_arrays, reduction_dtype)
 
 __all__ = ["MPIHostBridge", "DEFAULT_CHUNK_BYTES", "DEFAULT_EXCHANGE_MAX_RANKS", "HOTPATH"]
 
@@ -759,15 +759,11 @@ class MPIHostBridge(Communicator):
         deadline = self._deadline(timeout)
         arr = as_host_array(x)
         if self._size <= self._exchange_max_ranks:
-            red = reduction_dtype(arr.dtype)
-            if red == arr.dtype or arr.dtype == np.bool_ or self._size == 1:
-                res = self._allreduce_exchange(arr, op, deadline)
-            else:  # float16 / bfloat16 / float8: each rank widens its own array (at once, in parallel)
-                # and sends float32, as the Iallreduce path did: widening on the receiver costs more
-                # here than the bytes it saves (8 MiB bfloat16: 0.72-0.78x; docs/benchmarks.md). The
-                # headers then name float32, so the dtypes are compared first.
-                self._same(arr, f"allreduce({op})", deadline)
-                res = self._allreduce_exchange(widen(arr), op, deadline).astype(arr.dtype)
+            # every dtype travels as itself (bfloat16: 2 bytes), so a rank with another dtype or
+            # shape is seen in the headers by all; widening a peer's float16 / bfloat16 array on the
+            # receiver made bfloat16 0.72-0.78x the Iallreduce path at 8-32 MiB in one LOADED run
+            # (docs/benchmarks.md); sending float32 instead would need a header round first
+            res = self._allreduce_exchange(arr, op, deadline)
         else:
             res = self._allreduce_mpi(arr, op, deadline)
         return place(res, device, sharding)

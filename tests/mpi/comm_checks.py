@@ -269,6 +269,13 @@ def check_allreduce_rank_order_2(comm):
     sub = comm.split(comm.rank // 2, key=comm.rank)
     assert sub.size == 2
     assert_rank_order_allreduce(sub, "2 ranks")
+    # disagreeing arrays make both ranks raise, naming both (a larger, a smaller, another dtype)
+    for mine, want in (((np.zeros(3 if sub.rank == 1 else 2, np.float32)), "rank 1: float32[3]"),
+                       ((np.zeros(2, np.float32) if sub.rank == 0 else np.zeros(2, ml_dtypes.bfloat16)),
+                        "rank 1: bfloat16[2]"),
+                       ((np.zeros(2, np.int32) if sub.rank == 0 else np.zeros(2, np.float32)), "rank 0: int32[2]")):
+        expect_comm_error(lambda: sub.allreduce(mine), want, f"allreduce with {want} did not raise")
+    assert_bits(sub.allreduce(np.array([sub.rank + 1], np.int64)), np.array([3], np.int64), "after errors")
     comm.barrier()
 
 
