@@ -25,6 +25,23 @@ process per island (rank 0 -> rank 2, ranks 1 and 3 idle), interleaved in the sa
 barrier to barrier (all four ranks) of one exchange; aggregate bandwidth = total bytes / time.
 Figures: ``boundary_2proc_over_1proc_min_ge_1MiB`` (aggregate bandwidth ratio at the worst size),
 and both aggregate bandwidths at the largest size.
+
+    python benchmarks/bridge.py --allreduce --json allreduce.json   # re-launches itself: mpiexec -n 2
+
+``--allreduce`` (issues 13/17, session 15): ``MPIHostBridge.allreduce`` (sum of float32 by default,
+``--dtype``) at 64 KiB, 1 MiB, 8 MiB and 32 MiB (``--sizes``) on ``--ranks`` processes (default 2),
+three ways interleaved in the same run, the order rotating per repetition: ``exchange`` (the bridge's
+default up to ``exchange_max_ranks`` ranks: whole buffers exchanged, summed on the host in rank
+order), ``iallreduce`` (the same bridge with ``exchange_max_ranks=0``: MPI ``Iallreduce`` polled
+under the deadline, the path before session 15) and ``raw_Allreduce`` (mpi4py's blocking
+``Allreduce`` into a preallocated buffer: no deadline, no header check, no new result array). Each
+call starts after a barrier; per call the wall time (``perf_counter``) and this process's CPU time
+(``process_time``) are taken on every rank; a row holds rank 0's medians and the medians of the
+per-repetition ratios (``iallreduce / exchange``, ``raw / exchange``: same repetition, so drifting
+load cancels). The host allocator is the runtime's for CPU islands (``steady_host_allocator``)
+unless ``--allocator default``. Every result is checked bitwise against numpy's rank-ordered sum of
+the inputs (each rank rebuilds them from their seeds). Figures: ``iallreduce_over_exchange_min``
+and ``..._8MiB`` (> 1: the exchange is faster), ``raw_over_exchange_8MiB``.
 """
 
 from __future__ import annotations
@@ -43,6 +60,7 @@ sys.path.insert(0, ROOT)
 from benchmarks.common import CHILD_ENV, bridge_world, mpi_rank_from_env, relaunch_under_mpiexec  # noqa: E402
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+ALLREDUCE_SIZES = [64 << 10, 1 << 20, 8 << 20, 32 << 20]  # bytes each stage exchanges (issue 13)
 
 
 def pingpong(comm, rank, send, recv, iters):
@@ -68,11 +86,23 @@ def main() -> None:
                     help="comma-separated message sizes in bytes (default 4 KiB .. 64 MiB)")
     ap.add_argument("--boundary", action="store_true",
                     help="measure one stage boundary with 2 processes per island against 1 (4 ranks)")
+    ap.add_argument("--allreduce", action="store_true",
+                    help="the bridge's all-reduce (exchange, Iallreduce) against raw MPI Allreduce")
+    ap.add_argument("--ranks", type=int, default=2, help="--allreduce: number of processes")
+    ap.add_argument("--dtype", default="float32", help="--allreduce: element dtype (numpy or ml_dtypes name)")
+    ap.add_argument("--spin-s", type=float, default=0.05, help="--allreduce: the bridge's spin_s")
+    ap.add_argument("--allocator", choices=("steady", "default"), default="steady",
+                    help="--allreduce: host allocator (steady: as the runtime's CPU islands)")
     args = ap.parse_args()
+    if args.allreduce and args.sizes is SIZES:
+        args.sizes = ALLREDUCE_SIZES
     if os.environ.get(CHILD_ENV) is None and mpi_rank_from_env() is None:
-        relaunch_under_mpiexec(__file__, sys.argv[1:], n=4 if args.boundary else 2)
+        relaunch_under_mpiexec(__file__, sys.argv[1:],
+                               n=4 if args.boundary else args.ranks if args.allreduce else 2)
     if args.boundary:
         return boundary(args)
+    if args.allreduce:
+        return allreduce(args)
 
     import numpy as np
 
@@ -231,6 +261,91 @@ def boundary(args) -> None:
         for r in rows:
             print(f"{r['bytes']:>10} {r['one_proc_Bps'] / 1e9:>11.3f} {r['two_proc_Bps'] / 1e9:>11.3f} "
                   f"{r['ratio']:>6.3f}")
+        print(json.dumps(figures, indent=2))
+    comm.Barrier()
+
+
+def allreduce(args) -> None:
+    """``--allreduce``: see the module docstring."""
+    import numpy as np
+
+    from hethub_jax.comm.base import dtype_from_name, reduce_arrays
+    from hethub_jax.comm.mpi import MPIHostBridge
+    from hethub_jax.host_allocator import steady_host_allocator
+
+    alloc = steady_host_allocator(args.allocator == "steady")["allocator"]
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, n = comm.Get_rank(), comm.Get_size()
+    raw = comm.Dup()
+    new = MPIHostBridge(comm.Dup(), timeout=120, spin_s=args.spin_s, exchange_max_ranks=max(n, 2))
+    old = MPIHostBridge(comm.Dup(), timeout=120, spin_s=args.spin_s, exchange_max_ranks=0)
+    dtype = dtype_from_name(args.dtype)
+
+    def inputs(size: int) -> list:
+        """Every rank's input, rebuilt from its seed (values in [-1, 1): sums round)."""
+        k = max(size // dtype.itemsize, 1)
+        return [np.random.default_rng(1000 * size + r).uniform(-1, 1, k).astype(dtype) for r in range(n)]
+
+    rows = []
+    for size in args.sizes:
+        xs = inputs(size)
+        x = xs[rank]
+        want = reduce_arrays(xs, "sum")
+        del xs
+        out = np.empty(x.shape, np.float32 if dtype.itemsize < 4 else dtype)
+        xr = x.astype(out.dtype)
+
+        def raw_allreduce():
+            raw.Allreduce(xr, out, op=MPI.SUM)
+
+        ways = {"exchange": lambda: new.allreduce(x), "iallreduce": lambda: old.allreduce(x),
+                "raw_Allreduce": raw_allreduce}
+        for name in ("exchange", "iallreduce"):  # warm-up and the check: bitwise numpy's rank-ordered sum
+            got = ways[name]()
+            if name == "exchange":
+                assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (size, name)
+            else:  # MPI's order: equal in value to within rounding, not bitwise for 3+ ranks
+                assert np.allclose(got.astype(np.float64), want.astype(np.float64), rtol=1e-2, atol=1e-2)
+        raw_allreduce()
+        wall = {k: [] for k in ways}
+        cpu = {k: [] for k in ways}
+        names = list(ways)
+        for rep in range(args.reps):
+            for name in names[rep % 3:] + names[:rep % 3]:
+                comm.Barrier()
+                c0, t0 = time.process_time(), time.perf_counter()
+                ways[name]()
+                wall[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+        row = {"bytes": int(x.nbytes), "dtype": dtype.name, "reps": args.reps}
+        for name in ways:
+            row[f"{name}_s"] = statistics.median(wall[name])
+            row[f"{name}_cpu_s"] = statistics.median(cpu[name])
+        row["iallreduce_over_exchange"] = statistics.median(a / b for a, b in zip(wall["iallreduce"], wall["exchange"]))
+        row["raw_over_exchange"] = statistics.median(a / b for a, b in zip(wall["raw_Allreduce"], wall["exchange"]))
+        rows.append(row)
+    per_rank = comm.gather(rows, root=0)
+    if rank == 0:
+        by = {r["bytes"]: r for r in rows}
+        eight = by.get(8 << 20)
+        figures = {"iallreduce_over_exchange_min": round(min(r["iallreduce_over_exchange"] for r in rows), 4),
+                   "iallreduce_over_exchange_8MiB": eight and round(eight["iallreduce_over_exchange"], 4),
+                   "raw_over_exchange_8MiB": eight and round(eight["raw_over_exchange"], 4),
+                   "ranks": n, "dtype": dtype.name, "spin_s": args.spin_s, "allocator": alloc,
+                   "loadavg": list(os.getloadavg())}
+        with open(args.json, "w") as f:
+            json.dump({"figures": figures, "rows": rows, "rows_per_rank": per_rank, "cpus": os.cpu_count(),
+                       "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+                       "command": "python benchmarks/bridge.py " + " ".join(sys.argv[1:])}, f, indent=2)
+        print(f"{n} ranks, {dtype.name}, spin_s {args.spin_s:g}, allocator {alloc}, load {os.getloadavg()[0]:.1f}; "
+              "rank 0 medians, ms wall (CPU)")
+        print(f"{'bytes':>10} {'exchange':>17} {'iallreduce':>17} {'raw Allreduce':>17} {'iall/exch':>9} {'raw/exch':>9}")
+        for r in rows:
+            print(f"{r['bytes']:>10} " + " ".join(f"{1e3 * r[k + '_s']:>7.3f} ({1e3 * r[k + '_cpu_s']:>7.3f})"
+                                                for k in ("exchange", "iallreduce", "raw_Allreduce"))
+                  + f" {r['iallreduce_over_exchange']:>9.2f} {r['raw_over_exchange']:>9.2f}")
         print(json.dumps(figures, indent=2))
     comm.Barrier()
 

@@ -123,7 +123,8 @@ def test_mpi_only_checks_and_clean_exit(mpi_results):
     backend, proc, results = mpi_results
     tail = proc.stdout[-3000:] + "\n" + proc.stderr[-3000:]
     assert proc.returncode == 0, tail
-    for name in ("chunking_mpi", "fast_path_timeouts_mpi", "fast_paths_taken_mpi"):
+    for name in ("chunking_mpi", "fast_path_timeouts_mpi", "fast_paths_taken_mpi", "allreduce_rank_order_3_mpi",
+                 "allreduce_exchange_timeout_mpi"):
         assert results.get(name) == {r: "PASS" for r in range(comm_checks.SIZE)}, (name, tail)
     assert "pending" not in proc.stderr, proc.stderr[-2000:]  # no request left behind
     # HETHUB_COMM_HOTPATH=0 turns the C hot path off; otherwise it is used wherever it was built
@@ -179,3 +180,9 @@ def test_local_send_is_buffered_copy():
     a.send(x, 1)
     x[:] = -1
     assert np.array_equal(b.recv(0), np.arange(4))
+
+
+def test_local_allreduce_rank_order_3_ranks():
+    """The in-process backend on 3 ranks: numpy's rank-ordered reduction, the same bits on every rank
+    (the MPI bridge's 3-rank case is ``allreduce_rank_order_3_mpi``)."""
+    run_local(lambda c: comm_checks.assert_rank_order_allreduce(c, "3 local ranks"), n=3)

@@ -161,17 +161,41 @@ def reduction_dtype(dtype: np.dtype) -> np.dtype:
     return dtype
 
 
+def widen(a: np.ndarray) -> np.ndarray:
+    """``a`` in ``reduction_dtype(a.dtype)`` (exact: every float16 / bfloat16 / float8 value is a
+    float32); ``a`` itself when that is its own dtype."""
+    return a.astype(reduction_dtype(a.dtype), copy=False)
+
+
 def reduce_arrays(arrays: Sequence[np.ndarray], op: str) -> np.ndarray:
-    """Reference reduction in rank order (used by the in-process backend and by tests)."""
+    """Reduction in rank order: ``((a_0 op a_1) op a_2) ...`` elementwise in
+    ``reduction_dtype(a_0.dtype)``, cast back once at the end (bool: nonzero, so a sum is logical or).
+
+    The in-process backend's collectives and the MPI bridge's exchange all-reduce use it, so every
+    rank computes bitwise the same result. ``max`` / ``min`` are numpy's ``maximum`` / ``minimum``
+    (a NaN wins). The inputs are not modified; the result is a new array.
+
+    Args:
+      arrays: one or more arrays of one dtype and shape, in rank order.
+      op: "sum", "max" or "min".
+
+    Raises:
+      ValueError: unknown op.
+    """
     if op not in REDUCE_OPS:
         raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
     dtype = arrays[0].dtype
     red = reduction_dtype(dtype)
     fn = {"sum": np.add, "max": np.maximum, "min": np.minimum}[op]
-    acc = arrays[0].astype(red, copy=True)
-    for a in arrays[1:]:
-        fn(acc, a.astype(red, copy=False), out=acc)
-    return acc.astype(dtype) if red != dtype else acc
+    if len(arrays) == 1:
+        acc = arrays[0].astype(red, copy=True)
+    else:  # the first two into a new array: no copy of a_0 first (one pass fewer over the data)
+        acc = fn(widen(arrays[0]), widen(arrays[1]), out=np.empty(arrays[0].shape, red))  # out=: 0-d too
+        for a in arrays[2:]:
+            fn(acc, widen(a), out=acc)
+    if red == dtype:
+        return acc
+    return acc != 0 if dtype == np.bool_ else acc.astype(dtype)
 
 
 _SHAPES = [struct.Struct(f"<{n}q") for n in range(MAX_NDIM + 1)]
@@ -546,7 +570,8 @@ class Communicator(abc.ABC):
             by_dtype.setdefault(a.dtype, []).append(i)
         for dtype in sorted(by_dtype, key=lambda d: d.name):
             idx = by_dtype[dtype]
-            flat = np.concatenate([host[i].reshape(-1) for i in idx]) if idx else None
+            # one leaf of this dtype: its own memory (a view, no copy); several: one buffer
+            flat = host[idx[0]].reshape(-1) if len(idx) == 1 else np.concatenate([host[i].reshape(-1) for i in idx])
             red = self.allreduce(flat, op, timeout=timeout)
             off = 0
             for i in idx:

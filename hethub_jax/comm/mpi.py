@@ -35,9 +35,12 @@ match messages in order.
 
 Contiguous numpy inputs are sent from their own memory (no copy); the send request keeps the array
 alive until it completes. Every wait polls (``Test``) against a deadline and raises
-``CommTimeoutError`` naming the peer and tag. Collectives use MPI non-blocking collectives
-(``Iallreduce``, ``Ibcast``, ``Iallgather``, ``Ibarrier``) under the same deadline; float16,
-bfloat16 and float8 reduce in float32 and are cast back (see ``base.reduction_dtype``).
+``CommTimeoutError`` naming the peer and tag. ``allreduce`` on up to ``exchange_max_ranks`` ranks
+(default 2) exchanges whole buffers over these messages and reduces on the host in rank order
+(bitwise the same on every rank); other collectives, and ``allreduce`` on more ranks, use MPI
+non-blocking collectives (``Iallreduce``, ``Ibcast``, ``Iallgather``, ``Ibarrier``) under the same
+deadline; float16, bfloat16 and float8 reduce in float32 and are cast back (see
+``base.reduction_dtype``).
 
 A communicator must not be used by two threads at once.
 """
@@ -56,13 +59,18 @@ from mpi4py import MPI
 
 from .base import (HEADER_MAX, REDUCE_OPS, CommError, CommTimeoutError, Communicator, Header,
                    Request, _NAME_OF as _SENDABLE, as_host_array, check_tag, dtype_from_name, encode_header, place, poll_until,
-                   reduction_dtype)
+                   reduce_arrays, reduction_dtype)
 
-__all__ = ["MPIHostBridge", "DEFAULT_CHUNK_BYTES", "HOTPATH"]
+__all__ = ["MPIHostBridge", "DEFAULT_CHUNK_BYTES", "DEFAULT_EXCHANGE_MAX_RANKS", "HOTPATH"]
 
 #: default payload chunk: 1 GiB, below MPI's 2**31-1 element count limit for MPI.BYTE.
 DEFAULT_CHUNK_BYTES = 1 << 30
 _MAX_CHUNK = (1 << 31) - 1
+#: default ``exchange_max_ranks``: communicators of up to 2 ranks all-reduce by exchanging whole buffers.
+DEFAULT_EXCHANGE_MAX_RANKS = 2
+#: seconds the exchange all-reduce polls without sleeping once a peer's header has arrived (its
+#: data is then moving), whatever ``spin_s`` is: 32 MiB take 3-10 ms between two processes here.
+EXCHANGE_MOVING_SPIN_S = 0.02
 _N_INTERNAL = 16  # internal (negative) tags -1 .. -16
 
 _MPI_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
@@ -178,6 +186,8 @@ def _chunks(nbytes: int, chunk: int):
 
 
 class _SendRequest(Request):
+    _spin: float | None = None  # seconds of polling before sleeping, if not the bridge's spin_s
+
     def __init__(self, comm: "MPIHostBridge", reqs: list, keep: tuple, dest: int, tag: int):
         self._comm, self._reqs, self._keep = comm, reqs, keep
         self._dest, self._tag = dest, tag
@@ -202,15 +212,20 @@ class _SendRequest(Request):
         # The hot loop calls MPI's Test directly (no Python frame per poll): in MPICH each Test also
         # copies the next piece of a large shared-memory transfer, so a slower loop is a slower copy.
         # First the last payload piece (the transfer), then all (the small eager header, sent first).
-        _poll(reqs[-1].Test, deadline, describe, self._comm.spin_s, every=self._comm._progress)
+        _poll(reqs[-1].Test, deadline, describe, self._spin if self._spin is not None else self._comm.spin_s, every=self._comm._progress)
         if len(reqs) > 2 or not reqs[0].Test():
             _poll(functools.partial(MPI.Request.Testall, reqs), deadline, describe,
-                  self._comm.spin_s, every=self._comm._progress)
+                  self._spin if self._spin is not None else self._comm.spin_s, every=self._comm._progress)
         self._done, self._keep = True, None
 
 
 class _RecvRequest(Request):
     """Header receive posted at once; payload receives posted when this is the head of its channel."""
+
+    _spin: float | None = None  # payload polling before sleeping (header arrived), if not spin_s
+
+    def _moving_spin(self) -> float:
+        return self._spin if self._spin is not None else self._comm.spin_s
 
     def __init__(self, comm: "MPIHostBridge", source: int, tag: int, raw: bool, device, sharding,
                  out, posted: tuple | None = None):
@@ -316,7 +331,7 @@ class _RecvRequest(Request):
                     if dt is out.dtype and h.shape == out.shape and h.nbytes <= h.chunk_bytes:
                         # the common case: the message is exactly out=, in one piece
                         self._header, self._arr, self._reqs = h, out, [self._pre]
-                        _poll(self._pre.Test, deadline, describe, self._comm.spin_s,
+                        _poll(self._pre.Test, deadline, describe, self._moving_spin(),
                               every=self._comm._progress)
                         self._done = self._finished = True
                         if self._raw:
@@ -338,7 +353,7 @@ class _RecvRequest(Request):
                     fast = (reqs[0].Test if len(reqs) == 1
                             else functools.partial(MPI.Request.Testall, reqs))
                     try:
-                        _poll(fast, deadline, describe, self._comm.spin_s,
+                        _poll(fast, deadline, describe, self._moving_spin(),
                               every=self._comm._progress)
                     except CommError:
                         if self._error is None or isinstance(self._error, CommTimeoutError):
@@ -378,13 +393,18 @@ class MPIHostBridge(Communicator):
         (default 1 GiB).
       timeout: default deadline of blocking calls, seconds (``math.inf``: none).
       spin_s: seconds a wait polls without sleeping before backing off (latency vs CPU use).
+      exchange_max_ranks: largest communicator size whose ``allreduce`` exchanges whole buffers
+        and reduces them on the host in rank order (bitwise the same result on every rank); larger
+        ones use MPI's ``Iallreduce``. Default 2: each rank then receives one buffer, as in any
+        all-reduce; with ``n`` ranks it receives ``n - 1``.
 
     Raises:
-      ValueError: chunk_bytes out of range, or spin_s negative.
+      ValueError: chunk_bytes out of range, spin_s negative, or exchange_max_ranks < 0.
     """
 
     def __init__(self, comm: Any = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 timeout: float = 300.0, spin_s: float = 0.05):
+                 timeout: float = 300.0, spin_s: float = 0.05,
+                 exchange_max_ranks: int = DEFAULT_EXCHANGE_MAX_RANKS):
         self._comm = MPI.COMM_WORLD if comm is None else comm
         if not 1 <= int(chunk_bytes) <= _MAX_CHUNK:
             raise ValueError(f"chunk_bytes must be in [1, {_MAX_CHUNK}], got {chunk_bytes}")
@@ -393,6 +413,9 @@ class MPIHostBridge(Communicator):
         if not spin_s >= 0:
             raise ValueError(f"spin_s must be >= 0 seconds, got {spin_s}")
         self._spin_s = float(spin_s)
+        if not isinstance(exchange_max_ranks, (int, np.integer)) or exchange_max_ranks < 0:
+            raise ValueError(f"exchange_max_ranks must be an int >= 0, got {exchange_max_ranks!r}")
+        self._exchange_max_ranks = int(exchange_max_ranks)
         self._hot_spin = min(self._spin_s, self._timeout)  # C spin budget at the default timeout
         self._rank, self._size = self._comm.Get_rank(), self._comm.Get_size()
         tag_ub = self._comm.Get_attr(MPI.TAG_UB) or 32767
@@ -415,7 +438,7 @@ class MPIHostBridge(Communicator):
 
     def with_spin(self, spin_s: float) -> "MPIHostBridge":
         """A bridge over the same MPI communicator whose waits poll without sleeping for ``spin_s``
-        seconds (same chunk size and timeout). For a background thread that should sleep while its
+        seconds (same chunk size, timeout and ``exchange_max_ranks``). For a background thread that should sleep while its
         peers have not arrived rather than take a CPU core from compute (``spin_s=0``: back off at
         once, at most ``max_sleep_s`` = 1 ms late). The two objects share the communicator: use
         both from one thread only (MPI matches collectives in the order they are called).
@@ -423,12 +446,18 @@ class MPIHostBridge(Communicator):
         Raises:
           ValueError: if spin_s is negative.
         """
-        return MPIHostBridge(self._comm, chunk_bytes=self._chunk_bytes, timeout=self._timeout, spin_s=spin_s)
+        return MPIHostBridge(self._comm, chunk_bytes=self._chunk_bytes, timeout=self._timeout, spin_s=spin_s,
+                             exchange_max_ranks=self._exchange_max_ranks)
 
     @property
     def spin_s(self) -> float:
         """Seconds a wait polls without sleeping before backing off (fixed at construction)."""
         return self._spin_s
+
+    @property
+    def exchange_max_ranks(self) -> int:
+        """Largest size whose ``allreduce`` exchanges whole buffers (fixed at construction)."""
+        return self._exchange_max_ranks
 
     @property
     def chunk_bytes(self) -> int:
@@ -691,12 +720,106 @@ class MPIHostBridge(Communicator):
             desc = ", ".join(f"rank {r}: {h.describe()}" for r, h in enumerate(hs))
             raise CommError(f"{what}: ranks disagree on dtype/shape ({desc})")
 
+    _EXCHANGE_TAG = -4  # internal tag of allreduce's exchange of whole buffers (base uses -1, -2)
+
     def allreduce(self, x: Any, op: str = "sum", *, timeout: float | None = None,
                   device: Any = None, sharding: Any = None) -> Any:
+        """``Communicator.allreduce``: every rank gets the reduction of every rank's ``x``.
+
+        Up to ``exchange_max_ranks`` ranks (default 2): every rank sends its whole buffer to every
+        other (``isend`` / ``irecv`` of the bridge, in the array's own dtype: bfloat16 travels as 2
+        bytes per element) and reduces the ``size`` arrays on the host in rank order,
+        ``((x_0 op x_1) op x_2) ...`` in ``base.reduction_dtype`` (as ``base.reduce_arrays`` and
+        the in-process backend), so the result is bitwise the same on every rank and the same as
+        ``LocalCommunicator``'s. Above that: MPI's ``Iallreduce`` in pieces of at most
+        ``chunk_bytes`` after an all-gather of the headers (MPI's own reduction order, which for 3
+        ranks and more need not be the same on every rank for floats). Why the exchange: MPICH's
+        ``Iallreduce`` runs several rounds, each advanced only inside MPI calls of both ranks, so
+        it pays the bridge's polling (with ``spin_s=0`` its sleeps) several times, where one
+        exchange pays it once: between two processes the ``Iallreduce`` path took 1.2-2.3x the
+        exchange with sleeping waits at 64 KiB-32 MiB (``benchmarks/bridge.py --allreduce``;
+        docs/benchmarks.md, issue 3, session 15; a LOADED machine).
+
+        Args:
+          x: array-like, the same dtype and shape on every rank.
+          op: "sum", "max" or "min". float16 / bfloat16 / float8 reduce in float32 and are cast back
+            (round to nearest even, once); bool sum is logical or; integers wrap as numpy's do.
+          timeout: seconds (None: the bridge's default).
+
+        Returns:
+          An array of x's dtype and shape (numpy unless ``device`` / ``sharding`` is given).
+
+        Raises:
+          ValueError: unknown op.
+          CommError: ranks passed different dtypes or shapes (raised on every rank, naming them).
+          CommTimeoutError: a rank did not take part within ``timeout`` seconds.
+        """
         if op not in REDUCE_OPS:
             raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
         deadline = self._deadline(timeout)
         arr = as_host_array(x)
+        if self._size <= self._exchange_max_ranks:
+            # every dtype travels as itself (bfloat16: 2 bytes), so a rank with another dtype or
+            # shape is seen in the headers by all; widening a peer's float16 / bfloat16 array on the
+            # receiver made bfloat16 0.72-0.78x the Iallreduce path at 8-32 MiB in one LOADED run
+            # (docs/benchmarks.md); sending float32 instead would need a header round first
+            res = self._allreduce_exchange(arr, op, deadline)
+        else:
+            res = self._allreduce_mpi(arr, op, deadline)
+        return place(res, device, sharding)
+
+    def _allreduce_exchange(self, arr: np.ndarray, op: str, deadline: float) -> np.ndarray:
+        """Every rank's whole ``arr`` to every other, then the reduction in rank order (``allreduce``)."""
+        n, me, tag = self._size, self._rank, self._EXCHANGE_TAG
+        peers = [(me + k) % n for k in range(1, n)]  # rotated: rank r sends to r+1 first
+        recvs = {src: self._post(src, tag, True, out=np.empty(arr.shape, arr.dtype))
+                 for src in sorted(peers)}
+        sends = [self._isend_part(arr, dst, tag, 0, 1) for dst in peers]
+        # Waiting for a peer to arrive follows spin_s (a sleeping bridge leaves the core to compute);
+        # once its header is here the data moves, and it moves only inside MPI calls: poll without
+        # sleeping for up to EXCHANGE_MOVING_SPIN_S then (sched_yield still runs every 256 polls).
+        moving = max(self._spin_s, EXCHANGE_MOVING_SPIN_S)
+        for q in list(recvs.values()) + sends:
+            q._spin = moving
+        parts: dict[int, np.ndarray] = {me: arr}
+        headers: dict[int, Header] = {}
+        waited: set[int] = set()  # receives whose wait ran (a wait that times out withdraws its own)
+        try:
+            for src, req in recvs.items():
+                waited.add(src)
+                try:
+                    parts[src] = req.wait(max(deadline - time.monotonic(), 0.0))[1]
+                except CommTimeoutError as e:
+                    raise CommTimeoutError(f"allreduce({op}) on rank {me} of {n}: rank {src} did not "
+                                           f"take part ({e})") from None
+                except CommError:
+                    if req._header is None:  # not a shape/dtype mismatch (an MPI failure)
+                        raise
+                    headers[src] = req._header  # consumed: the other ranks' messages still come
+            for s, dst in zip(sends, peers):
+                try:
+                    s.wait(max(deadline - time.monotonic(), 0.0))
+                except CommTimeoutError as e:
+                    raise CommTimeoutError(f"allreduce({op}) on rank {me} of {n}: rank {dst} did not "
+                                           f"take part ({e})") from None
+        except BaseException:
+            for src, req in recvs.items():
+                if src not in waited:
+                    req.cancel()
+            for s in sends:
+                if not s._done:
+                    self._abandon(s._reqs, s._keep)
+            raise
+        if headers:
+            mine = Header.for_array(arr, 0)
+            desc = ", ".join(f"rank {r}: {headers[r].describe() if r in headers else mine.describe()}"
+                             for r in range(n))
+            raise CommError(f"allreduce({op}): ranks disagree on dtype/shape ({desc})")
+        return reduce_arrays([parts[r] for r in range(n)], op)
+
+    def _allreduce_mpi(self, arr: np.ndarray, op: str, deadline: float) -> np.ndarray:
+        """MPI's ``Iallreduce`` in pieces of at most ``chunk_bytes`` (``allreduce`` above
+        ``exchange_max_ranks`` ranks)."""
         self._same(arr, f"allreduce({op})", deadline)
         red = reduction_dtype(arr.dtype)
         src = arr.astype(red, copy=False).reshape(-1)
@@ -710,7 +833,7 @@ class MPIHostBridge(Communicator):
         res = out.reshape(arr.shape)
         if red != arr.dtype:
             res = res.astype(arr.dtype) if arr.dtype != np.bool_ else res != 0
-        return place(res, device, sharding)
+        return res
 
     def broadcast(self, x: Any, root: int = 0, *, timeout: float | None = None,
                   device: Any = None, sharding: Any = None) -> Any:
@@ -762,4 +885,4 @@ class MPIHostBridge(Communicator):
         if sub == MPI.COMM_NULL:
             return None
         return MPIHostBridge(sub, chunk_bytes=self.chunk_bytes, timeout=self._timeout,
-                             spin_s=self.spin_s)
+                             spin_s=self.spin_s, exchange_max_ranks=self._exchange_max_ranks)

@@ -200,6 +200,85 @@ def check_collectives(comm):
     comm.barrier()
 
 
+# dtypes the all-reduce contract names (base.reduction_dtype): numpy's, and ml_dtypes' floats
+RANK_ORDER_DTYPES = ("float32", "float64", "float16", "bfloat16", "float8_e4m3fn", "int8", "int16",
+                     "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool", "complex64",
+                     "complex128")
+
+
+def rank_order_inputs(dtype_name: str, rank: int, n: int = 64) -> np.ndarray:
+    """Rank ``rank``'s input for the rank-order checks, rebuilt from a seed on every rank: floats of
+    magnitudes 2**-20 .. 2**20 with signs (so the order of a sum changes its rounding), plus -0.0,
+    +-inf and NaNs in the first places for the float types."""
+    rng = np.random.default_rng(1000 + rank)
+    dt = np.dtype(getattr(ml_dtypes, dtype_name, dtype_name))
+    if dt == np.bool_:
+        return rng.random(n) < 0.3
+    if dt.kind in "iu":
+        info = np.iinfo(dt)
+        return rng.integers(info.min, info.max, n, dtype=dt, endpoint=True)  # sums wrap
+    x = rng.choice([-1.0, 1.0], n) * 2.0 ** rng.uniform(-20, 20, n)
+    if dt.kind == "c":
+        x = x + 1j * rng.choice([-1.0, 1.0], n) * 2.0 ** rng.uniform(-20, 20, n)
+    with np.errstate(over="ignore"):  # float16 / float8: the large magnitudes become inf or NaN
+        x = x.astype(dt)
+    if rank == 1:
+        x[:4] = np.array([-0.0, np.inf, np.nan, -np.inf]).astype(dt)
+    return x
+
+
+def rank_order_reference(xs: list, op: str) -> np.ndarray:
+    """numpy's reduction of ``xs`` in rank order, written out here (not base.reduce_arrays): ints
+    and float32/64/complex in their own dtype, float16/bfloat16/float8 in float32 rounded once at
+    the end, bool sum as logical or (max: or, min: and)."""
+    dt = xs[0].dtype
+    if dt == np.bool_:
+        fn = {"sum": np.logical_or, "max": np.logical_or, "min": np.logical_and}[op]
+        acc = xs[0].copy()
+        for x in xs[1:]:
+            acc = fn(acc, x)
+        return acc
+    wide = np.float32 if dt.itemsize < 4 and dt.kind not in "iub" else dt
+    fn = {"sum": np.add, "max": np.maximum, "min": np.minimum}[op]
+    acc = xs[0].astype(wide)
+    for x in xs[1:]:
+        acc = fn(acc, x.astype(wide))
+    return acc.astype(dt)
+
+
+def assert_rank_order_allreduce(comm, what: str) -> None:
+    """allreduce on ``comm`` gives numpy's rank-ordered reduction, bitwise the same on every rank
+    (checked by an all-gather of the result's bytes), for every dtype of RANK_ORDER_DTYPES and op."""
+    for name in RANK_ORDER_DTYPES:
+        xs = [rank_order_inputs(name, r) for r in range(comm.size)]
+        for op in ("sum", "max", "min"):
+            if op != "sum" and xs[0].dtype.kind == "c":
+                continue  # no order on complex numbers in MPI (MPI_MAX is not defined there)
+            got = np.asarray(comm.allreduce(xs[comm.rank], op))
+            want = rank_order_reference(xs, op)
+            assert got.dtype == want.dtype and got.shape == want.shape, (what, op, name, got.dtype, got.shape)
+            bits = np.ascontiguousarray(got).view(np.uint8)  # complex128: 16-byte items
+            assert np.array_equal(bits, want.view(np.uint8)), f"{what}: allreduce({op}) {name}: bit patterns differ"
+            every = comm.allgather(bits)
+            assert all(np.array_equal(every[0], e) for e in every), f"{what}: {op} {name} differs between ranks"
+
+
+def check_allreduce_rank_order_2(comm):
+    """Two ranks (sub-communicators {0, 1} and {2, 3}): numpy's rank-ordered reduction, the same bits
+    on both ranks, every contract dtype."""
+    sub = comm.split(comm.rank // 2, key=comm.rank)
+    assert sub.size == 2
+    assert_rank_order_allreduce(sub, "2 ranks")
+    # disagreeing arrays make both ranks raise, naming both (a larger, a smaller, another dtype)
+    for mine, want in (((np.zeros(3 if sub.rank == 1 else 2, np.float32)), "rank 1: float32[3]"),
+                       ((np.zeros(2, np.float32) if sub.rank == 0 else np.zeros(2, ml_dtypes.bfloat16)),
+                        "rank 1: bfloat16[2]"),
+                       ((np.zeros(2, np.int32) if sub.rank == 0 else np.zeros(2, np.float32)), "rank 0: int32[2]")):
+        expect_comm_error(lambda: sub.allreduce(mine), want, f"allreduce with {want} did not raise")
+    assert_bits(sub.allreduce(np.array([sub.rank + 1], np.int64)), np.array([3], np.int64), "after errors")
+    comm.barrier()
+
+
 def check_split(comm):
     r = comm.rank
     sub = comm.split(r % 2, key=-r)  # reversed order inside each group

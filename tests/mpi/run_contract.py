@@ -115,12 +115,48 @@ def check_fast_paths_taken(comm):
     comm.barrier()
 
 
+def check_allreduce_rank_order_3(comm):
+    """MPI only: three ranks with ``exchange_max_ranks=3`` (the exchange path; the default 2 would
+    take MPI's Iallreduce): numpy's rank-ordered reduction, the same bits on every rank, every
+    contract dtype; and the same four ranks with the default stay on Iallreduce."""
+    assert comm.exchange_max_ranks == 2
+    sub = comm.split(0 if comm.rank < 3 else None, key=comm.rank)
+    if sub is not None:
+        three = MPIHostBridge(sub.mpi_comm, chunk_bytes=MiB, timeout=30, exchange_max_ranks=3)
+        comm_checks.assert_rank_order_allreduce(three, "3 ranks")
+    comm.barrier()
+
+
+def check_allreduce_exchange_timeout(comm):
+    """MPI only: in a 2-rank exchange all-reduce, a peer that never arrives makes the other raise
+    CommTimeoutError naming the all-reduce and the peer (no hang); the bridge's later collectives on
+    its other communicators still work."""
+    from hethub_jax.comm.base import CommTimeoutError
+
+    sub = comm.split(comm.rank // 2, key=comm.rank)  # {0, 1} and {2, 3}; left behind afterwards
+    if comm.rank in (0, 3):
+        t0 = time.monotonic()
+        try:
+            sub.allreduce(np.ones(16, np.float32), timeout=0.3)  # 64 bytes: an eager send completes
+        except CommTimeoutError as e:
+            assert isinstance(e, TimeoutError)
+            peer = 1 - sub.rank
+            assert "allreduce(sum)" in str(e) and f"rank {peer}" in str(e), str(e)
+        else:
+            raise AssertionError("allreduce without its peer did not time out")
+        assert time.monotonic() - t0 < 10, "the timeout took far longer than asked"
+    comm.barrier()
+    assert comm.allreduce(np.array([comm.rank], np.int64))[0] == sum(range(comm.size))
+
+
 def main():
     comm = MPIHostBridge(chunk_bytes=MiB, timeout=30)
     assert comm.size == comm_checks.SIZE, f"run with {comm_checks.SIZE} ranks"
     checks = dict(comm_checks.CHECKS, chunking_mpi=check_chunking,
                   fast_path_timeouts_mpi=check_fast_path_timeouts,
-                  fast_paths_taken_mpi=check_fast_paths_taken)
+                  fast_paths_taken_mpi=check_fast_paths_taken,
+                  allreduce_rank_order_3_mpi=check_allreduce_rank_order_3,
+                  allreduce_exchange_timeout_mpi=check_allreduce_exchange_timeout)
     names = sys.argv[1:] or list(checks)
     out_dir = os.environ.get("RESULTS_DIR")
     log = open(os.path.join(out_dir, f"rank{comm.rank}.txt"), "w") if out_dir else None
