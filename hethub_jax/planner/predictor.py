@@ -180,7 +180,8 @@ class Prediction:
         ``ratio_source``, ``on_core_s`` (the gradient sums on a chunked CPU island's core, added to its
         last action), ``hidden_s`` (bucket work overlapped with the backward), ``exposed_s`` (its part
         after the pipeline), ``bucket_mb``, ``fractions`` (bytes per bucket), ``pipeline_s``,
-        ``allreduce_s``, ``faster``: ``"bucketed"`` or ``"unbucketed"`` (the PREDICTED faster path).
+        ``allreduce_s``, ``faster``: ``"bucketed"`` or ``"unbucketed"`` (the PREDICTED faster path), ``auto_keeps``: the path
+        ``train.grad_bucket_mb: auto``'s rule keeps on these PREDICTED steps (``plan.keeps_bucketed_allreduce``).
     """
 
     step_time_s: float
@@ -1100,9 +1101,11 @@ def predict(cfg: Any, plan: Any, costs: Mapping[str, DeviceCosts], *, seq_len: i
                                        grad_bucket_mb or DEFAULT_GRAD_BUCKET_MB)
         reduce_b += extra_norm_s
         step_b = pl_b.pipeline_s + reduce_b + update_s
-        # the runtime's rule (train.grad_bucket_mb auto), on PREDICTED seconds; a tie keeps the unbucketed path
-        bk["faster"] = "bucketed" if keeps_bucketed_allreduce(step_b, step_u) else "unbucketed"
-        if grad_bucket_mb is not None and (not auto or bk["faster"] == "bucketed"):
+        bk["faster"] = "bucketed" if step_b < step_u else "unbucketed"
+        # "auto": the runtime's rule (train.grad_bucket_mb auto: bucketed only when faster by more than
+        # plan.BUCKETED_MIN_GAIN), applied to the PREDICTED seconds
+        bk["auto_keeps"] = "bucketed" if keeps_bucketed_allreduce(step_b, step_u) else "unbucketed"
+        if grad_bucket_mb is not None and (not auto or bk["auto_keeps"] == "bucketed"):
             path, pl, pipeline_s, reduce_s, step = "bucketed", pl_b, pl_b.pipeline_s, reduce_b, step_b
     stages = tuple(_stage_prediction(cfg, plan, ctxs[k], None, pl.busy[j], pipeline_s, seq_len,
                                      in_flight=_in_flight(ctxs[k], arrays[k[0]], k[1]))
