@@ -62,11 +62,10 @@
    fitted lines between profiled microbatch sizes instead of the measured calls, ``DeviceCosts.token_parts``;
    the tail's co-run at the stage-call factor instead of the measured update pair); the pipelines' OTHER
    co-run model than the one in use (``hethub_jax.planner.costs.CORUN_BY_SIZE_DEFAULT`` decides per island
-   kind): with ``--islands processes`` the model is the measured slowdown by the pair's size ratio
-   (``fits.corun.relation``, session 12; the default for processes since session 15) and
-   ``one_factor_corun_mape`` (``one_factor_corun_ape``) is the one measured factor ``fits.corun.factor``
-   (sessions 13-14's model); with ``--islands threads`` the model is the one factor and
-   ``size_ratio_corun_mape`` (``size_ratio_corun_ape``) the relation.
+   kind): the model in use is the one measured factor ``fits.corun.factor`` for both island kinds (the
+   measured slowdown by the pair's size ratio, ``fits.corun.relation``, was the processes' default for part
+   of session 15 and lost two quiet runs of two) and ``size_ratio_corun_mape`` (``size_ratio_corun_ape``)
+   is the relation; where the table makes the relation the model, ``one_factor_corun_mape`` is the factor.
    ``without_in_flight_mape`` (``without_in_flight_ape``): without session 13's measured factor of a
    call with microbatches in flight (``fits.in_flight``, ``DeviceCosts.in_flight_factor``).
    ``ping_pong_bridge_mape`` (``ping_pong_bridge_ape``; islands as processes): the bridge's latency from the
@@ -648,10 +647,9 @@ def predict_row(name: str, cfg, costs, base, bridge, args, ping_pong_bridge=None
     pred_lines = predict(cfg, plan, {i.name: lines for i in plan.islands}, seq_len=args.seq, bridge=bridge)
     nopair = replace(costs, corun_update_factor=0.0)
     pred_nopair = predict(cfg, plan, {i.name: nopair for i in plan.islands}, seq_len=args.seq, bridge=bridge)
-    # the pipelines' OTHER co-run model (planner.costs.CORUN_BY_SIZE_DEFAULT decides the one in use): islands as
-    # processes are slowed by the pair's size ratio since session 15, so their comparison is the one measured factor
-    # ("one_factor_corun", the model of sessions 13-14); islands as threads keep the one factor, their comparison
-    # is the size ratio ("size_ratio_corun")
+    # the pipelines' OTHER co-run model (planner.costs.CORUN_BY_SIZE_DEFAULT decides the one in use): with the
+    # relation in use the comparison is the one measured factor ("one_factor_corun"), with the one factor in use
+    # (both island kinds today) it is the relation by the pair's size ratio ("size_ratio_corun")
     if costs.corun_relation:
         other_name, other = "one_factor_corun", replace(costs, corun_relation=())
     else:

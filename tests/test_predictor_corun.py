@@ -217,16 +217,19 @@ def test_measure_corun_with_a_process_neighbour():
         measure_corun(get_preset("tiny"), devs[:2], 16, 1, "bogus")
 
 
-def test_island_kind_decides_the_corun_model():
-    """``CORUN_BY_SIZE_DEFAULT``: islands as PROCESSES sharing a host (``on_shared_host``) are slowed by the
-    measured relation by size ratio, islands as threads of one process (``in_process``) by the one factor,
-    unless the caller chose (``from_profile`` or the method's ``corun_by_size``). By hand, as
+def test_island_kind_decides_the_corun_model(monkeypatch):
+    """``CORUN_BY_SIZE_DEFAULT`` decides per kind: islands as PROCESSES sharing a host (``on_shared_host``)
+    and islands as threads of one process (``in_process``) are slowed by the measured relation by size
+    ratio where the table says True, else by the one factor (both False today), unless the caller chose (``from_profile`` or the method's ``corun_by_size``). By hand, as
     ``test_two_equal_replicas_take_the_relation_at_size_ratio_one``: two equal replicas overlap wholly at
     size ratio 1, so the pipeline takes ``1 + extra(1)`` x its seconds alone: 1.6 with the relation
     ((0.5, +0.2), (2, +1.0): +0.6 at 1, halfway in log), 3.0 with the one factor 3.0."""
-    from hethub_jax.planner.costs import CORUN_BY_SIZE_DEFAULT
+    from hethub_jax.planner import costs as costs_mod
     from tests.test_predictor import _two_replicas
-    assert CORUN_BY_SIZE_DEFAULT == {"processes": True, "threads": False}
+    # the defaults of today (docs/benchmarks.md, issue 13: session 15's two quiet runs), then both kinds
+    # each way through the one table
+    assert costs_mod.CORUN_BY_SIZE_DEFAULT == {"processes": False, "threads": False}
+    monkeypatch.setitem(costs_mod.CORUN_BY_SIZE_DEFAULT, "processes", True)
     plan = _two_replicas(3)
     prof = _prof(3.0)
     prof["fits"]["corun"]["relation"] = [[0.5, 0.2], [2.0, 1.0]]
@@ -245,6 +248,11 @@ def test_island_kind_decides_the_corun_model():
     assert ratio(DeviceCosts.from_profile(prof).in_process("p", corun_by_size=True)) == pytest.approx(1.6, rel=1e-9)
     # no relation measured (profiles made with --corun off, or before session 12): the one factor either way
     assert ratio(DeviceCosts.from_profile(no_relation).on_shared_host("h")) == pytest.approx(3.0, rel=1e-9)
+    # the table the other way round: processes by the one factor, threads by the relation
+    monkeypatch.setitem(costs_mod.CORUN_BY_SIZE_DEFAULT, "processes", False)
+    monkeypatch.setitem(costs_mod.CORUN_BY_SIZE_DEFAULT, "threads", True)
+    assert ratio(DeviceCosts.from_profile(prof).on_shared_host("h")) == pytest.approx(3.0, rel=1e-9)
+    assert ratio(DeviceCosts.from_profile(prof).in_process("p")) == pytest.approx(1.6, rel=1e-9)
 
 
 # ---- the bridge's all-reduce of the shared gradients, measured (session 15) ---------------------------------

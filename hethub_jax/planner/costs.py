@@ -48,7 +48,11 @@ _PHASE_TP_ALLREDUCES = {"F": 2, "F_nosave": 2, "B": 2, "B_recompute": 4}
 #: gave mape 7.6% by size ratio against 11.9% with the one factor, closer on all 11 rows (session 15 recomputed it
 #: from the JSON); with the islands as threads the quiet run of 2026-12-03 05:30 gave 19.6% against 19.4%
 #: (the one factor as close or closer on 7 of 11 rows; session 13) and 20.8% against 17.2% in session 14.
-CORUN_BY_SIZE_DEFAULT: Dict[str, bool] = {"processes": True, "threads": False}
+#: Session 15 made the relation the default for processes on that one run, and its two quiet runs on the merged
+#: main (2026-12-03 11:13 and 11:46, /work/bench/s15/predictor_accuracy_{1,2}.json) then gave the opposite:
+#: 9.4% by size ratio against 7.0% with the one factor, and 16.8% against 12.7%. One run for, two against: the
+#: one measured factor is the default for both kinds again; the relation stays the in-run comparison.
+CORUN_BY_SIZE_DEFAULT: Dict[str, bool] = {"processes": False, "threads": False}
 
 
 def _check_phase(phase: str) -> None:
@@ -433,7 +437,7 @@ class DeviceCosts:
         ``corun_by_size``: slow it by the profile's co-run relation by the pair's size ratio
         (``fits.corun.relation`` into :attr:`corun_relation`; True) or by the one factor
         ``fits.corun.factor`` (False). None: the choice made in :meth:`from_profile` if one was made there,
-        else :data:`CORUN_BY_SIZE_DEFAULT` ``["processes"]`` (True since session 15). Costs without a
+        else :data:`CORUN_BY_SIZE_DEFAULT` ``["processes"]`` (False: the one measured factor; session 15 tried True, see there). Costs without a
         measured relation (the catalog, profiles made with ``--corun off`` or before session 12) keep the one
         factor either way.
 
