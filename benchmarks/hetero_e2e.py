@@ -345,23 +345,7 @@ def _profile_island(args, rank: int, job_pids=()) -> dict:
                          "--microbatch-sizes", args.profile_mbs, "--repeats", "3", "--corun", "off",
                          "--no-bridge", "--no-runtime", "--no-progress",
                          "--stage-shapes", f"0-{MODEL['num_hidden_layers'] - 1}",
-                         "--chunked-mbs", _chunked_mbs(args.profile_mbs),
                          "--job-pids", ",".join(map(str, job_pids))])
-
-
-#: the largest microbatch size at which this benchmark's profile times the chunked last microbatch
-#: (``profile --chunked-mbs``). Source: session 15 (docs/benchmarks.md, issue 17): the profile of this
-#: benchmark's model at the batch-64 sizes peaked at 11.35 GB resident with the profiler's default (chunked
-#: sizes up to 16) against 9.84 GB without the chunked measurement; two ranks of it did not fit the
-#: 23 GB machine (the recorded command was OOM-killed). The planner's plans here use microbatch 4-8.
-E2E_CHUNKED_MAX_MBS = 8
-
-
-def _chunked_mbs(profile_mbs: str) -> str:
-    """``profile --chunked-mbs`` for this benchmark: the profiled microbatch sizes up to
-    :data:`E2E_CHUNKED_MAX_MBS` (comma-separated), or the smallest profiled size when none is that small."""
-    sizes = sorted(int(x) for x in profile_mbs.split(","))
-    return ",".join(str(m) for m in ([m for m in sizes if m <= E2E_CHUNKED_MAX_MBS] or sizes[:1]))
 
 
 def pool_stage_shapes(profiles):

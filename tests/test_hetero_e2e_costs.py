@@ -143,14 +143,3 @@ def test_update_time_takes_the_runtime_scale_from_the_profile_or_its_samples():
     assert DeviceCosts.from_profile(prof).update_runtime_scale == pytest.approx(3.0)
     prof["fits"]["update_runtime"] = {"scale": 1.25}  # the profiler's own fit wins
     assert DeviceCosts.from_profile(prof).update_runtime_scale == 1.25
-
-
-def test_profile_times_the_chunked_microbatch_only_up_to_the_cap():
-    """The island profile's ``--chunked-mbs``: the profiled sizes up to ``E2E_CHUNKED_MAX_MBS`` (the
-    chunked measurement at 16 lifted one profile's peak from 9.84 to 11.35 GB and two of them did not fit
-    the machine, session 15), never an empty list."""
-    from benchmarks.hetero_e2e import E2E_CHUNKED_MAX_MBS, _chunked_mbs
-    sizes = [1, 2, 4, 8, 16, 32, 64]
-    got = [int(x) for x in _chunked_mbs(",".join(map(str, sizes))).split(",")]
-    assert got == [m for m in sizes if m <= E2E_CHUNKED_MAX_MBS] and max(got) <= E2E_CHUNKED_MAX_MBS
-    assert _chunked_mbs("32,16") == "16"  # none small enough: the smallest profiled size only
