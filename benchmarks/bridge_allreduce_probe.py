@@ -29,6 +29,18 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+def _median_s(w, call, reps: int = 18, skip: int = 3) -> float:
+    """Median wall seconds of ``call()`` over ``reps`` calls after the first ``skip``, each entered by
+    both ranks after a barrier."""
+    ts = []
+    for _ in range(reps):
+        w.Barrier()
+        t0 = time.perf_counter()
+        call()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts[skip:])
+
+
 def _allreduce(w, br, r):
     import numpy as np
     from mpi4py import MPI
@@ -36,51 +48,41 @@ def _allreduce(w, br, r):
     for n in (16384, 262144, 2048000):
         x = np.ones(n, np.float32)
         out = np.empty_like(x)
-        for name in ("bridge_allreduce", "mpi_Allreduce", "bridge_oneway", "mpi_oneway"):
-            ts = []
-            for _ in range(18):
-                w.Barrier()
-                t0 = time.perf_counter()
-                if name == "bridge_allreduce":
-                    br.allreduce(x)
-                elif name == "mpi_Allreduce":
-                    raw.Allreduce(x, out, op=MPI.SUM)
-                elif name == "bridge_oneway":
-                    if r == 0:
-                        br.send(x, 1)
-                        br.recv(1)
-                    else:
-                        br.send(br.recv(0), 0)
-                elif r == 0:
-                    raw.Send(x, 1)
-                    raw.Recv(out, 1)
-                else:
-                    raw.Recv(out, 0)
-                    raw.Send(out, 0)
-                dt = time.perf_counter() - t0
-                ts.append(dt / 2 if "oneway" in name else dt)
-            res[f"{4 * n:>9d} B {name}"] = statistics.median(ts[3:])
+
+        def bridge_pingpong():
+            if r == 0:
+                br.send(x, 1)
+                br.recv(1)
+            else:
+                br.send(br.recv(0), 0)
+
+        def mpi_pingpong():
+            if r == 0:
+                raw.Send(x, 1)
+                raw.Recv(out, 1)
+            else:
+                raw.Recv(out, 0)
+                raw.Send(out, 0)
+        calls = {"bridge_allreduce": lambda: br.allreduce(x),
+                 "mpi_Allreduce": lambda: raw.Allreduce(x, out, op=MPI.SUM),
+                 "bridge_oneway": bridge_pingpong, "mpi_oneway": mpi_pingpong}
+        for name, call in calls.items():  # one-way: a round trip halved
+            res[f"{4 * n:>9d} B {name}"] = _median_s(w, call) / (2 if "oneway" in name else 1)
     return res
 
 
 def _exchange(w, br, r):
     import numpy as np
     x, res = np.ones(2048000, np.float32), {}
+
+    def exchange_and_add():
+        h = br.isend(x, 1 - r, 7)
+        other = br.recv(1 - r, 7)
+        h.wait()
+        _ = x + other if r == 0 else other + x  # rank 0's part first on both ranks
     for p in (1, 2):
-        for name in ("bridge_allreduce", "exchange_and_add"):
-            ts = []
-            for _ in range(18):
-                w.Barrier()
-                t0 = time.perf_counter()
-                if name == "bridge_allreduce":
-                    br.allreduce(x)
-                else:
-                    h = br.isend(x, 1 - r, 7)
-                    other = br.recv(1 - r, 7)
-                    h.wait()
-                    _ = x + other if r == 0 else other + x  # rank 0's part first on both ranks
-                ts.append(time.perf_counter() - t0)
-            res[f"pass {p} {name}"] = statistics.median(ts[3:])
+        res[f"pass {p} bridge_allreduce"] = _median_s(w, lambda: br.allreduce(x))
+        res[f"pass {p} exchange_and_add"] = _median_s(w, exchange_and_add)
     return res
 
 
