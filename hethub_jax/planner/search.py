@@ -1183,15 +1183,22 @@ class _Planner:
                     units = proportional_shares(M, [mbs / r[0] for r in reps])
                     # bound: replica r computes u_r microbatches on its island; the last stage counted
                     # at the cheaper of fused and unfused (u_r, not M, decides GPipe's fusion)
-                    # (u_r - d) x, d = bucket_slack(g) for a one-stage replica of >= 2 microbatches: the
-                    # bucketed path may run its last microbatch faster than fused (bucket_slack)
-                    lbs = [self.group_tables(r[1], self.tables(r[1], M, "some"))[0][self.L] for r in reps]
-                    if self.prunes(max((u - (self.bucket_slack(g) if r[1].stages == (1,) and u >= 2 else 0.0)) * lb
-                                       for g, r, u, lb in zip(names, reps, units, lbs))):
+                    if self.prunes(self.hetero_plan_lb(names, reps, units, M)):
                         continue
                     self.expanded += 1
                     self.consider(self.hetero_plan(reps, units, mbs, sched, rec), "hetero-dp",
                                   [r[2] for r in reps], list(itertools.combinations(names, 2)))
+
+    def hetero_plan_lb(self, names: Sequence[str], reps, units: Sequence[int], M: int) -> float:
+        """Lower bound of the step time of the hetero-DP plan of replicas ``reps`` (:meth:`replica_of` per group of
+        ``names``) holding ``units`` microbatches each: replica ``r`` computes its ``u_r`` microbatches on its
+        island, each at least ``lb_r`` (its pipeline's per-microbatch compute with the last stage counted at
+        the cheaper of fused and unfused: ``u_r``, not ``M``, decides GPipe's fusion), so at least
+        ``(u_r - d_r) lb_r``, ``d_r`` = :meth:`bucket_slack` for a one-stage replica of >= 2 microbatches (the
+        bucketed path's chunked last microbatch may run faster than fused), else 0."""
+        lbs = [self.group_tables(r[1], self.tables(r[1], M, "some"))[0][self.L] for r in reps]
+        return max((u - (self.bucket_slack(g) if r[1].stages == (1,) and u >= 2 else 0.0)) * lb
+                   for g, r, u, lb in zip(names, reps, units, lbs))
 
     def hetero_lb(self, mbs: int, rec: str, M: int) -> float:
         """Lower bound of every hetero-DP plan's step time for one microbatch size and recompute policy
