@@ -141,3 +141,16 @@ def test_bad_grad_bucket_mb_is_refused():
     for bad in (0, -1.0, "25", True, float("nan")):
         with pytest.raises(ValueError, match="grad_bucket_mb"):
             search(cfg, cluster, 8, 16, costs=costs, options=dataclasses.replace(OPT, grad_bucket_mb=bad))
+
+
+def test_plan_cli_grad_bucket_mb_option():
+    """``python -m hethub_jax.plan --grad-bucket-mb``: auto (default), none, or MiB > 0 into SearchOptions."""
+    import argparse
+
+    from hethub_jax.plan import _bucket_mb, _parser
+    base = ["--model", "tiny", "--cluster", "c.yaml", "--global-batch", "4"]
+    assert _parser().parse_args(base).grad_bucket_mb == "auto" == SearchOptions().grad_bucket_mb
+    assert _bucket_mb("none") is None and _bucket_mb("12.5") == 12.5 and _bucket_mb("AUTO") == "auto"
+    for bad in ("0", "-3", "x", "nan"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _bucket_mb(bad)
