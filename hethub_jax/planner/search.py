@@ -18,8 +18,8 @@ Search space (for a model, a cluster spec and a global batch size):
 Every candidate is ranked by ``predictor.predict(..., grad_bucket_mb=SearchOptions.grad_bucket_mb).step_time_s``
 (default ``"auto"``, training's ``train.grad_bucket_mb`` default: a heterogeneous-DP plan whose replicas can
 bucket their gradient all-reduce is ranked by the PREDICTED step of the path the runtime's warm-up rule keeps,
-``Prediction.buckets["auto_keeps"]``) and must fit memory (``Prediction.fits``). Pipeline plans are found by branch and bound: ``predict``'s step time is at
-least the pipeline makespan, which is at least ``max_b(M t_b + sum_{s<b} t_s)`` and ``M x`` the busiest
+``Prediction.buckets["auto_keeps"]``) and must fit memory (``Prediction.fits``). Pipeline plans are found by
+branch and bound: ``predict``'s step time is at least the pipeline makespan, which is at least ``max_b(M t_b + sum_{s<b} t_s)`` and ``M x`` the busiest
 island's per-microbatch compute (``planner.pipeline_time``), both plus the bridge crossings before them, and
 at least microbatch 0's chain through every stage and crossing (:func:`island_bound`, ``round_trip_lb``);
 under 1F1B at least the cycle bound (every ``S - b`` microbatches wait one round trip from stage ``b``:
@@ -27,7 +27,9 @@ under 1F1B at least the cycle bound (every ``S - b`` microbatches wait one round
 backwards wait for the round trip after its forwards: ``search_bounds.process_bound``). Configurations are
 bounded all at once with numpy (``search_configs``) and merged into one best-first queue with pipeline
 orders, partial and complete splits (``search_best_first``); work whose bound is above the k-th best step
-time found so far cannot enter the top k and is skipped. All other splits are evaluated with ``predict``:
+time found so far cannot enter the top k and is skipped. The hetero-DP bounds (:meth:`_Planner.hetero_lb`,
+:meth:`_Planner.hetero_plan_lb`) count a replica's compute, lowered by :meth:`_Planner.bucket_slack` so that they
+also bound the bucketed path's step (its chunked last microbatch may be measured faster than fused). All other splits are evaluated with ``predict``:
 the result equals exhaustive enumeration (``exhaustive_search``).
 
 Python and numpy: no JAX import.
