@@ -27,10 +27,11 @@ under 1F1B at least the cycle bound (every ``S - b`` microbatches wait one round
 backwards wait for the round trip after its forwards: ``search_bounds.process_bound``). Configurations are
 bounded all at once with numpy (``search_configs``) and merged into one best-first queue with pipeline
 orders, partial and complete splits (``search_best_first``); work whose bound is above the k-th best step
-time found so far cannot enter the top k and is skipped. The hetero-DP bounds (:meth:`_Planner.hetero_lb`,
-:meth:`_Planner.hetero_plan_lb`) count a replica's compute, lowered by :meth:`_Planner.bucket_slack` so that they
-also bound the bucketed path's step (its chunked last microbatch may be measured faster than fused). All other splits are evaluated with ``predict``:
+time found so far cannot enter the top k and is skipped. All other splits are evaluated with ``predict``:
 the result equals exhaustive enumeration (``exhaustive_search``).
+The hetero-DP bounds (:meth:`_Planner.hetero_lb`, :meth:`_Planner.hetero_plan_lb`) count a replica's compute,
+lowered by :meth:`_Planner.bucket_slack` so that they also bound the bucketed path's step (its chunked last
+microbatch may be measured faster than fused).
 
 Python and numpy: no JAX import.
 """
