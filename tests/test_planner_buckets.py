@@ -155,3 +155,19 @@ def test_plan_cli_grad_bucket_mb_option():
     for bad in ("0", "-3", "x", "nan"):
         with pytest.raises(argparse.ArgumentTypeError):
             _bucket_mb(bad)
+
+
+def test_plan_less_training_ranks_by_the_runs_grad_bucket_mb():
+    """Plan-less training searches with the run's ``train.grad_bucket_mb`` and its suggested plan command says
+    so when it is not the default (the command's arguments parse back to the same value)."""
+    import shlex
+
+    from hethub_jax.plan import _parser
+    from hethub_jax.train_predict import _search_options, plan_command
+    assert _search_options(None).grad_bucket_mb == "auto" and _search_options(None, None).grad_bucket_mb is None
+    for value, shown in (("auto", None), (None, "none"), (12.5, "12.5")):
+        argv = shlex.split(plan_command("tiny", "c.yaml", 16, 64, grad_bucket_mb=value))[3:]
+        assert ("--grad-bucket-mb" in argv) == (shown is not None)
+        if shown:
+            assert argv[argv.index("--grad-bucket-mb") + 1] == shown
+        assert _parser().parse_args(argv).grad_bucket_mb == value
