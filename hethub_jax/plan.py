@@ -4,6 +4,7 @@ Usage::
 
     python -m hethub_jax.plan --model PRESET_OR_CONFIG --cluster CLUSTER.yaml --global-batch N
         [--seq-len N] [--memory-headroom F] [--profiles DIR] [--out plan.json] [--top K] [--json]
+        [--grad-bucket-mb auto|none|MiB]
 
 Prints the chosen plan (least PREDICTED step time; the one ``--out`` writes) headed ``Chosen plan``, then
 up to ``--top - 1`` alternatives headed ``Alternative 1``, ``Alternative 2``, ... (next best first, each with
@@ -51,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatch-sizes", type=int, nargs="+", default=None,
                    help="candidate microbatch sizes (default: every divisor of the global batch)")
     p.add_argument("--no-hetero-dp", action="store_true", help="skip the heterogeneous data-parallel family")
+    p.add_argument("--grad-bucket-mb", type=_bucket_mb, default="auto", metavar="auto|none|MiB",
+                   help="the runs' train.grad_bucket_mb: which gradient all-reduce path a heterogeneous-DP plan is "
+                        "ranked by (default auto, as training's default: the path the runtime's warm-up rule keeps, "
+                        "bucketed only when PREDICTED faster by more than 2%%; none: after the backward; a number: "
+                        "bucketed in buckets of that many MiB)")
     p.add_argument("--no-upper-bound", action="store_true", help="skip the per-group homogeneous searches")
     p.add_argument("--no-split", action="store_true",
                    help="print the plans as searched (one island per node group), without splitting a "
@@ -99,7 +105,7 @@ def format_candidate(i: int, c: Any, groups: Dict[str, Any], ub: Optional[float]
              f"{pred.tokens_per_s:,.0f} tokens/s, MFU {_mfu_text(c)}, {frac}",
              f"  microbatch {plan.microbatch_size}, global batch {plan.global_batch_size}, schedule {plan.schedule}, "
              f"recompute {plan.recompute}; pipeline {pred.pipeline_s:.4g} s + gradient all-reduce {pred.allreduce_s:.3g} s "
-             f"+ update {pred.update_s:.3g} s",
+             f"+ update {pred.update_s:.3g} s" + _bucket_text(pred),
              f"  devices used: {devices_used(plan):,}"
              + (f" of the cluster's {cluster_devices:,} ({cluster_devices - devices_used(plan):,} idle; MFU is over "
                 f"the devices used)" if cluster_devices and cluster_devices > devices_used(plan) else ""),
@@ -124,6 +130,17 @@ def format_candidate(i: int, c: Any, groups: Dict[str, Any], ub: Optional[float]
     if why:
         lines.append(f"  NOT RUNNABLE YET: {why}")
     return "\n".join(lines)
+
+
+def _bucket_text(pred: Any) -> str:
+    """For a plan that can bucket its gradient all-reduce (``Prediction.buckets``): which path the step is of
+    and the other path's PREDICTED step; else ''."""
+    bk = getattr(pred, "buckets", None)
+    if not bk or pred.step_time_bucketed_s is None:
+        return ""
+    other = pred.step_time_unbucketed_s if pred.grad_allreduce == "bucketed" else pred.step_time_bucketed_s
+    what = "bucketed, overlapped with the last backward" if pred.grad_allreduce == "bucketed" else "after the backward"
+    return f" (all-reduce {what}; the other path {other:.4g} s)"
 
 
 def candidate_dict(c: Any) -> Dict[str, Any]:
@@ -204,6 +221,20 @@ def cost_source_lines(cluster: Any, costs: Dict[str, Any]) -> List[str]:
     return [f"group {g.name} ({g.device or 'profile'}): costs: {costs[g.name].source_text()}" for g in cluster.groups]
 
 
+def _bucket_mb(text: str) -> Any:
+    """``--grad-bucket-mb``: ``auto``, ``none`` (None) or a number of MiB > 0."""
+    t = text.strip().lower()
+    if t in ("auto", "none", "null"):
+        return None if t != "auto" else "auto"
+    try:
+        v = float(t)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"must be auto, none or a number of MiB > 0, got {text!r}")
+    return v
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     from hethub_jax.planner import PlanningError, SearchOptions, default_seq_len, load_cluster, load_model, search
@@ -223,7 +254,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         headroom = DEFAULT_MEMORY_HEADROOM if args.memory_headroom is None else args.memory_headroom
         opt = SearchOptions(top_k=args.top, max_stages_per_group=args.max_stages_per_group,
                             microbatch_sizes=tuple(args.microbatch_sizes) if args.microbatch_sizes else None,
-                            hetero_dp=not args.no_hetero_dp, memory_headroom=headroom)
+                            hetero_dp=not args.no_hetero_dp, memory_headroom=headroom,
+                            grad_bucket_mb=args.grad_bucket_mb)
         costs = group_costs(cluster, opt.efficiency, args.profiles)
         from_config = None if args.seq_len else config_seq_len(args.model)
         seq = args.seq_len or from_config or default_seq_len(cfg)

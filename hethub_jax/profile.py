@@ -26,6 +26,9 @@ What is measured, with the runtime's own code paths (``hethub_jax.parallel.stage
     each profiled ``(1, tp)`` / ``(dp, 1)`` mesh over on one device (:func:`measure_shared_sum_mesh`,
     ``shared_sum_mesh``);
   * the bridge (``MPIHostBridge`` send/recv round trips, under mpiexec): ``c0 + c1 x bytes``;
+  * the bridge's all-reduce (``MPIHostBridge.allreduce_tree``, as training sums the shared gradients across
+    islands; under mpiexec -n 2, both ranks; :func:`measure_bridge_allreduce`): ``fits.bridge_allreduce``,
+    ``c0 + c1 x bytes`` (alpha and 1 / beta, both >= 0: :func:`fit_bridge_allreduce`);
   * with ``--stage-shapes``: whole stages of the given layer ranges (e.g. the whole model, every
     one-stage replica's shape), the same four calls, used for stages of that shape instead of the
     fits (:func:`profile_stage_shapes`: seconds per layer rise with the layers of a call on a CPU core);
@@ -547,6 +550,79 @@ def measure_bridge(sizes: Sequence[int], repeats: int, spin_s: float = 0.05) -> 
                 comm.send(buf, 0, 8)
         out.append({"kind": "bridge", "bytes": n, "seconds": _median_time(trip, repeats) / 2})
     return out
+
+
+#: float32 bytes at which :func:`measure_bridge_allreduce` times the bridge's all-reduce: 4 KiB (the latency), 256
+#: KiB and 4 MiB (the bandwidth; the tiny model's tied embedding, 32000 x 64 float32 = 8.2 MB, is summed over the
+#: bridge every step); three sizes keep the measurement well under a second on this machine's bridge
+BRIDGE_ALLREDUCE_SIZES = (4 * 1024, 256 * 1024, 4 * 1024 * 1024)
+
+
+def measure_bridge_allreduce(sizes: Sequence[int], repeats: int, spin_s: float = 0.05) -> Optional[List[dict]]:
+    """Under ``mpiexec -n 2`` (both ranks call it): the MPI host bridge's all-reduce as training calls it for the
+    shared gradients across islands (``PipelineRuntime._reduce_shared`` and the bucket thread:
+    ``MPIHostBridge.allreduce_tree`` of a dict of float32 host arrays, op sum), at ``sizes`` bytes, both ranks
+    entering together (after a blocking barrier), the bridge's waits polling without sleeping for ``spin_s`` (as
+    :func:`measure_bridge`); per size the median over ``repeats`` (one untimed call first) of the SLOWER rank's
+    wall seconds (an MPI max). The method of ``benchmarks/predictor_accuracy.py``'s ``bridge_allreduce_samples``
+    (session 15), which found the all-reduce 6.6x one transfer of the same bytes, so a fit of its own
+    (:func:`fit_bridge_allreduce`) rather than the ring formula over the ping-pong line.
+
+    Returns:
+      ``[{"kind": "bridge_allreduce", "bytes", "seconds"}, ...]`` on both ranks; None (with a message) when not
+      under MPI with 2 ranks.
+    """
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        print("bridge all-reduce: mpi4py not installed; skipped", flush=True)
+        return None
+    world = MPI.COMM_WORLD
+    if world.Get_size() != 2:
+        print("bridge all-reduce: not under `mpiexec -n 2`; skipped", flush=True)
+        return None
+    from hethub_jax.comm.mpi import MPIHostBridge
+    br = MPIHostBridge(world.Dup(), timeout=120).with_spin(spin_s)
+    out = []
+    for n in sizes:
+        x = {"g": np.ones(max(1, int(n) // 4), np.float32)}
+        times = []
+        for i in range(repeats + 1):
+            world.Barrier()
+            t0 = time.perf_counter()
+            br.allreduce_tree(x, op="sum")
+            dt = world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+            if i:
+                times.append(dt)
+        out.append({"kind": "bridge_allreduce", "bytes": int(x["g"].nbytes), "seconds": float(np.median(times))})
+    return out
+
+
+def fit_bridge_allreduce(samples: Sequence[dict]) -> Optional[Dict[str, Any]]:
+    """``fits.bridge_allreduce``: seconds of the bridge's all-reduce of ``x`` bytes as ``c0 + c1 x`` (alpha and
+    1 / beta; ``planner.costs.DeviceCosts.bridge_allreduce_fit`` reads it), fitted as Hockney's alpha-beta model
+    is usually estimated (R. W. Hockney, "The communication challenge for MPP", Parallel Computing 20, 1994):
+    ``c1`` the slope between the two LARGEST sizes (the bandwidth regime, where the shared gradients are: the
+    tiny model's tied embedding is 8.2 MB), ``c0`` the smallest size's seconds less ``c1 x`` its bytes (the
+    latency). Not least squares over all sizes: this bridge's all-reduce is convex in the bytes (measured
+    68 us at 4 KiB, 80 us at 256 KiB, 3.1 ms at 4 MiB, LOADED machine, 2026-12-03), where least squares gives a
+    negative intercept and under-predicts the large sizes. Both coefficients are kept >= 0: a slope <= 0 (noise,
+    fewer than two sizes) gives the flat mean, an intercept < 0 gives 0. None without samples (not under
+    ``mpiexec -n 2``)."""
+    if not samples:
+        return None
+    pts = sorted((float(s["bytes"]), float(s["seconds"])) for s in samples)
+    (x0, y0), c1 = pts[0], 0.0
+    if len(pts) >= 2 and pts[-1][0] > pts[-2][0]:
+        (xa, ya), (xb, yb) = pts[-2], pts[-1]
+        c1 = max(0.0, (yb - ya) / (xb - xa))
+    c0 = max(0.0, y0 - c1 * x0) if c1 > 0 else float(np.mean([y for _, y in pts]))
+    x, y = np.asarray([p[0] for p in pts]), np.asarray([p[1] for p in pts])
+    rmse = float(np.sqrt(np.mean((c0 + c1 * x - y) ** 2)))
+    return {"c0": c0, "c1": c1, "rmse": rmse,
+            "method": "profile.measure_bridge_allreduce: MPIHostBridge.allreduce_tree of float32 host arrays between "
+                      "the 2 ranks, the slower rank's seconds, median; c1 the slope between the two largest sizes, "
+                      "c0 the smallest size's seconds less c1 x its bytes (Hockney's alpha-beta)"}
 
 
 def _progress_bar(total: int, progress: bool) -> Any:
@@ -1719,8 +1795,10 @@ def _scaled(samples: List[dict], factor: float) -> List[dict]:
 
 def build_profile(cfg: Any, args: Any, samples: List[dict], updates: List[dict], copies: List[dict],
                   allreduce: List[dict], bridge: Optional[List[dict]], platform_name: str,
-                  corun: Sequence[dict] = ()) -> Dict[str, Any]:
-    """The profile dict (format :data:`hethub_jax.planner.costs.PROFILE_FORMAT`, docs/predictor.md)."""
+                  corun: Sequence[dict] = (), bridge_allreduce: Optional[List[dict]] = None) -> Dict[str, Any]:
+    """The profile dict (format :data:`hethub_jax.planner.costs.PROFILE_FORMAT`, docs/predictor.md).
+    ``bridge_allreduce``: :func:`measure_bridge_allreduce`'s samples (``fits.bridge_allreduce``; None: not
+    measured)."""
     import jax
     f = float(args.slowdown)
     # the norm is not emulated by the runtime (as fits.norm): only the update is scaled
@@ -1742,7 +1820,7 @@ def build_profile(cfg: Any, args: Any, samples: List[dict], updates: List[dict],
                            "(f - 1) x each measured action, DESIGN.md section 9)" if f != 1 else "none"),
         "memory_bytes": _device_memory_bytes(platform_name),
         "model": cfg.to_dict(), "seq_len": args.seq_len, "repeats": args.repeats, "statistic": args.statistic,
-        "samples": samples + updates + copies + ar + (bridge or []) + list(corun),
+        "samples": samples + updates + copies + ar + (bridge or []) + (bridge_allreduce or []) + list(corun),
         "host_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "fits": {"compute": fit_compute(cfg, samples, args.seq_len),
                  "compute_dp": {f"{dp}x1": fit_compute(cfg, samples, args.seq_len, dp)["1"] for dp in dps},
@@ -1774,7 +1852,8 @@ def build_profile(cfg: Any, args: Any, samples: List[dict], updates: List[dict],
                      [dict(c, warm_seconds=c["warm_seconds"] * f) for c in copies if c["kind"] == "update_in_step"],
                      update_fit),
                  "allreduce": line(ar, "ring_bytes"),
-                 "bridge": line(bridge or [], "bytes")},
+                 "bridge": line(bridge or [], "bytes"),
+                 "bridge_allreduce": fit_bridge_allreduce(bridge_allreduce or [])},
         "bridge_note": "measured over MPIHostBridge" if bridge else "not measured (run under mpiexec -n 2)",
         "dp_meshes": _dp_meshes_note(dps, platform_name),
     }
@@ -1829,6 +1908,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     except ValueError as e:
         raise SystemExit(f"--stage-shapes: {e}") from None
     bridge = None if args.no_bridge else measure_bridge([1024, 64 * 1024, 1024 * 1024], args.repeats)
+    # the bridge's all-reduce as training sums the shared gradients over it (fits.bridge_allreduce), both ranks
+    bridge_ar = (measure_bridge_allreduce(BRIDGE_ALLREDUCE_SIZES, max(args.repeats, 5))
+                 if bridge is not None and bridge else None)
     if bridge is not None and bridge and _mpi_rank() != 0:
         return {}
     devices = jax.devices()
@@ -1864,7 +1946,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     if not args.no_runtime:  # the tied embedding's sums with the stages on every profiled mesh
         copies += measure_shared_sum_mesh(cfg, devices, sorted({(1, tp) for tp in tps} | {(dp, 1) for dp in dps}),
                                           args.repeats, args.seq_len)
-    prof = build_profile(cfg, args, samples, updates, copies, allreduce, bridge, platform_name, corun)
+    prof = build_profile(cfg, args, samples, updates, copies, allreduce, bridge, platform_name, corun, bridge_ar)
     prof["others_cpu_share"] = others_share(snap, cpu_snapshot(job_pids, children=True))
     prof["others_cpu_share_excludes"] = ({"job_pids": job_pids, "note": "this job's other processes (given by "
                                           "--job-pids) are not counted as other processes"} if job_pids else None)

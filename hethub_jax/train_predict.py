@@ -529,28 +529,32 @@ def cluster_costs(cluster: Any, profiles: Mapping[str, Any]) -> Dict[str, Any]:
     return costs
 
 
-def _search_options(mbs: Optional[int]):
+def _search_options(mbs: Optional[int], grad_bucket_mb: Optional[Union[float, str]] = "auto"):
     """The ``SearchOptions`` of plan-less training: the planner's defaults, the run's microbatch size when
-    its config fixes one (``train.microbatch_size``), top 1."""
+    its config fixes one (``train.microbatch_size``), the run's ``train.grad_bucket_mb`` (the gradient
+    all-reduce path a heterogeneous-DP plan is ranked by; ``"auto"``: the planner's and training's default),
+    top 1."""
     from hethub_jax.planner.search import SearchOptions
-    return SearchOptions(top_k=1, microbatch_sizes=(mbs,) if mbs else None)
+    return SearchOptions(top_k=1, microbatch_sizes=(mbs,) if mbs else None, grad_bucket_mb=grad_bucket_mb)
 
 
-def _search(cfg: Any, cluster: Any, gbs: int, seq_len: int, mbs: Optional[int], profiles: Mapping[str, Any]):
+def _search(cfg: Any, cluster: Any, gbs: int, seq_len: int, mbs: Optional[int], profiles: Mapping[str, Any],
+            grad_bucket_mb: Optional[Union[float, str]] = "auto"):
     """The planner's best plan (top 1) as ``python -m hethub_jax.plan`` emits it: a multi-node group
     holding several stages split into one island per stage and predicted again
     (``planner.runnable.runnable_result``), so that today's runtime runs it; unchanged otherwise. A
     ``SearchResult`` of ``RunnableCandidate`` s (``island_groups``: island -> node group)."""
     from hethub_jax.planner.runnable import runnable_result
     from hethub_jax.planner.search import search
-    opts = _search_options(mbs)
+    opts = _search_options(mbs, grad_bucket_mb)
     costs = cluster_costs(cluster, profiles)
     res = search(cfg, cluster, gbs, seq_len, costs=costs, options=opts)
     return runnable_result(res, cfg, cluster, seq_len, costs=costs, options=opts)
 
 
 def plan_command(model: str, cluster_path: str, gbs: Any, seq_len: Any, mbs: Optional[int] = None,
-                 profiles_dir: Optional[str] = None, out: Optional[str] = None) -> str:
+                 profiles_dir: Optional[str] = None, out: Optional[str] = None,
+                 grad_bucket_mb: Optional[Union[float, str]] = "auto") -> str:
     """The ``python -m hethub_jax.plan`` command line (shell-quoted) that plans the problem plan-less
     training planned: same model, cluster, global batch, ``--seq-len`` (always given: the plan CLI's
     default differs from training's ``data.seq_len``), ``--profiles`` (the folder the run's profiles
@@ -561,7 +565,7 @@ def plan_command(model: str, cluster_path: str, gbs: Any, seq_len: Any, mbs: Opt
     import shlex
 
     from hethub_jax.plan import _parser
-    opts, cli = _search_options(mbs), _parser()
+    opts, cli = _search_options(mbs, grad_bucket_mb), _parser()
     argv = ["--model", model, "--cluster", cluster_path, "--global-batch", str(gbs), "--seq-len", str(seq_len)]
     if profiles_dir and os.path.isdir(profiles_dir):
         argv += ["--profiles", profiles_dir]
@@ -574,6 +578,8 @@ def plan_command(model: str, cluster_path: str, gbs: Any, seq_len: Any, mbs: Opt
         argv += ["--memory-headroom", repr(opts.memory_headroom)]
     if not opts.hetero_dp:
         argv += ["--no-hetero-dp"]
+    if opts.grad_bucket_mb != cli.get_default("grad_bucket_mb"):
+        argv += ["--grad-bucket-mb", "none" if opts.grad_bucket_mb is None else repr(float(opts.grad_bucket_mb))]
     if out:
         argv += ["--out", out]
     return shlex.join(["python", "-m", "hethub_jax.plan", *argv])
@@ -642,7 +648,8 @@ def _plan_lines(res: Any, cluster: Any, costs: Mapping[str, Any], ub_note: Optio
 
 
 def _plan_rank0(cfg: Any, model: str, cluster_path: str, gbs: int, seq_len: int, mbs: Optional[int],
-                profiles_dir: str, log, world_size: int = 1, out_dir: Optional[str] = None) -> Dict[str, Any]:
+                profiles_dir: str, log, world_size: int = 1, out_dir: Optional[str] = None,
+                grad_bucket_mb: Optional[Union[float, str]] = "auto") -> Dict[str, Any]:
     """Rank 0's work: profiles, search, lines. Returns the message sent to every rank. ``out_dir``: where
     a model file for the suggested plan commands goes when ``cfg`` is not the preset ``model`` unchanged
     (default: the parent of ``profiles_dir``)."""
@@ -652,9 +659,10 @@ def _plan_rank0(cfg: Any, model: str, cluster_path: str, gbs: int, seq_len: int,
     sizes = tuple(microbatch_sizes_to_profile(list(planner_sizes)))
     profiles, notes = _profiles(cluster, model, seq_len, profiles_dir, log, sizes, cfg=cfg, planner_sizes=planner_sizes)
     t0 = time.perf_counter()
-    res = _search(cfg, cluster, gbs, seq_len, mbs, profiles)
+    res = _search(cfg, cluster, gbs, seq_len, mbs, profiles, grad_bucket_mb)
     model_arg = _model_arg(cfg, model, out_dir or os.path.dirname(os.path.abspath(profiles_dir)))
-    command = lambda out=None: plan_command(model_arg, cluster_path, gbs, seq_len, mbs, profiles_dir, out)
+    command = lambda out=None: plan_command(model_arg, cluster_path, gbs, seq_len, mbs, profiles_dir, out,
+                                            grad_bucket_mb)
     _check_ranks(res.best, world_size, command("plan.json"))
     lines = [f"planner ({time.perf_counter() - t0:.1f} s, {res.evaluated} plans predicted): chosen plan for "
              f"cluster {cluster.name}, every figure PREDICTED", *_plan_lines(
@@ -707,8 +715,9 @@ def plan_from_cluster(cfg: Any, model: str, cluster_path: str, *, global_batch: 
       profiles_dir: saved profiles to reuse (``<dir>/<device>.json``); missing cpu profiles are measured
         into it. ``None``: ``<out_dir>/profiles``.
       rank, world_size: this process's MPI rank and the job size (rank 0 plans, the others receive).
-      grad_bucket_mb: the run's ``train.grad_bucket_mb``: the prediction's path for a heterogeneous-DP
-        plan's gradient all-reduce (:func:`predict_run`); the banner gives both paths' PREDICTED steps.
+      grad_bucket_mb: the run's ``train.grad_bucket_mb``: the path a heterogeneous-DP plan's gradient
+        all-reduce is ranked by in the search (``SearchOptions.grad_bucket_mb``) and the prediction's path
+        (:func:`predict_run`); the banner gives both paths' PREDICTED steps.
 
     Returns:
       ``(plan_path, prediction, lines)``.
@@ -725,7 +734,7 @@ def plan_from_cluster(cfg: Any, model: str, cluster_path: str, *, global_batch: 
     from hethub_jax.planner.search import bridge_for
     profiles_dir = profiles_dir or os.path.join(out_dir, "profiles")
     msg = _share(lambda: _plan_rank0(cfg, model, cluster_path, global_batch, seq_len, microbatch_size,
-                                     profiles_dir, log, world_size, out_dir), rank, world_size)
+                                     profiles_dir, log, world_size, out_dir, grad_bucket_mb), rank, world_size)
     if "error" in msg:
         raise ValueError(f"--cluster {cluster_path}: {msg['error']}")
     plan = Plan.from_dict(msg["plan"])

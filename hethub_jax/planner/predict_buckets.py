@@ -50,7 +50,7 @@ from hethub_jax.parallel.schedule import ActionKind
 from hethub_jax.planner import analytic
 
 __all__ = ["CHUNKED_FIT", "FIRST_BUCKET_BYTES", "BucketedTerms", "bucketing_off_reason", "chunked_last_ratio",
-           "computes_on_host", "bucket_fractions", "ready_times", "exposed_s"]
+           "min_chunked_last_ratio", "computes_on_host", "bucket_fractions", "ready_times", "exposed_s"]
 
 #: the profile's fit of the chunked last microbatch (``fits.chunked_last``, :func:`chunked_last_ratio`)
 CHUNKED_FIT = "chunked_last"
@@ -115,6 +115,17 @@ def chunked_last_ratio(costs: Any, tokens: float) -> Tuple[float, str]:
         if tokens <= t1:
             return r0 + (r1 - r0) * (tokens - t0) / (t1 - t0), "profile"
     return pts[-1][1], "profile"
+
+
+def min_chunked_last_ratio(costs: Any) -> float:
+    """The least chunked / fused ratio :func:`chunked_last_ratio` can return for ``costs`` at ANY token count
+    (the least measured point of ``fits.chunked_last``: the fit is linear between its points and flat
+    outside them), 1.0 without a fit. The planner's pruning bounds use it (``planner.search``): the bucketed
+    path scales a chunked replica's last compute action by the ratio and only ADDS seconds besides
+    (``on_core_s`` >= 0), so that action takes at least ``min(1, this) x`` its fused seconds."""
+    fit = ((getattr(costs, "profile", None) or {}).get("fits") or {}).get(CHUNKED_FIT) or {}
+    pts = [float(r) for _, r in fit.get("points") or () if float(r) > 0]
+    return min(pts) if pts else 1.0
 
 
 def computes_on_host(costs: Any) -> bool:

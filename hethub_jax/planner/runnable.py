@@ -55,9 +55,10 @@ def _bridge_pairs(plan: Any) -> Sequence[Tuple[str, str]]:
 
 
 def split_candidate(c: Candidate, cfg: Any, cluster: ClusterSpec, costs: Mapping[str, Any],
-                    seq_len: int) -> RunnableCandidate:
+                    seq_len: int, grad_bucket_mb: Any = "auto") -> RunnableCandidate:
     """``c`` with its plan split per stage (``parallel.split.split_islands``) and predicted again with
-    the same device costs (per group), bridge and ``seq_len`` as the search; MFU scaled by the step
+    the same device costs (per group), bridge, ``seq_len`` and ``grad_bucket_mb`` (``SearchOptions.grad_bucket_mb``:
+    the gradient all-reduce path ranked) as the search; MFU scaled by the step
     time (the same devices' peak). Unchanged (``searched=None``) when the split changes nothing.
 
     Raises:
@@ -70,7 +71,7 @@ def split_candidate(c: Candidate, cfg: Any, cluster: ClusterSpec, costs: Mapping
                                  island_groups={n: n for n in origin})
     used = {st.island for rep in plan.replicas for st in rep.stages}
     pred = predict(cfg, plan, {n: costs[origin[n]] for n in used}, seq_len=seq_len,
-                   bridge=bridge_for(cluster, _bridge_pairs(c.plan)))
+                   bridge=bridge_for(cluster, _bridge_pairs(c.plan)), grad_bucket_mb=grad_bucket_mb)
     mfu = c.mfu * c.step_time_s / pred.step_time_s if pred.step_time_s > 0 else c.mfu
     return RunnableCandidate(plan, pred, c.kind, c.layers, mfu, None, island_groups=origin, searched=c)
 
@@ -92,7 +93,7 @@ def runnable_result(res: SearchResult, cfg: Any, cluster: Any, seq_len: int, *,
     cluster = load_cluster(cluster).resolved()
     opt = options or SearchOptions()
     costs = costs or group_costs(cluster, opt.efficiency, profiles_dir)
-    cands = sorted((split_candidate(c, cfg, cluster, costs, seq_len) for c in res.candidates),
+    cands = sorted((split_candidate(c, cfg, cluster, costs, seq_len, opt.grad_bucket_mb) for c in res.candidates),
                    key=lambda c: (c.step_time_s, c.plan.to_json(indent=None)))
     gbs = res.best.plan.global_batch_size
     ub, note = _split_upper_bound(cfg, cluster, gbs, seq_len, costs, opt) if upper_bound else (None, None)
@@ -116,5 +117,6 @@ def _split_upper_bound(cfg: Any, cluster: ClusterSpec, gbs: int, seq_len: int, c
         except PlanningError:
             missing.append(g.name)
             continue
-        total += max(split_candidate(c, cfg, sub, costs, seq_len).tokens_per_s for c in r.candidates)
+        total += max(split_candidate(c, cfg, sub, costs, seq_len, opt.grad_bucket_mb).tokens_per_s
+                     for c in r.candidates)
     return (None, upper_bound_missing_note(missing)) if missing else (total, None)

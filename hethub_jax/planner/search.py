@@ -15,9 +15,11 @@ Search space (for a model, a cluster spec and a global batch size):
   * heterogeneous-DP plans: one replica per group (each a pipeline inside its group, chosen as the
     group's minimum-bottleneck pipeline), batch shares by ``parallel.plan.proportional_shares`` of
     the replicas' speeds (``microbatch_size / bottleneck``).
-Every candidate is ranked by ``predictor.predict(...).step_time_s`` and must fit memory
-(``Prediction.fits``). Pipeline plans are found by branch and bound: ``predict``'s step time is at
-least the pipeline makespan, which is at least ``max_b(M t_b + sum_{s<b} t_s)`` and ``M x`` the busiest
+Every candidate is ranked by ``predictor.predict(..., grad_bucket_mb=SearchOptions.grad_bucket_mb).step_time_s``
+(default ``"auto"``, training's ``train.grad_bucket_mb`` default: a heterogeneous-DP plan whose replicas can
+bucket their gradient all-reduce is ranked by the PREDICTED step of the path the runtime's warm-up rule keeps,
+``Prediction.buckets["auto_keeps"]``) and must fit memory (``Prediction.fits``). Pipeline plans are found by
+branch and bound: ``predict``'s step time is at least the pipeline makespan, which is at least ``max_b(M t_b + sum_{s<b} t_s)`` and ``M x`` the busiest
 island's per-microbatch compute (``planner.pipeline_time``), both plus the bridge crossings before them, and
 at least microbatch 0's chain through every stage and crossing (:func:`island_bound`, ``round_trip_lb``);
 under 1F1B at least the cycle bound (every ``S - b`` microbatches wait one round trip from stage ``b``:
@@ -27,6 +29,9 @@ bounded all at once with numpy (``search_configs``) and merged into one best-fir
 orders, partial and complete splits (``search_best_first``); work whose bound is above the k-th best step
 time found so far cannot enter the top k and is skipped. All other splits are evaluated with ``predict``:
 the result equals exhaustive enumeration (``exhaustive_search``).
+The hetero-DP bounds (:meth:`_Planner.hetero_lb`, :meth:`_Planner.hetero_plan_lb`) count a replica's compute,
+lowered by :meth:`_Planner.bucket_slack` so that they also bound the bucketed path's step (its chunked last
+microbatch may be measured faster than fused).
 
 Python and numpy: no JAX import.
 """
@@ -95,6 +100,12 @@ class SearchOptions:
         each ``dp x tp`` devices inside one node or a whole number of nodes), so every emitted plan runs
         (after ``planner.runnable``'s split); False: the largest DP that fits the group, e.g. plans of
         12 devices per stage on 8-device nodes, which no split runs (for comparisons).
+      grad_bucket_mb: the runs' ``train.grad_bucket_mb`` (MiB > 0, ``"auto"`` or None), passed to
+        ``predictor.predict``: which gradient all-reduce path a heterogeneous-DP candidate is ranked by.
+        ``"auto"`` (default, as training's default): the path ``parallel.plan.keeps_bucketed_allreduce``
+        keeps on the two PREDICTED step times (bucketed only when faster by more than 2%); a number: the
+        bucketed path (buckets of that many MiB); None: the all-reduce after the whole backward.
+        Pipeline plans (one replica) have no cross-replica all-reduce and are ranked the same either way.
     """
 
     microbatch_sizes: Optional[Tuple[int, ...]] = None
@@ -108,6 +119,7 @@ class SearchOptions:
     last_group: Optional[str] = None
     runnable_stages: bool = True
     memory_headroom: float = DEFAULT_MEMORY_HEADROOM
+    grad_bucket_mb: Optional[Any] = "auto"
 
 
 @dataclass(frozen=True)
@@ -1109,7 +1121,8 @@ class _Planner:
             from hethub_jax.planner.predictor import predict
             used = {st.island for rep in plan.replicas for st in rep.stages}
             self._preds[key] = predict(self.cfg, plan, {n: self.costs[n] for n in used}, seq_len=self.seq,
-                                       bridge=bridge_for(self.cluster, pairs))
+                                       bridge=bridge_for(self.cluster, pairs),
+                                       grad_bucket_mb=self.opt.grad_bucket_mb)
             self.evaluated += 1
         pred = self._preds[key]
         if self.fits(pred):
@@ -1173,26 +1186,54 @@ class _Planner:
                     units = proportional_shares(M, [mbs / r[0] for r in reps])
                     # bound: replica r computes u_r microbatches on its island; the last stage counted
                     # at the cheaper of fused and unfused (u_r, not M, decides GPipe's fusion)
-                    lbs = [self.group_tables(r[1], self.tables(r[1], M, "some"))[0][self.L] for r in reps]
-                    if self.prunes(max(u * lb for u, lb in zip(units, lbs))):
+                    if self.prunes(self.hetero_plan_lb(names, reps, units, M)):
                         continue
                     self.expanded += 1
                     self.consider(self.hetero_plan(reps, units, mbs, sched, rec), "hetero-dp",
                                   [r[2] for r in reps], list(itertools.combinations(names, 2)))
+
+    def hetero_plan_lb(self, names: Sequence[str], reps, units: Sequence[int], M: int) -> float:
+        """Lower bound of the step time of the hetero-DP plan of replicas ``reps`` (:meth:`replica_of` per group of
+        ``names``) holding ``units`` microbatches each: replica ``r`` computes its ``u_r`` microbatches on its
+        island, each at least ``lb_r`` (its pipeline's per-microbatch compute with the last stage counted at
+        the cheaper of fused and unfused: ``u_r``, not ``M``, decides GPipe's fusion), so at least
+        ``(u_r - d_r) lb_r``, ``d_r`` = :meth:`bucket_slack` for a one-stage replica of >= 2 microbatches (the
+        bucketed path's chunked last microbatch may run faster than fused), else 0."""
+        lbs = [self.group_tables(r[1], self.tables(r[1], M, "some"))[0][self.L] for r in reps]
+        return max((u - (self.bucket_slack(g) if r[1].stages == (1,) and u >= 2 else 0.0)) * lb
+                   for g, r, u, lb in zip(names, reps, units, lbs))
 
     def hetero_lb(self, mbs: int, rec: str, M: int) -> float:
         """Lower bound of every hetero-DP plan's step time for one microbatch size and recompute policy
         (any schedule): replica ``r`` computes its ``u_r`` microbatches (``sum_r u_r = M``) on its island, at
         least ``c_r`` seconds each, ``c_r`` the least over the group's choices that may hold the layers
         (:meth:`replica_may_fit`) of ``k x`` :meth:`stage_constant` ``+ L x`` :meth:`layer_lb`; so the step
-        takes at least ``M / sum_r 1/c_r``."""
-        inv = 0.0
+        takes at least ``M / sum_r 1/c_r``. When the ranked path may be the bucketed one
+        (:meth:`bucket_slack` ``d_r``), replica ``r`` computes at least ``(u_r - d_r) c_r`` and the step takes
+        at least ``(M - sum_r d_r) / sum_r 1/c_r`` (``T`` with ``sum_r (T / c_r + d_r) = M``)."""
+        inv, slack = 0.0, 0.0
         for g in self.groups:
+            slack += self.bucket_slack(g)
             c = min((k * self.stage_constant(g, tp, dp, mbs, rec) + self.L * self.layer_lb(g, tp, dp, mbs, rec)
                      for k, tp, dp in self.choices(g, mbs) if self.replica_may_fit(g, k, tp, dp, mbs, rec, M)),
                     default=math.inf)
             inv += 1.0 / c if c > 0 else math.inf
-        return M / inv if inv > 0 else math.inf
+        return max(0.0, M - slack) / inv if inv > 0 else math.inf
+
+    def bucket_slack(self, g: str) -> float:
+        """How many fused microbatches' compute the bucketed gradient all-reduce may save on a replica of group
+        ``g``, for the hetero-DP bounds: ``max(0, 1 - rho)``, ``rho`` = ``predict_buckets.min_chunked_last_ratio``
+        of the group's costs, when candidates may be ranked by the bucketed path (``grad_bucket_mb`` not None),
+        else 0. Why it keeps the bounds valid: on the bucketed path (``predictor._bucketed``,
+        ``predict_buckets`` items 1-2) only a chunked replica's LAST compute action changes, to
+        ``ratio x`` its seconds ``+ on_core_s`` (>= 0), ``ratio >= rho``; that action is one microbatch's fused
+        F+B, at least the per-microbatch bound ``lb`` of :meth:`hetero`, so the replica's compute is at least
+        ``(u - 1) lb + min(1, rho) lb = (u - d) lb``; the step is at least that pipeline (the all-reduce tail
+        and the update after it are >= 0). ``rho >= 1`` (and catalog costs, no fit: 1.0): 0, the bounds as before."""
+        if self.opt.grad_bucket_mb is None:
+            return 0.0
+        from hethub_jax.planner.predict_buckets import min_chunked_last_ratio
+        return max(0.0, 1.0 - min_chunked_last_ratio(self.costs[g]))
 
     def replica_may_fit(self, g: str, k: int, tp: int, dp: int, mbs: int, rec: str, M: int) -> bool:
         """False when no hetero-DP replica of group ``g`` with ``k`` stages at (tp, dp) can hold the L layers in
@@ -1324,6 +1365,11 @@ def _setup(cfg: Any, cluster: Any, global_batch: int, seq_len: int, costs, optio
             raise ValueError(f"recompute must be among ['none', 'full'], got {r!r}")
     if options.last_group is not None:
         cluster.group(options.last_group)
+    gb = options.grad_bucket_mb
+    if gb is not None and gb != "auto" and (isinstance(gb, (str, bool)) or not isinstance(gb, (int, float))
+                                            or not (math.isfinite(gb) and gb > 0)):
+        raise ValueError(f"grad_bucket_mb must be a number of MiB > 0, 'auto' (the runtime's warm-up rule on "
+                         f"the PREDICTED steps) or None (all-reduce after the backward), got {gb!r}")
     if options.microbatch_sizes is not None and not any(global_batch % m == 0 for m in options.microbatch_sizes):
         raise ValueError(f"no microbatch size in {list(options.microbatch_sizes)} divides the global batch "
                          f"{global_batch}")
