@@ -5,7 +5,7 @@ machine's speed drifting in TIME?
 ::
 
     nice -n 10 env PYTHONPATH=. python benchmarks/process_luck.py --json X [--processes 6] [--calls 25]
-        [--alternate 3] [--rounds 6] [--call canary|whole]
+        [--alternate 3] [--rounds 6] [--gap-s 0] [--call canary|whole]
 
 Two experiments, both timing ONE fixed call per sample, in processes set up exactly as
 ``benchmarks/predictor_accuracy.py``'s main process (its module sets the XLA flags: 8 fake CPU devices, one
@@ -18,7 +18,7 @@ canary, a first stage's (layer 0) B plus a last stage's (last layer) fused F+B, 
    processes); between-process spread = max / min of the processes' medians.
 2. **alternate**: ``--alternate`` processes alive at the same time, taking turns (only one computes at a time; the
    others block on a pipe): ``--rounds`` rounds, in each every process times one slice of ``--calls`` samples,
-   in the order A, B, C, A, B, C, ... The slice medians form a matrix ``log m[round][process]``; its two-way
+   in the order A, B, C, A, B, C, ... (``--gap-s`` seconds idle between rounds). The slice medians form a matrix ``log m[round][process]``; its two-way
    decomposition (additive in logs) separates a PROCESS effect (the processes' mean offsets over all rounds:
    fixed per-process speed) from a TIME effect (the rounds' mean offsets: the machine's drift, shared by every
    process in that round) and the residual. Each is reported as a spread ratio ``exp(max - min)`` and a
@@ -200,6 +200,7 @@ def run_alternate(args) -> list:
                 p.stdin.flush()
                 row.append(json.loads(p.stdout.readline()))
             rounds.append(row)
+            time.sleep(args.gap_s)
             print(f"alternate round {r + 1}/{args.rounds}: "
                   + ", ".join(f"{1e3 * _median(s['wall_s']):.2f}" for s in row) + " ms wall; "
                   + ", ".join(f"{1e3 * _median(s['cpu_s']):.2f}" for s in row) + " ms CPU", flush=True)
@@ -224,6 +225,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--processes", type=int, default=6, help="fresh processes one after another (0: skip)")
     ap.add_argument("--alternate", type=int, default=3, help="processes alive together, taking turns (0: skip)")
     ap.add_argument("--rounds", type=int, default=6, help="alternate rounds (one slice per process each)")
+    ap.add_argument("--gap-s", type=float, default=0.0,
+                    help="seconds slept between alternate rounds (spreads them over the minutes a benchmark spans)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
