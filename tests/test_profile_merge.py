@@ -64,8 +64,6 @@ def test_one_profile_merges_to_itself():
 def test_profiles_of_different_things_are_refused():
     with pytest.raises(ValueError, match="seq_len"):
         merge_profiles([A, dict(B, seq_len=64)])
-    with pytest.raises(ValueError, match="samples"):
-        merge_profiles([A, dict(B, samples=B["samples"][:1])])
     with pytest.raises(ValueError, match="at least one"):
         merge_profiles([])
 
@@ -80,3 +78,19 @@ def test_the_command_line_writes_the_merged_profile(tmp_path):
     main(["--out", out, *paths])
     with open(out) as f:
         assert json.load(f)["fits"]["corun"]["factor"] == 1.4
+
+
+def test_samples_are_matched_by_what_they_measured_not_by_position():
+    """B's samples reversed and C without its second: the F sample is the median of 0.30, 0.10, 0.20; the B
+    sample of 0.90 and 0.70 (the mean of the two); C's missing sample is listed."""
+    b = dict(B, samples=B["samples"][::-1])
+    c = dict(C, samples=C["samples"][:1])
+    m = merge_profiles([A, b, c])
+    assert [(s["phase"], s["seconds"]) for s in m["samples"]] == [("F", 0.20), ("B", pytest.approx(0.80))]
+    assert "samples[stage #0]" in m["merged"]["differing"]
+
+
+def test_repeated_samples_of_one_key_pair_in_order():
+    two = lambda x, y: dict(A, samples=[{"kind": "norm", "seconds": x}, {"kind": "norm", "seconds": y}])
+    m = merge_profiles([two(1.0, 10.0), two(3.0, 30.0), two(2.0, 20.0)])
+    assert [s["seconds"] for s in m["samples"]] == [2.0, 20.0]

@@ -9,9 +9,10 @@ merged here give every figure the median of its draws.
 
     python -m hethub_jax.planner.profile_merge --out merged.json a.json b.json c.json
 
-Rule (:func:`merge_profiles`): the profiles must come from the same profiler arguments (same ``format``, device
-type, model, sequence length, statistic, emulated slowdown, platform, and the same samples in the same order);
-then, in ``samples`` and ``fits``, every number (``int`` or ``float``, not ``bool``) is the median of that number
+Rule (:func:`merge_profiles`): the profiles must be of the same thing (same ``format``, device type, model,
+sequence length, statistic, emulated slowdown, platform); samples are matched by what they measured
+(:func:`sample_key`: their non-float fields), so a profile made with fewer parts (``--corun off``, ``--no-runtime``)
+merges too, its missing samples and fits taken from the others. Then, in ``samples`` and ``fits``, every number (``int`` or ``float``, not ``bool``) is the median of that number
 over the profiles (``statistics.median``: the middle value, or the mean of the two middle values for an even
 count), and every other value (strings, booleans, None) is the first profile's. For a fitted line that is the
 median of each coefficient (not the line through the median samples). A number that is None or missing in some
@@ -63,6 +64,41 @@ def _merge(values: List[Any], path: str, differing: List[str]) -> Any:
     return first
 
 
+def sample_key(sample: Mapping[str, Any]) -> tuple:
+    """What a sample measured, not what it found: its scalar fields that are not floats (kind, stage, phase, sizes,
+    degrees, flags, counts), sorted by name; floats and nested dicts or lists (measured figures) are left out. Two
+    profiles' samples with one key measured the same thing (a figure measured once per repeat, e.g.
+    ``runtime_overhead``, has one key per repeat: the ``i``-th repeats are merged)."""
+    return tuple(sorted((k, v) for k, v in sample.items()
+                        if v is None or isinstance(v, (str, int, bool)) and not isinstance(v, float)))
+
+
+def merge_samples(lists: Sequence[Sequence[Mapping[str, Any]]], differing: List[str]) -> list:
+    """The samples of several profiles matched by :func:`sample_key` (the ``i``-th sample of a key with the
+    ``i``-th of the same key elsewhere), in the first list's order, each number the median over the profiles that
+    have that sample (:func:`_merge`); samples only some profiles have are kept (first seen order after the first
+    list's) and listed in ``differing`` as ``samples[key]``."""
+    keyed: List[dict] = []
+    order: List[tuple] = []
+    for samples in lists:
+        seen: dict = {}
+        d = {}
+        for smp in samples:
+            k = sample_key(smp)
+            seen[k] = seen.get(k, -1) + 1
+            d[(k, seen[k])] = smp
+            if (k, seen[k]) not in order:
+                order.append((k, seen[k]))
+        keyed.append(d)
+    out = []
+    for k in order:
+        have = [d.get(k, _MISSING) for d in keyed]
+        if any(v is _MISSING for v in have):
+            differing.append(f"samples[{dict(k[0]).get('kind', '?')} #{k[1]}]")  # the kind's i-th of this key
+        out.append(_merge([v for v in have if v is not _MISSING], f"samples[{k[1]}]", differing))
+    return out
+
+
 def merge_profiles(profiles: Sequence[Union[Mapping[str, Any], str]]) -> dict:
     """One profile whose figures are the medians of ``profiles`` (dicts or JSON paths; see the module docstring).
 
@@ -75,8 +111,7 @@ def merge_profiles(profiles: Sequence[Union[Mapping[str, Any], str]]) -> dict:
       "differing"}``.
 
     Raises:
-      ValueError: no profiles; a :data:`MUST_MATCH` key differs; the samples differ in number or, position by
-        position, in ``kind``.
+      ValueError: no profiles; a :data:`MUST_MATCH` key differs.
     """
     profs: List[Mapping[str, Any]] = []
     for p in profiles:
@@ -92,13 +127,9 @@ def merge_profiles(profiles: Sequence[Union[Mapping[str, Any], str]]) -> dict:
         vals = [p.get(k) for p in profs]
         if any(v != vals[0] for v in vals):
             raise ValueError(f"profiles differ in {k!r} ({vals}): they measured different things, not mergeable")
-    kinds = [[s.get("kind") for s in p.get("samples") or ()] for p in profs]
-    if any(k != kinds[0] for k in kinds):
-        raise ValueError("profiles differ in their samples (number or kinds in order): made with different "
-                         f"profiler arguments, not mergeable (sample counts {[len(k) for k in kinds]})")
     differing: List[str] = []
     out = dict(first)
-    out["samples"] = _merge([p.get("samples") or [] for p in profs], "samples", differing)
+    out["samples"] = merge_samples([p.get("samples") or [] for p in profs], differing)
     if any("fits" in p for p in profs):
         out["fits"] = _merge([p.get("fits", _MISSING) for p in profs], "fits", differing)
     shares = [p.get("others_cpu_share") for p in profs]
