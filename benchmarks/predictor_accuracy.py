@@ -11,7 +11,10 @@
    ``--profile-processes N`` (N > 1): N profiles, each a fresh ``python -m hethub_jax.profile`` process at
    ``--repeats`` calls per figure, INTERLEAVED with the rounds (profile process ``j`` runs just before round
    ``j * R // N``: with N = R = 3, profile, round, profile, round, profile, round), merged into one profile whose
-   every figure is the median of the N (``hethub_jax.planner.profile_merge``). Why (session 16,
+   every figure is the median of the N (``hethub_jax.planner.profile_merge``). ``--later-profiles compute`` (the
+   default): the profiles after the first measure only the figures in absolute seconds (stage calls, updates,
+   copies, all-reduces; :data:`COMPUTE_ONLY_OPTIONS`), the drift-sensitive ones; the ratios measured within one
+   short window (co-run factors, in-flight factors) and the runtime's records are the first profile's. Why (session 16,
    ``benchmarks/process_luck.py``): the machine's speed moves in time (minutes) more than one process differs from
    another, and one profile made in the first minutes is one draw of it, against rounds spread over the rest of
    the run; ``figures.profile_drift`` holds each profile's canary over their median. Predictions are made after
@@ -637,15 +640,38 @@ def run_profile(args, names=None) -> str:
     return path
 
 
-def run_profile_process(args, names, path: str) -> str:
+#: the profiler's options of a profile process after the first with ``--later-profiles compute``: no co-run
+#: measurements, no runtime measurements (its ratios and per-action records come from the first profile)
+COMPUTE_ONLY_OPTIONS = ("--corun", "off", "--no-runtime")
+
+
+def compilation_cache_env(cache_dir: str) -> dict:
+    """Environment variables that give a JAX process the persistent compilation cache at ``cache_dir`` for every
+    computation (JAX's configuration options ``jax_compilation_cache_dir``,
+    ``jax_persistent_cache_min_compile_time_secs`` = 0, ``jax_persistent_cache_min_entry_size_bytes`` = 0, read from
+    the environment at start; https://docs.jax.dev/en/latest/persistent_compilation_cache.html). A
+    ``JAX_COMPILATION_CACHE_DIR`` already set is kept. Why (measured, docs/benchmarks.md issue 13 session 16):
+    about 90% of a profile's CPU seconds are compilation (a whole profile at 2 repeats per figure took 0.92 of its
+    CPU seconds at 7); a second profile process with the first one's cache took 29.5 s of CPU against 190 s. The
+    executables are XLA's same binaries loaded from disk: the calls timed are the same."""
+    return {"JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR") or cache_dir,
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def run_profile_process(args, names, path: str, compute_only: bool = False) -> str:
     """One profile in a fresh process (``python -m hethub_jax.profile``, this process's environment: the XLA
-    flags and host allocator setting set at import), written to ``path``.
+    flags and host allocator setting set at import), written to ``path``; ``compute_only``: with
+    :data:`COMPUTE_ONLY_OPTIONS` (the stage calls, updates, copies and all-reduces only). The profile processes
+    of one run share a persistent compilation cache beside ``path`` (:func:`compilation_cache_env`): the later
+    ones do not compile again.
 
     Raises:
       RuntimeError: if the profiler fails."""
     import subprocess
-    cmd = [sys.executable, "-m", "hethub_jax.profile", *profile_argv(args, names, path), "--no-progress"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    cmd = [sys.executable, "-m", "hethub_jax.profile", *profile_argv(args, names, path), "--no-progress",
+           *(COMPUTE_ONLY_OPTIONS if compute_only else ())]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+               **compilation_cache_env(os.path.join(os.path.dirname(os.path.abspath(path)), "jax-cache")))
     if subprocess.run(cmd, cwd=ROOT, env=env).returncode:
         raise RuntimeError(f"profile process failed: {' '.join(cmd)}")
     return path
@@ -839,6 +865,11 @@ def main() -> None:
                     help="profiles made, each in a fresh process, interleaved with the rounds and merged (the median "
                          "per figure, hethub_jax.planner.profile_merge); 1: one profile in this process before the "
                          "rounds")
+    ap.add_argument("--later-profiles", choices=("full", "compute"), default="compute",
+                    help="with --profile-processes > 1: the profile processes after the first measure everything "
+                         "(full) or only what is in absolute seconds, the stage calls, updates, copies and all-reduces "
+                         "(compute: --corun off --no-runtime; the co-run ratios and the runtime's per-action records "
+                         "are then the first profile's): about N_PROFILE_COST of a full profile's time")
     ap.add_argument("--only", default=None, help="comma-separated configuration names")
     ap.add_argument("--quick", action="store_true", help="3 configurations (a validation run)")
     ap.add_argument("--rounds", type=int, default=3,
@@ -915,7 +946,8 @@ def main() -> None:
     for i, order in enumerate(orders):
         for j in slots[i]:  # this round's profile processes (--profile-processes > 1)
             t0, snap = time.time(), cpu_snapshot(children=True)
-            prof_paths.append(run_profile_process(args, names, os.path.join(prof_dir, f"cpu_{j}.json")))
+            prof_paths.append(run_profile_process(args, names, os.path.join(prof_dir, f"cpu_{j}.json"),
+                                                  compute_only=j > 0 and args.later_profiles == "compute"))
             canary_profile.append(canary(cfg, args))
             shares_profile.append(others_share(snap, cpu_snapshot(children=True)))
             t_profile += time.time() - t0
@@ -940,7 +972,7 @@ def main() -> None:
         share_profile = sum(shares_profile) / len(shares_profile)
         profile_merge = {"paths": prof_paths, "differing": merged["merged"]["differing"],
                          "others_cpu_share": shares_profile,
-                         "slots": slots}
+                         "slots": slots, "later_profiles": args.later_profiles}
         print(f"merged {len(prof_paths)} profiles (median per figure) into {prof_path}", flush=True)
     if args.islands == "processes":
         # the profile's measured co-run (planner.costs.CORUN_BY_SIZE_DEFAULT decides the model), each process

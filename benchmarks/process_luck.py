@@ -184,10 +184,24 @@ def run_sequential(args) -> list:
     return out
 
 
+def _cache_env(cache_dir: str) -> dict:
+    return dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
 def run_alternate(args) -> list:
-    """``[round][process]`` slices, the processes alive together and taking turns."""
+    """``[round][process]`` slices, the processes alive together and taking turns. With ``--cache-dir D``: one
+    process first fills JAX's persistent compilation cache at D, then the odd-numbered processes load their
+    executables from it while the even ones compile their own (the process effect is then the cache's)."""
+    envs = [None] * args.alternate
+    if args.cache_dir:
+        res = subprocess.run(_child_cmd(args, False), capture_output=True, text=True, cwd=ROOT,
+                             env=_cache_env(args.cache_dir))
+        if res.returncode:
+            raise RuntimeError(f"cache-filling child failed:\n{res.stderr[-3000:]}")
+        envs = [_cache_env(args.cache_dir) if j % 2 else None for j in range(args.alternate)]
     procs = [subprocess.Popen(_child_cmd(args, True), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              cwd=ROOT) for _ in range(args.alternate)]
+                              cwd=ROOT, env=envs[j]) for j in range(args.alternate)]
     try:
         for p in procs:  # warm-ups overlap (untimed); every slice below runs alone
             if p.stdout.readline().strip() != "ready":
@@ -227,6 +241,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=6, help="alternate rounds (one slice per process each)")
     ap.add_argument("--gap-s", type=float, default=0.0,
                     help="seconds slept between alternate rounds (spreads them over the minutes a benchmark spans)")
+    ap.add_argument("--cache-dir", default=None,
+                    help="alternate: odd-numbered processes load their executables from JAX's persistent compilation "
+                         "cache in this directory (filled first by one process), even ones compile (A/B of the cache)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
