@@ -645,33 +645,21 @@ def run_profile(args, names=None) -> str:
 COMPUTE_ONLY_OPTIONS = ("--corun", "off", "--no-runtime")
 
 
-def compilation_cache_env(cache_dir: str) -> dict:
-    """Environment variables that give a JAX process the persistent compilation cache at ``cache_dir`` for every
-    computation (JAX's configuration options ``jax_compilation_cache_dir``,
-    ``jax_persistent_cache_min_compile_time_secs`` = 0, ``jax_persistent_cache_min_entry_size_bytes`` = 0, read from
-    the environment at start; https://docs.jax.dev/en/latest/persistent_compilation_cache.html). A
-    ``JAX_COMPILATION_CACHE_DIR`` already set is kept. Why (measured, docs/benchmarks.md issue 13 session 16):
-    about 90% of a profile's CPU seconds are compilation (a whole profile at 2 repeats per figure took 0.92 of its
-    CPU seconds at 7); a second profile process with the first one's cache took 29.5 s of CPU against 190 s. The
-    executables are XLA's same binaries loaded from disk: the calls timed are the same."""
-    return {"JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR") or cache_dir,
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-
-
 def run_profile_process(args, names, path: str, compute_only: bool = False) -> str:
     """One profile in a fresh process (``python -m hethub_jax.profile``, this process's environment: the XLA
     flags and host allocator setting set at import), written to ``path``; ``compute_only``: with
-    :data:`COMPUTE_ONLY_OPTIONS` (the stage calls, updates, copies and all-reduces only). The profile processes
-    of one run share a persistent compilation cache beside ``path`` (:func:`compilation_cache_env`): the later
-    ones do not compile again.
+    :data:`COMPUTE_ONLY_OPTIONS` (the stage calls, updates, copies and all-reduces only). Each compiles its own
+    executables, as the rounds' processes do: NOT from JAX's persistent compilation cache, although about 90% of a
+    profile's CPU seconds are compilation, because calls of executables loaded from that cache ran 5-10% faster in
+    CPU seconds than the same calls compiled in the process, 8 rounds of 8 (``benchmarks/process_luck.py
+    --cache-dir``, docs/benchmarks.md issue 13 session 16): a profile made so would not be the rounds' speed.
 
     Raises:
       RuntimeError: if the profiler fails."""
     import subprocess
     cmd = [sys.executable, "-m", "hethub_jax.profile", *profile_argv(args, names, path), "--no-progress",
            *(COMPUTE_ONLY_OPTIONS if compute_only else ())]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
-               **compilation_cache_env(os.path.join(os.path.dirname(os.path.abspath(path)), "jax-cache")))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     if subprocess.run(cmd, cwd=ROOT, env=env).returncode:
         raise RuntimeError(f"profile process failed: {' '.join(cmd)}")
     return path
@@ -869,7 +857,7 @@ def main() -> None:
                     help="with --profile-processes > 1: the profile processes after the first measure everything "
                          "(full) or only what is in absolute seconds, the stage calls, updates, copies and all-reduces "
                          "(compute: --corun off --no-runtime; the co-run ratios and the runtime's per-action records "
-                         "are then the first profile's): about N_PROFILE_COST of a full profile's time")
+                         "are then the first profile's): about 0.6 of a full profile's CPU seconds")
     ap.add_argument("--only", default=None, help="comma-separated configuration names")
     ap.add_argument("--quick", action="store_true", help="3 configurations (a validation run)")
     ap.add_argument("--rounds", type=int, default=3,
