@@ -84,11 +84,32 @@ def _slice(call, n: int) -> dict:
     return {"wall_s": wall, "cpu_s": cpu}
 
 
-def child_main(kind: str, seq: int, warmup: int, calls: int, serve: bool) -> None:
+def _extra_compiles(seq: int) -> int:
+    """Compiles and runs once, then drops, every single-layer stage's calls at microbatch 1, 2 and 4 (F, B and
+    the last stage's fused F+B): a compile history like a profile's. Returns how many stage calls."""
+    import jax
+
+    from hethub_jax import profile
+    from hethub_jax.models.config import get_preset
+    from hethub_jax.optim import OptimConfig, make_optimizer
+    from hethub_jax.parallel.stage import PipelineStage
+    cfg = get_preset("tiny")
+    tx, dev, n = make_optimizer(OptimConfig()), jax.devices()[0], 0
+    for a in range(cfg.num_hidden_layers):
+        st = PipelineStage(cfg, a, a, [dev], 1, 1, seed=0, recompute=False, optimizer=tx)
+        for mbs in (1, 2, 4):
+            profile.measure_stage(st, cfg, mbs, seq, 1)
+            n += 1
+    return n
+
+
+def child_main(kind: str, seq: int, warmup: int, calls: int, serve: bool, extra: bool = False) -> None:
     """Child process. Not serving: warm up, time one slice, print it as one JSON line. Serving (alternate mode):
     after the warm-up print ``ready``, then for each line ``go`` on stdin time one slice and print it; ``exit``
     ends."""
     import benchmarks.predictor_accuracy  # noqa: F401  -- the benchmark's XLA flags and host allocator, before JAX
+    if extra:
+        _extra_compiles(seq)
     call = _make_call(kind, seq)
     _slice(call, warmup)
     if not serve:
@@ -165,9 +186,10 @@ def two_way(m: list) -> dict:
 
 # ---- the parent -------------------------------------------------------------------------------------------------
 
-def _child_cmd(args, serve: bool) -> list:
+def _child_cmd(args, serve: bool, extra: bool = False) -> list:
     return [sys.executable, os.path.abspath(__file__), "--child", "--call", args.call, "--seq", str(args.seq),
-            "--warmup", str(args.warmup), "--calls", str(args.calls)] + (["--serve"] if serve else [])
+            "--warmup", str(args.warmup), "--calls", str(args.calls)] + (["--serve"] if serve else []) + (
+        ["--extra-compiles"] if extra else [])
 
 
 def run_sequential(args) -> list:
@@ -200,7 +222,7 @@ def run_alternate(args) -> list:
         if res.returncode:
             raise RuntimeError(f"cache-filling child failed:\n{res.stderr[-3000:]}")
         envs = [_cache_env(args.cache_dir) if j % 2 else None for j in range(args.alternate)]
-    procs = [subprocess.Popen(_child_cmd(args, True), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    procs = [subprocess.Popen(_child_cmd(args, True, args.extra_compiles and j % 2 == 1), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                               cwd=ROOT, env=envs[j]) for j in range(args.alternate)]
     try:
         for p in procs:  # warm-ups overlap (untimed); every slice below runs alone
@@ -244,11 +266,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--cache-dir", default=None,
                     help="alternate: odd-numbered processes load their executables from JAX's persistent compilation "
                          "cache in this directory (filled first by one process), even ones compile (A/B of the cache)")
+    ap.add_argument("--extra-compiles", action="store_true",
+                    help="alternate: odd-numbered processes first compile and run once every single-layer stage's "
+                         "calls at microbatch 1, 2 and 4 (a profile-like compile history), even ones only the timed call")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        child_main(args.call, args.seq, args.warmup, args.calls, args.serve)
+        child_main(args.call, args.seq, args.warmup, args.calls, args.serve, args.extra_compiles)
         return {}
     if args.calls < 4 or args.processes < 0 or args.alternate < 0 or args.rounds < 2 and args.alternate:
         raise SystemExit("--calls >= 4, --processes >= 0, --alternate >= 0 with --rounds >= 2")
