@@ -5,7 +5,7 @@ machine's speed drifting in TIME?
 ::
 
     nice -n 10 env PYTHONPATH=. python benchmarks/process_luck.py --json X [--processes 6] [--calls 25]
-        [--alternate 3] [--rounds 6] [--gap-s 0] [--call canary|whole]
+        [--alternate 3] [--rounds 6] [--gap-s 0] [--call canary|whole] [--cache-dir D] [--extra-compiles]
 
 Two experiments, both timing ONE fixed call per sample, in processes set up exactly as
 ``benchmarks/predictor_accuracy.py``'s main process (its module sets the XLA flags: 8 fake CPU devices, one
@@ -24,6 +24,12 @@ canary, a first stage's (layer 0) B plus a last stage's (last layer) fused F+B, 
    process in that round) and the residual. Each is reported as a spread ratio ``exp(max - min)`` and a
    standard deviation in percent (``100 * std`` of the logs). Per-process luck dominates when the process effect
    is large against the time effect and stays of one sign round after round (``ratio_to_first_per_round``).
+
+A/B of a process's history (alternate only; odd-numbered processes get the treatment, even ones not):
+``--cache-dir D`` (the odd ones load their executables from JAX's persistent compilation cache at D, filled first by
+one process; the even ones compile) and ``--extra-compiles`` (the odd ones first compile and run once every
+single-layer stage's calls at microbatch 1, 2 and 4, a profile-like history). The process effects are then the
+treatment's, ``ratio_to_first_per_round`` per round.
 
 Every sample records wall seconds (``time.perf_counter``) and the process's CPU seconds (``time.process_time``,
 all threads; the load of other jobs disturbs it less than wall time). On a machine shared with other jobs the
