@@ -8,6 +8,17 @@
    runtime's own seconds per action; the in-process bridge, ``LocalCommunicator``), at the microbatch
    sizes of ``--profile-mbs`` and every size the configurations run (:func:`profile_sizes`: the
    predictor interpolates between profiled sizes, and the seconds per token are not constant here).
+   ``--profile-processes N`` (N > 1): N profiles, each a fresh ``python -m hethub_jax.profile`` process at
+   ``--repeats`` calls per figure, INTERLEAVED with the rounds (profile process ``j`` runs just before round
+   ``j * R // N``: with N = R = 3, profile, round, profile, round, profile, round), merged into one profile whose
+   every figure is the median of the N (``hethub_jax.planner.profile_merge``). ``--later-profiles compute`` (the
+   default): the profiles after the first measure only the figures in absolute seconds (stage calls, updates,
+   copies, all-reduces; :data:`COMPUTE_ONLY_OPTIONS`), the drift-sensitive ones; the ratios measured within one
+   short window (co-run factors, in-flight factors) and the runtime's records are the first profile's. Why (session 16,
+   ``benchmarks/process_luck.py``): the machine's speed moves in time (minutes) more than one process differs from
+   another, and one profile made in the first minutes is one draw of it, against rounds spread over the rest of
+   the run; ``figures.profile_drift`` holds each profile's canary over their median. Predictions are made after
+   the rounds, from the merged profile. N = 1 (the default): one profile in this process before the rounds.
 2. Predicts (``hethub_jax.planner.predictor.predict`` with that profile for every island) and measures
    at least 10 larger configurations on this machine: 2-4 pipeline stages over 2 islands, 2-8
    microbatches, fake-device DP and TP, an EMULATED slowdown, recompute on and off, GPipe and 1F1B,
@@ -608,20 +619,59 @@ def profile_sizes(names, given: str) -> tuple:
     return fmt(mbs), fmt(dp_mbs)
 
 
+def profile_argv(args, names, path: str) -> list:
+    """The ``hethub_jax.profile`` arguments of this run's profile, written to ``path``."""
+    mbs, dp_mbs = profile_sizes(names or list(configs()), args.profile_mbs)
+    if mbs != ",".join(str(x) for x in sorted(int(v) for v in args.profile_mbs.split(","))):
+        print(f"profile: microbatch sizes {mbs} (--profile-mbs {args.profile_mbs} and the configurations' own), "
+              f"per DP rank on (dp, 1) meshes {dp_mbs}", flush=True)
+    # islands as processes: the co-run neighbour is a process of its own too (fits.corun.neighbour_kind)
+    return ["--out", path, "--seq-len", str(args.seq), "--tp", args.profile_tp,
+            "--microbatch-sizes", mbs, "--dp-microbatch-sizes", dp_mbs, "--dp", args.profile_dp,
+            "--repeats", str(args.repeats), "--statistic", args.statistic,
+            "--corun-neighbour", "process" if getattr(args, "islands", "threads") == "processes" else "thread"]
+
+
 def run_profile(args, names=None) -> str:
     from hethub_jax import profile
     path = args.profile or os.path.join(tempfile.mkdtemp(prefix="hethub-profile-"), "cpu.json")
     if not (args.profile and os.path.exists(args.profile)):
-        mbs, dp_mbs = profile_sizes(names or list(configs()), args.profile_mbs)
-        if mbs != ",".join(str(x) for x in sorted(int(v) for v in args.profile_mbs.split(","))):
-            print(f"profile: microbatch sizes {mbs} (--profile-mbs {args.profile_mbs} and the configurations' own), "
-                  f"per DP rank on (dp, 1) meshes {dp_mbs}", flush=True)
-        # islands as processes: the co-run neighbour is a process of its own too (fits.corun.neighbour_kind)
-        profile.main(["--out", path, "--seq-len", str(args.seq), "--tp", args.profile_tp,
-                      "--microbatch-sizes", mbs, "--dp-microbatch-sizes", dp_mbs, "--dp", args.profile_dp,
-                      "--repeats", str(args.repeats), "--statistic", args.statistic,
-                      "--corun-neighbour", "process" if getattr(args, "islands", "threads") == "processes" else "thread"])
+        profile.main(profile_argv(args, names, path))
     return path
+
+
+#: the profiler's options of a profile process after the first with ``--later-profiles compute``: no co-run
+#: measurements, no runtime measurements (its ratios and per-action records come from the first profile)
+COMPUTE_ONLY_OPTIONS = ("--corun", "off", "--no-runtime")
+
+
+def run_profile_process(args, names, path: str, compute_only: bool = False) -> str:
+    """One profile in a fresh process (``python -m hethub_jax.profile``, this process's environment: the XLA
+    flags and host allocator setting set at import), written to ``path``; ``compute_only``: with
+    :data:`COMPUTE_ONLY_OPTIONS` (the stage calls, updates, copies and all-reduces only). Each compiles its own
+    executables, as the rounds' processes do: NOT from JAX's persistent compilation cache, although about 90% of a
+    profile's CPU seconds are compilation, because calls of executables loaded from that cache ran 5-10% faster in
+    CPU seconds than the same calls compiled in the process, 8 rounds of 8 (``benchmarks/process_luck.py
+    --cache-dir``, docs/benchmarks.md issue 13 session 16): a profile made so would not be the rounds' speed.
+
+    Raises:
+      RuntimeError: if the profiler fails."""
+    import subprocess
+    cmd = [sys.executable, "-m", "hethub_jax.profile", *profile_argv(args, names, path), "--no-progress",
+           *(COMPUTE_ONLY_OPTIONS if compute_only else ())]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    if subprocess.run(cmd, cwd=ROOT, env=env).returncode:
+        raise RuntimeError(f"profile process failed: {' '.join(cmd)}")
+    return path
+
+
+def profile_slots(processes: int, rounds: int) -> list:
+    """For each round, the profile processes (0-based) run just before it: process ``j`` before round
+    ``j * rounds // processes`` (spread evenly over the rounds; with ``processes == rounds`` one before each)."""
+    slots = [[] for _ in range(rounds)]
+    for j in range(processes):
+        slots[j * rounds // processes].append(j)
+    return slots
 
 
 def predict_row(name: str, cfg, costs, base, bridge, args, ping_pong_bridge=None) -> tuple:
@@ -799,6 +849,15 @@ def main() -> None:
                          "interpolates between profiled sizes)")
     ap.add_argument("--profile-dp", default="1,2", help="DP degrees to profile ((dp, 1) stage meshes)")
     ap.add_argument("--profile", default=None, help="existing profile JSON to use (else one is made)")
+    ap.add_argument("--profile-processes", type=int, default=1,
+                    help="profiles made, each in a fresh process, interleaved with the rounds and merged (the median "
+                         "per figure, hethub_jax.planner.profile_merge); 1: one profile in this process before the "
+                         "rounds")
+    ap.add_argument("--later-profiles", choices=("full", "compute"), default="compute",
+                    help="with --profile-processes > 1: the profile processes after the first measure everything "
+                         "(full) or only what is in absolute seconds, the stage calls, updates, copies and all-reduces "
+                         "(compute: --corun off --no-runtime; the co-run ratios and the runtime's per-action records "
+                         "are then the first profile's): about 0.6 of a full profile's CPU seconds")
     ap.add_argument("--only", default=None, help="comma-separated configuration names")
     ap.add_argument("--quick", action="store_true", help="3 configurations (a validation run)")
     ap.add_argument("--rounds", type=int, default=3,
@@ -836,8 +895,8 @@ def main() -> None:
     from hethub_jax import host_allocator
     from hethub_jax.models.config import get_preset
     from hethub_jax.planner.costs import DeviceCosts, LinkModel
-    if args.trials < 1 or args.steps < 1 or args.rounds < 1:
-        raise SystemExit("--trials, --steps and --rounds must be >= 1")
+    if args.trials < 1 or args.steps < 1 or args.rounds < 1 or args.profile_processes < 1:
+        raise SystemExit("--trials, --steps, --rounds and --profile-processes must be >= 1")
     if args.islands == "processes" and args.host_allocator == "steady-arenas":
         raise SystemExit("--host-allocator steady-arenas applies to --islands threads (each island process has its "
                          "own arena already)")
@@ -853,19 +912,60 @@ def main() -> None:
     profiled = not (args.profile and os.path.exists(args.profile))
     names = list(configs())
     names = args.only.split(",") if args.only else names[:3] if args.quick else names
-    canary_profile = [canary(cfg, args)] if profiled else []
-    prof_path = run_profile(args, names)
-    canary_profile += [canary(cfg, args)] if profiled else []
-    share_profile = others_share(snap0, cpu_snapshot(children=True)) if profiled else None  # while this run profiled
-    t_profile = time.time() - t_start
+    orders = round_orders(names, args.rounds)
+    interleaved = profiled and args.profile_processes > 1
+    slots = profile_slots(args.profile_processes, len(orders)) if interleaved else [[] for _ in orders]
+    canary_profile = [canary(cfg, args)] if profiled and not interleaved else []
+    prof_path = None if interleaved else run_profile(args, names)
+    canary_profile += [canary(cfg, args)] if profiled and not interleaved else []
+    share_profile = (others_share(snap0, cpu_snapshot(children=True))  # while this run profiled
+                     if profiled and not interleaved else None)
+    t_profile = time.time() - t_start if not interleaved else 0.0
+    prof_dir = tempfile.mkdtemp(prefix="hethub-profile-") if interleaved else None
+    prof_paths, shares_profile = [], []
     bridge_fit = None
     if args.islands == "processes":
-        # islands as processes of one host: they share its cores (the profile's measured co-run relation by the
-        # pair's size ratio: planner.costs.CORUN_BY_SIZE_DEFAULT), each
-        # launches its own multi-device computations; between them the MPI host bridge, measured here between two
-        # processes with the run's spin and pinning (the profiler's own fits.bridge needs mpiexec -n 2)
-        costs = DeviceCosts.from_profile(prof_path).on_shared_host("this host")
+        # islands as processes of one host: they share its cores; between them the MPI host bridge, measured here
+        # between two processes with the run's spin and pinning (the profiler's own fits.bridge needs mpiexec -n 2)
         bridge_fit = measure_bridge_fit(args)
+    measured = {n: [] for n in names}
+    canary_rounds = []
+    plans = {n: plan_and_batch(n, cfg, args.seq)[0] for n in names}
+    for i, order in enumerate(orders):
+        for j in slots[i]:  # this round's profile processes (--profile-processes > 1)
+            t0, snap = time.time(), cpu_snapshot(children=True)
+            prof_paths.append(run_profile_process(args, names, os.path.join(prof_dir, f"cpu_{j}.json"),
+                                                  compute_only=j > 0 and args.later_profiles == "compute"))
+            canary_profile.append(canary(cfg, args))
+            shares_profile.append(others_share(snap, cpu_snapshot(children=True)))
+            t_profile += time.time() - t0
+            print(f"profile process {j + 1}/{args.profile_processes} done ({time.time() - t_start:.0f} s)", flush=True)
+        canary_rounds.append(canary(cfg, args))
+        if args.islands == "processes":
+            res = measure_round_processes(order, args)
+            for n in order:
+                measured[n].append(res[n])
+        else:
+            for n in order:
+                measured[n].append(measure_round(plans[n], cfg, args))
+        print(f"round {i + 1}/{len(orders)} done ({time.time() - t_start:.0f} s): "
+              + ", ".join(f"{n} {measured[n][-1]['statistic_s']:.4f}" for n in order), flush=True)
+    profile_merge = None
+    if interleaved:
+        from hethub_jax.planner.profile_merge import merge_profiles
+        merged = merge_profiles(prof_paths)
+        prof_path = os.path.join(prof_dir, "cpu.json")
+        with open(prof_path, "w") as fh:
+            json.dump(merged, fh, indent=1)
+        share_profile = sum(shares_profile) / len(shares_profile)
+        profile_merge = {"paths": prof_paths, "differing": merged["merged"]["differing"],
+                         "others_cpu_share": shares_profile,
+                         "slots": slots, "later_profiles": args.later_profiles}
+        print(f"merged {len(prof_paths)} profiles (median per figure) into {prof_path}", flush=True)
+    if args.islands == "processes":
+        # the profile's measured co-run (planner.costs.CORUN_BY_SIZE_DEFAULT decides the model), each process
+        # launches its own multi-device computations
+        costs = DeviceCosts.from_profile(prof_path).on_shared_host("this host")
         bridge = bridge_link(bridge_fit)
         # the shared gradients' sum over the bridge: its all-reduce measured as the runtime calls it (session 15)
         costs = costs.with_bridge_allreduce(bridge_fit["allreduce_fit"])
@@ -887,20 +987,6 @@ def main() -> None:
     base = DeviceCosts.from_catalog("cpu")
     ping_pong = bridge_link(bridge_fit, wake=False) if bridge_fit else None
     preds = {n: predict_row(n, cfg, costs, base, bridge, args, ping_pong) for n in names}
-    orders = round_orders(names, args.rounds)
-    measured = {n: [] for n in names}
-    canary_rounds = []
-    for i, order in enumerate(orders):
-        canary_rounds.append(canary(cfg, args))
-        if args.islands == "processes":
-            res = measure_round_processes(order, args)
-            for n in order:
-                measured[n].append(res[n])
-        else:
-            for n in order:
-                measured[n].append(measure_round(preds[n][0], cfg, args))
-        print(f"round {i + 1}/{len(orders)} done ({time.time() - t_start:.0f} s): "
-              + ", ".join(f"{n} {measured[n][-1]['statistic_s']:.4f}" for n in order), flush=True)
     rows = [finish_row(n, preds[n][1], preds[n][2], measured[n], args, preds[n][3], preds[n][4], preds[n][5])
             for n in names]
     figures = summary(rows, orders)
@@ -912,7 +998,10 @@ def main() -> None:
                    profile_s=t_profile, wall_s=time.time() - t_start,
                    # the yardstick (canary) before/after the profile and per round; drift = round / profile
                    canary_profile_s=canary_profile, canary_rounds_s=canary_rounds,
-                   drift=[c / median(canary_profile) for c in canary_rounds] if canary_profile else None)
+                   drift=[c / median(canary_profile) for c in canary_rounds] if canary_profile else None,
+                   # --profile-processes > 1: each profile process's canary (just after it) over their median
+                   profile_processes=args.profile_processes if profiled else 0, profile_merge=profile_merge,
+                   profile_drift=[c / median(canary_profile) for c in canary_profile] if interleaved else None)
     figures["drift_scaled_mape"] = drift_scaled_mape(rows, figures["drift"])
     print(f"MAPE {100 * figures['mape']:.1f}% against the median of {args.rounds} rounds (max "
           f"{100 * figures['max_ape']:.1f}%; against the rounds' minima {100 * figures['mape_min']:.1f}%) over "

@@ -125,3 +125,25 @@ def test_drift_scaled_mape_by_hand():
     assert scaled == pytest.approx((0.0 + (2.0 - 2.0 / 1.2) / (2.0 / 1.2)) / 2)
     assert plain == pytest.approx((1 / 6 + 0.0) / 2)
     assert none is None
+
+
+SLOTS_CODE = r"""
+import json
+import benchmarks.predictor_accuracy as pa
+print(json.dumps([pa.profile_slots(3, 3), pa.profile_slots(2, 3), pa.profile_slots(1, 3), pa.profile_slots(4, 2)]))
+"""
+
+
+def test_profile_slots_spread_the_profile_processes_over_the_rounds():
+    """``--profile-processes N``: profile process ``j`` runs before round ``j * R // N``. By hand: 3 over 3 rounds,
+    one before each; 2 over 3: before rounds 0 and 1 (2 * 3 // 2 = 3 is out, 1 * 3 // 2 = 1); 1: before round 0
+    (today's order, profile then rounds); 4 over 2: two before each."""
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, "-c", SLOTS_CODE], capture_output=True, text=True, timeout=120, cwd=REPO,
+                       env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    three, two, one, four = json.loads(p.stdout.strip().splitlines()[-1])
+    assert three == [[0], [1], [2]]
+    assert two == [[0], [1], []]
+    assert one == [[0], [], []]
+    assert four == [[0, 1], [2, 3]]
