@@ -181,6 +181,23 @@ def steady_host_allocator(enable: Optional[bool] = None) -> Dict[str, object]:
         return dict(_state, applied=True, backend_started=_jax_backend_started())
 
 
+def release_free_host_memory() -> bool:
+    """Gives the free pages of the C library's heap back to the kernel (glibc ``malloc_trim(0)``: the
+    free top above the pad and, since glibc 2.8, every whole free page inside the heap, with
+    ``madvise(MADV_DONTNEED)``): the process's resident memory falls to what is live, while the heap's
+    address space (and its fragmentation) stays. Under the steady settings the heap otherwise keeps its
+    peak resident (its free top up to :data:`TRIM_THRESHOLD_BYTES`, every hole inside it): a phase that
+    follows larger ones (e.g. the profiler's chunked measurement after its whole-model stage shapes)
+    then adds what it cannot place in those holes ON TOP of the earlier peak. The next calls fault the
+    released pages in again once: call it between phases, never inside a timed loop. Returns True when
+    it ran (glibc), False elsewhere."""
+    lib = _libc()
+    if lib is None or not hasattr(lib, "malloc_trim"):
+        return False
+    lib.malloc_trim(0)
+    return True
+
+
 def _default_arena_max() -> int:
     """glibc's own arena limit on a 64-bit system, 8 per core (``NARENAS_FROM_NCORES``; ``mallopt``
     takes no 0 for "default")."""
