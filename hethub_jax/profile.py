@@ -702,7 +702,15 @@ def measure_chunked_last(cfg: Any, devices: Sequence[Any], seq_len: int, mbs_lis
     One ``{"kind": "chunked_last", "microbatch_size", "tokens", "num_buckets", "fused_seconds", "seconds",
     "copies_seconds"}`` per size; :func:`fit_chunked_last` turns them into the predictor's ratio
     (``hethub_jax.planner.predict_buckets.chunked_last_ratio``). Cost: 3 x (``repeats`` + 1) whole-model F+B
-    calls per size."""
+    calls per size, plus compiling the fused program and each bucket's (README's main command's model, tiny at
+    sequence 128, sizes 1 and 16, 2 repeats: 24 s of CPU on a loaded shared machine, session 16).
+
+    Memory (issue 17, session 16, docs/benchmarks.md): under the steady host allocator (one glibc arena, no
+    mmap) the heap keeps every page the earlier phases touched, and this phase's blocks did not fit into its
+    free holes: after the whole-model stage shapes it added 0.7 GB resident (the 15 M model at sizes
+    1-16) to 1.5-2 GB (at the batch-64 sizes, session 15). So it first gives the free pages back
+    (:func:`release_host_memory`), drops each finished size's compiled programs, and gives the pages back
+    again at its end: its own pages then stay under the earlier phases' peak."""
     import jax
     import jax.numpy as jnp
     from concurrent.futures import ThreadPoolExecutor
