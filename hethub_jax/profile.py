@@ -703,7 +703,7 @@ def measure_chunked_last(cfg: Any, devices: Sequence[Any], seq_len: int, mbs_lis
     "copies_seconds"}`` per size; :func:`fit_chunked_last` turns them into the predictor's ratio
     (``hethub_jax.planner.predict_buckets.chunked_last_ratio``). Cost: 3 x (``repeats`` + 1) whole-model F+B
     calls per size, plus compiling the fused program and each bucket's (README's main command's model, tiny at
-    sequence 128, sizes 1 and 16, 2 repeats: 24 s of CPU on a loaded shared machine, session 16).
+    sequence 128, sizes 1 and 16, 2 repeats: 24-26 s of CPU on a shared machine, session 16).
 
     Memory (issue 17, session 16, docs/benchmarks.md): under the steady host allocator (one glibc arena, no
     mmap) the heap keeps every page the earlier phases touched, and this phase's blocks did not fit into its
