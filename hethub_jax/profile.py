@@ -710,7 +710,8 @@ def measure_chunked_last(cfg: Any, devices: Sequence[Any], seq_len: int, mbs_lis
     free holes: after the whole-model stage shapes it added 0.7 GB resident (the 15 M model at sizes
     1-16) to 1.5-2 GB (at the batch-64 sizes, session 15). So it first gives the free pages back
     (:func:`release_host_memory`), drops each finished size's compiled programs, and gives the pages back
-    again at its end: its own pages then stay under the earlier phases' peak."""
+    again at its end: its own pages then stay under the earlier phases' peak (measured: +45 MiB over it at
+    sizes 1-16, nothing at the batch-64 sizes: 8.85 GB peak with it)."""
     import jax
     import jax.numpy as jnp
     from concurrent.futures import ThreadPoolExecutor
