@@ -62,8 +62,9 @@ the same plan also runs UNBUCKETED in the same interleaved loop (``planned_unbuc
 the whole backward: an in-run comparison), and the plan is PREDICTED on both paths
 (``hethub_jax.planner.predict_buckets``: the chunked last microbatch at the profile's measured ratio,
 ``fits.chunked_last``; 1.0 for profiles without it, said in ``predicted_buckets.ratio_source``;
-``--profile-islands`` does not measure it since late session 15: it lifted each rank's profile peak from 9.8 to
-11.4-11.9 GB and the two ranks were OOM-killed on the 23 GB machine).
+``--profile-islands`` measures it again since session 16: late in session 15 it was skipped because it lifted each
+rank's profile peak from 9.8 to 11.4-11.9 GB and the two ranks were OOM-killed on the 23 GB machine; those GB were
+free heap pages the steady host allocator kept resident, now given back: ``profile.release_host_memory``).
 
 Default global batch 64 (rows of ``--seq`` tokens; it was 16 before session 9, and the recorded runs used
 8 and 32): heterogeneous DP with a replicated update pays it on each island (the slow one's EMULATED 3x),
@@ -346,12 +347,12 @@ def _profile_island(args, rank: int, job_pids=()) -> dict:
                          "--microbatch-sizes", args.profile_mbs, "--repeats", "3", "--corun", "off",
                          "--no-bridge", "--no-runtime", "--no-progress",
                          "--stage-shapes", f"0-{MODEL['num_hidden_layers'] - 1}",
-                         # no chunked-last-microbatch measurement (the bucketed prediction then says "not
-                         # measured (1.0)"): session 15 measured one island's profile of this model at the
-                         # batch-64 sizes at 9.84 GB peak resident without it, 11.35 GB with it at sizes up to 16
-                         # and 11.91 GB at sizes up to 8; two ranks of ~11-12 GB were OOM-killed on the 23 GB
-                         # machine (docs/benchmarks.md, issue 17)
-                         "--chunked-mbs", "none",
+                         # the chunked-last-microbatch measurement at the profiler's default (auto: the
+                         # profiled sizes up to 16). Session 15 skipped it (one profile peaked at 11.35 GB with
+                         # it, 9.84 GB without; two ranks OOM-killed on the 23 GB machine); session 16 found the
+                         # +1.5 GB to be the steady allocator's kept free pages (measure_chunked_last now gives
+                         # them back first, and profile.main at its end, so a rank that has profiled no longer
+                         # holds its peak while the next profiles): docs/benchmarks.md, issue 17, session 16
                          "--job-pids", ",".join(map(str, job_pids))])
 
 

@@ -181,6 +181,25 @@ def steady_host_allocator(enable: Optional[bool] = None) -> Dict[str, object]:
         return dict(_state, applied=True, backend_started=_jax_backend_started())
 
 
+def release_free_host_memory() -> bool:
+    """Gives the free pages of the C library's heap back to the kernel (glibc ``malloc_trim(0)``: the
+    free top above the pad and, since glibc 2.8, every whole free page inside the heap, with
+    ``madvise(MADV_DONTNEED)``): the process's resident memory falls to what is live, while the heap's
+    address space (and its fragmentation) stays. Under the steady settings the heap otherwise keeps its
+    peak resident (its free top up to :data:`TRIM_THRESHOLD_BYTES`, every hole inside it), and a phase
+    whose blocks do not fit those holes adds its own ON TOP of the earlier peak (measured, session 16,
+    docs/benchmarks.md issue 17: the profiler's chunked measurement after its whole-model stage shapes,
+    15 M model at microbatch 1-16: 2,241 MiB resident before it, of which ``malloc_trim`` gave back 1,901
+    MiB; without it the measurement took the process to 2,933 MiB, with it to 2,304 MiB). The next calls fault the
+    released pages in again once: call it between phases, never inside a timed loop. Returns True when
+    it ran (glibc), False elsewhere."""
+    lib = _libc()
+    if lib is None or not hasattr(lib, "malloc_trim"):
+        return False
+    lib.malloc_trim(0)
+    return True
+
+
 def _default_arena_max() -> int:
     """glibc's own arena limit on a 64-bit system, 8 per core (``NARENAS_FROM_NCORES``; ``mallopt``
     takes no 0 for "default")."""

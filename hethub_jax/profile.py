@@ -110,9 +110,10 @@ def _parser() -> argparse.ArgumentParser:
                         "stages at every microbatch size and TP degree (kind 'stage_shape'); the predictor then uses "
                         "these measured seconds for a stage of that shape instead of the fitted lines")
     p.add_argument("--chunked-mbs", default="auto",
-                   help="with the whole model in --stage-shapes: microbatch sizes at which the bucketed all-reduce's "
-                        "chunked last microbatch is timed against the fused one (measure_chunked_last, fits.chunked_last; "
-                        f"auto: the profiled sizes up to {16}; none: skip)")
+                   help="comma-separated microbatch sizes at which the bucketed all-reduce's chunked last microbatch "
+                        "is timed against the fused one on the whole-model stage (measure_chunked_last, "
+                        "fits.chunked_last), with or without --stage-shapes; auto: with the whole model in "
+                        f"--stage-shapes, the profiled sizes up to {16}, else skipped; none: skip")
     p.add_argument("--job-pids", default="",
                    help="comma-separated process ids of this job's other processes on this machine (e.g. MPI ranks "
                         "profiling their own cores at the same time): their CPU time is not counted as other "
@@ -738,6 +739,29 @@ def profile_stage_shapes(cfg: Any, seq_len: int, mbs_list: Sequence[int], tps: S
 CHUNKED_MAX_MBS = 16
 
 
+def chunked_microbatch_sizes(spec: str, mbs_list: Sequence[int], whole_model_shape: bool) -> List[int]:
+    """The microbatch sizes ``--chunked-mbs`` asks :func:`measure_chunked_last` for: ``"none"``: [];
+    ``"auto"``: the profiled sizes ``mbs_list`` up to :data:`CHUNKED_MAX_MBS` (the smallest when none is)
+    when the whole model is one of ``--stage-shapes`` (``whole_model_shape``), else []; otherwise the
+    comma-separated sizes given, ascending (measured whether or not the whole model is a stage shape:
+    plan-less training asks for them, ``hethub_jax.train_predict.chunked_microbatch_sizes_to_profile``).
+
+    Raises:
+      SystemExit: for a size that is not an integer >= 1."""
+    spec = spec.strip().lower()
+    if spec == "none":
+        return []
+    if spec == "auto":
+        return ([m for m in mbs_list if m <= CHUNKED_MAX_MBS] or [min(mbs_list)]) if whole_model_shape else []
+    try:
+        sizes = sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError:
+        raise SystemExit(f"--chunked-mbs must be auto, none or comma-separated microbatch sizes, got {spec!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise SystemExit(f"--chunked-mbs sizes must be >= 1, got {spec!r}")
+    return sizes
+
+
 def measure_chunked_last(cfg: Any, devices: Sequence[Any], seq_len: int, mbs_list: Sequence[int], repeats: int,
                          bucket_mb: float = 25.0) -> List[dict]:
     """The bucketed all-reduce's chunked last microbatch against the fused one (issue 17, session 15): on the
@@ -754,7 +778,16 @@ def measure_chunked_last(cfg: Any, devices: Sequence[Any], seq_len: int, mbs_lis
     One ``{"kind": "chunked_last", "microbatch_size", "tokens", "num_buckets", "fused_seconds", "seconds",
     "copies_seconds"}`` per size; :func:`fit_chunked_last` turns them into the predictor's ratio
     (``hethub_jax.planner.predict_buckets.chunked_last_ratio``). Cost: 3 x (``repeats`` + 1) whole-model F+B
-    calls per size."""
+    calls per size, plus compiling the fused program and each bucket's (README's main command's model, tiny at
+    sequence 128, sizes 1 and 16, 2 repeats: 24-26 s of CPU on a shared machine, session 16).
+
+    Memory (issue 17, session 16, docs/benchmarks.md): under the steady host allocator (one glibc arena, no
+    mmap) the heap keeps every page the earlier phases touched, and this phase's blocks did not fit into its
+    free holes: after the whole-model stage shapes it added 0.7 GB resident (the 15 M model at sizes
+    1-16) to 1.5-2 GB (at the batch-64 sizes, session 15). So it first gives the free pages back
+    (:func:`release_host_memory`), drops each finished size's compiled programs, and gives the pages back
+    again at its end: its own pages then stay under the earlier phases' peak (measured: +45 MiB over it at
+    sizes 1-16, nothing at the batch-64 sizes: 8.85 GB peak with it)."""
     import jax
     import jax.numpy as jnp
     from concurrent.futures import ThreadPoolExecutor
@@ -763,6 +796,7 @@ def measure_chunked_last(cfg: Any, devices: Sequence[Any], seq_len: int, mbs_lis
     from hethub_jax.parallel import buckets as bk
     from hethub_jax.parallel.stage import PipelineStage, StageInputs
     L = cfg.num_hidden_layers
+    release_host_memory()  # the earlier phases' free heap pages: this one's blocks are placed afresh
     st = PipelineStage(cfg, 0, L - 1, list(devices[:1]), 1, 1, seed=0, recompute=False,
                        optimizer=make_optimizer(OptimConfig()))
     cap = max(1, int(bucket_mb * 2**20))
@@ -804,10 +838,41 @@ def measure_chunked_last(cfg: Any, devices: Sequence[Any], seq_len: int, mbs_lis
                         "num_buckets": len(chunks.chunks), "bucket_mb": float(bucket_mb),
                         "fused_seconds": float(stat(times["fused"])), "seconds": float(stat(times["chunked"])),
                         "copies_seconds": float(stat(times["copies"]))})
+            del times, calls
+            jax.clear_caches()  # this size's programs (fused and per bucket) are not called again
     finally:
         pool.shutdown()
-    del jnp
+    del jnp, chunks, st
+    release_host_memory()
     return out
+
+
+def release_host_memory() -> Dict[str, Any]:
+    """Between the profiler's phases: drops unreachable Python objects (``gc.collect``), JAX's compiled
+    programs (``jax.clear_caches``: a later phase compiles its own) and gives the heap's free pages back to
+    the kernel (``host_allocator.release_free_host_memory``, glibc ``malloc_trim``). Under the steady host
+    allocator the process otherwise keeps every page it ever touched resident (issue 17, session 16:
+    docs/benchmarks.md). Returns ``{"rss_bytes_before", "rss_bytes_after"}`` (``/proc/self/statm``; None
+    where unreadable). Never call it inside a timed loop: the next calls fault the pages in again."""
+    import gc
+
+    import jax
+
+    from hethub_jax.host_allocator import release_free_host_memory
+    before = _rss_bytes()
+    gc.collect()
+    jax.clear_caches()
+    release_free_host_memory()
+    return {"rss_bytes_before": before, "rss_bytes_after": _rss_bytes()}
+
+
+def _rss_bytes() -> Optional[int]:
+    """This process's resident set size in bytes (``/proc/self/statm``), None where unreadable."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def fit_chunked_last(samples: List[dict]) -> Optional[Dict[str, Any]]:
@@ -1932,9 +1997,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     corun += [] if args.no_runtime else measure_in_flight(cfg, devices, args.seq_len, args.repeats)
     corun += [] if args.no_runtime else measure_action_costs(cfg, devices, args.seq_len, args.repeats)
     corun += [] if args.no_runtime else measure_emulated_wait(max(args.repeats, 20))
-    if (0, cfg.num_hidden_layers - 1) in shapes and args.chunked_mbs != "none":  # heterogeneous DP's bucketed path
-        cmbs = ([m for m in mbs_list if m <= CHUNKED_MAX_MBS] or [min(mbs_list)]) if args.chunked_mbs == "auto" \
-            else [int(x) for x in args.chunked_mbs.split(",")]
+    cmbs = chunked_microbatch_sizes(args.chunked_mbs, mbs_list, (0, cfg.num_hidden_layers - 1) in shapes)
+    if cmbs:  # heterogeneous DP's bucketed path
         corun += measure_chunked_last(cfg, devices, args.seq_len, cmbs, args.repeats)
     act = args.seq_len * cfg.hidden_size * analytic.dtype_bytes(cfg.dtype)
     sizes = sorted({act * m for m in mbs_list} | {1 << 20, 8 << 20})
@@ -1960,6 +2024,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         print(f"note: other processes{' (outside this job)' if job_pids else ''} used "
               f"{100 * prof['others_cpu_share']:.0f}% of this machine's CPUs while "
               f"profiling; the figures include their load (profile on an idle machine)")
+    # a caller that goes on in this process (benchmarks/hetero_e2e.py's ranks train next, one rank profiling
+    # while the other waits) does not keep the profile's peak resident
+    release_host_memory()
     return prof
 
 

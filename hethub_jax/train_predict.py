@@ -30,7 +30,7 @@ from hethub_jax.planner.costs import cost_source_text
 __all__ = ["RunPrediction", "predict_run", "plan_from_cluster", "profile_device", "measured_bubble",
            "PROFILE_SETTINGS", "planner_microbatch_sizes", "microbatch_sizes_to_profile", "tp_degrees_to_profile",
            "profiled_tp_degrees", "dp_degrees_to_profile", "dp_microbatch_sizes_to_profile", "profiled_dp_degrees",
-           "profiled_microbatch_sizes", "extrapolation_note", "plan_command", "cores_note"]
+           "profiled_microbatch_sizes", "chunked_microbatch_sizes_to_profile", "extrapolation_note", "plan_command", "cores_note"]
 
 #: the brief profile of plan-less training (``python -m hethub_jax.profile`` flags): the fastest of 2
 #: timed calls (the machine may be shared); no co-run slowdown, runtime per-action seconds or in-process
@@ -85,6 +85,28 @@ def microbatch_sizes_to_profile(sizes: List[int], every_power_of_two: bool = Fal
             out.add(p)
             p *= 2
     return sorted(out)
+
+
+#: the largest microbatch size :func:`chunked_microbatch_sizes_to_profile` picks (as the profiler's ``auto``,
+#: ``hethub_jax.profile.CHUNKED_MAX_MBS``; repeated here: this module imports no JAX)
+CHUNKED_MAX_MBS = 16
+
+
+def chunked_microbatch_sizes_to_profile(sizes: List[int]) -> List[int]:
+    """The microbatch sizes at which plan-less training's brief profile times the bucketed all-reduce's
+    chunked last microbatch against the fused one (``python -m hethub_jax.profile --chunked-mbs``,
+    ``fits.chunked_last``, read by ``planner.predict_buckets.chunked_last_ratio``): the smallest and the
+    largest of the planner's ``sizes`` up to :data:`CHUNKED_MAX_MBS` (the smallest alone when only one is),
+    ascending; the predictor interpolates the ratio linearly in tokens between them and takes the nearest
+    one's outside them. Two sizes keep it brief: 3 x (repeats + 1) whole-model forward + backward calls
+    each, plus compiling the chunks' programs.
+
+    Raises:
+      ValueError: for an empty ``sizes`` or a size < 1."""
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"microbatch sizes must be a non-empty list of sizes >= 1, got {sizes}")
+    under = [m for m in sizes if m <= CHUNKED_MAX_MBS] or [min(sizes)]
+    return sorted({min(under), max(under)})
 
 
 def tp_degrees_to_profile(cfg: Any, groups: List[Any]) -> List[int]:
@@ -360,12 +382,15 @@ def measured_bubble(records: list, start_s: Optional[float] = None) -> Optional[
 
 def profile_device(model: str, seq_len: int, out: str, timeout_s: float = 600.0,
                    microbatch_sizes: Tuple[int, ...] = (1, 2), tp_degrees: Tuple[int, ...] = (1,),
-                   dp_degrees: Tuple[int, ...] = (), dp_microbatch_sizes: Tuple[int, ...] = ()) -> Tuple[bool, str]:
+                   dp_degrees: Tuple[int, ...] = (), dp_microbatch_sizes: Tuple[int, ...] = (),
+                   chunked_microbatch_sizes: Tuple[int, ...] = ()) -> Tuple[bool, str]:
     """Profile this machine's CPU as device type ``cpu`` into ``out`` (``python -m hethub_jax.profile``
     with :data:`PROFILE_SETTINGS` at ``microbatch_sizes`` and ``tp_degrees``, and ``(d, 1)`` meshes for
     each of ``dp_degrees`` (> 1) at ``dp_microbatch_sizes`` per DP rank, preset ``model``; a TP or DP
     degree above 1 runs on fake CPU devices of this machine, which share its cores: measured, not
-    assumed parallel) in a child process with the MPI launcher's variables removed. Returns
+    assumed parallel) in a child process with the MPI launcher's variables removed; with
+    ``chunked_microbatch_sizes``, also the bucketed all-reduce's chunked last microbatch against the fused
+    one at those sizes (``--chunked-mbs``: ``fits.chunked_last``; without them it is not measured). Returns
     ``(ok, message)``; never raises for a failed profile (the caller falls back to the catalog and
     says so)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_ENV)}
@@ -376,6 +401,7 @@ def profile_device(model: str, seq_len: int, out: str, timeout_s: float = 600.0,
     if dp_degrees:
         cmd += ["--dp", ",".join(map(str, (1, *dp_degrees))),
                 "--dp-microbatch-sizes", ",".join(map(str, dp_microbatch_sizes or microbatch_sizes))]
+    cmd += ["--chunked-mbs", ",".join(map(str, chunked_microbatch_sizes)) if chunked_microbatch_sizes else "none"]
     t0 = time.perf_counter()
     try:
         rc, err = _run_showing_stderr(cmd, env, timeout_s)
@@ -428,7 +454,8 @@ def _profiles(cluster: Any, model: str, seq_len: int, profiles_dir: str, log,
     is measured at ``microbatch_sizes`` and, given the model's ``cfg``, at every TP degree the planner
     may choose for its groups (:func:`tp_degrees_to_profile`; without ``cfg``: TP 1) and every DP degree
     inside a node it may choose at the microbatch sizes ``planner_sizes`` (:func:`dp_degrees_to_profile`;
-    without ``planner_sizes``: none)."""
+    without ``planner_sizes``: none), and the chunked last microbatch at
+    :func:`chunked_microbatch_sizes_to_profile` of ``planner_sizes`` (without them: not measured)."""
     users: Dict[str, List[Any]] = {}  # profile path -> the groups using it, in cluster order
     for g in cluster.resolved().groups:
         users.setdefault(g.profile or _profile_path(profiles_dir, g), []).append(g)
@@ -438,8 +465,9 @@ def _profiles(cluster: Any, model: str, seq_len: int, profiles_dir: str, log,
         tps = tuple(tp_degrees_to_profile(cfg, groups)) if cfg is not None else (1,)
         dps = tuple(dp_degrees_to_profile(groups, list(planner_sizes))) if planner_sizes else ()
         dp_sizes = tuple(dp_microbatch_sizes_to_profile(list(planner_sizes), list(dps))) if dps else ()
+        chunked = tuple(chunked_microbatch_sizes_to_profile(list(planner_sizes))) if planner_sizes else ()
         notes.append(f"{_groups_text(groups)}: "
-                     f"{_get_profile(path, groups, model, seq_len, log, microbatch_sizes, tps, dps, dp_sizes)}")
+                     f"{_get_profile(path, groups, model, seq_len, log, microbatch_sizes, tps, dps, dp_sizes, chunked)}")
         prof = None
         if os.path.exists(path):
             with open(path) as f:
@@ -494,9 +522,11 @@ def _groups_text(groups: List[Any]) -> str:
 
 def _get_profile(path: str, groups: List[Any], model: str, seq_len: int, log,
                  microbatch_sizes: Tuple[int, ...] = (1, 2), tp_degrees: Tuple[int, ...] = (1,),
-                 dp_degrees: Tuple[int, ...] = (), dp_sizes: Tuple[int, ...] = ()) -> str:
+                 dp_degrees: Tuple[int, ...] = (), dp_sizes: Tuple[int, ...] = (),
+                 chunked_sizes: Tuple[int, ...] = ()) -> str:
     """Reuses the profile at ``path``, or measures it (device type cpu, at ``microbatch_sizes`` and
-    ``tp_degrees``; ``(d, 1)`` meshes for ``dp_degrees`` at ``dp_sizes`` per DP rank), or falls back to
+    ``tp_degrees``; ``(d, 1)`` meshes for ``dp_degrees`` at ``dp_sizes`` per DP rank; the chunked last
+    microbatch at ``chunked_sizes``), or falls back to
     the catalog. Returns the text saying which."""
     if os.path.exists(path):
         return f"reusing saved profile; costs: {cost_source_text(groups[0].device, profile_path=path, measured=_profile_date(path))}"
@@ -507,10 +537,12 @@ def _get_profile(path: str, groups: List[Any], model: str, seq_len: int, log,
         f"--microbatch-sizes {','.join(map(str, microbatch_sizes))} --tp {','.join(map(str, tp_degrees))} "
         + (f"--dp 1,{','.join(map(str, dp_degrees))} --dp-microbatch-sizes {','.join(map(str, dp_sizes))} "
            if dp_degrees else "")
+        + (f"--chunked-mbs {','.join(map(str, chunked_sizes))} " if chunked_sizes else "")
         + f"{' '.join(PROFILE_SETTINGS)}; emulated slowdowns are applied by the predictor"
         + ("; DP meshes of fake CPU devices share this process's cores: measured, not assumed parallel"
            if dp_degrees else "") + ")...")
     kw = {"dp_degrees": tuple(dp_degrees), "dp_microbatch_sizes": tuple(dp_sizes)} if dp_degrees else {}
+    kw.update({"chunked_microbatch_sizes": tuple(chunked_sizes)} if chunked_sizes else {})
     ok, msg = profile_device(model, seq_len, path, microbatch_sizes=tuple(microbatch_sizes),
                              tp_degrees=tuple(tp_degrees), **kw)
     return (f"measured profile now ({msg}); costs: {cost_source_text('cpu', profile_path=path, measured=_profile_date(path))}" if ok

@@ -98,7 +98,7 @@ def test_planless_training_asks_the_profiler_for_the_dp_meshes(tmp_path, monkeyp
     asked = []
 
     def fake_profile(model, seq_len, out, timeout_s=600.0, microbatch_sizes=(1, 2), tp_degrees=(1,),
-                     dp_degrees=(), dp_microbatch_sizes=()):
+                     dp_degrees=(), dp_microbatch_sizes=(), chunked_microbatch_sizes=()):
         asked.append((tuple(dp_degrees), tuple(dp_microbatch_sizes)))
         return write_fake_profile(_profile(dp2_scale=1.0), seq_len, out, microbatch_sizes, tp_degrees,
                                   dp_degrees, dp_microbatch_sizes)

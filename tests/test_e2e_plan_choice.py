@@ -141,7 +141,7 @@ def test_planless_training_profiles_up_to_the_global_batch(tmp_path, monkeypatch
     asked, asked_tp = [], []
 
     def fake_profile(model, seq_len, out, timeout_s=600.0, microbatch_sizes=(1, 2), tp_degrees=(1,),
-                     dp_degrees=(), dp_microbatch_sizes=()):
+                     dp_degrees=(), dp_microbatch_sizes=(), chunked_microbatch_sizes=()):
         asked.append(tuple(microbatch_sizes))
         asked_tp.append(tuple(tp_degrees))
         return write_fake_profile(fixed_profile(), seq_len, out, microbatch_sizes, tp_degrees, dp_degrees,
