@@ -1015,6 +1015,28 @@ def _warm_up_grad_allreduce(run: _Run) -> None:
                 f"all-reduce", flush=True)
 
 
+def _predict_kept_path(run: _Run) -> None:
+    """After ``train.grad_bucket_mb: auto``'s warm-up: when the MEASURED choice (``rt.grad_bucket_choice``)
+    keeps the other gradient all-reduce path than the PREDICTED one (``Prediction.grad_allreduce``, the
+    path ``plan.keeps_bucketed_allreduce`` keeps on the two PREDICTED steps), the run's prediction is
+    made again on the kept path, so that the banner, the metrics' ``run.prediction`` and the measured
+    against PREDICTED step time all speak of the path this run trains (both paths' PREDICTED steps are
+    kept beside it). No-op without a prediction, a choice, or a plan that cannot bucket."""
+    c, rp = getattr(run.rt, "grad_bucket_choice", None), run.prediction
+    if rp is None or not c or c.get("path") not in ("bucketed", "unbucketed"):
+        return
+    p = rp.prediction
+    if getattr(p, "step_time_bucketed_s", None) is None or getattr(p, "grad_allreduce", c["path"]) == c["path"]:
+        return
+    from hethub_jax.planner.predictor import predict
+    new = predict(run.cfg.model, run.plan, dict(rp.costs), seq_len=rp.seq_len, bridge=rp.bridge,
+                  grad_bucket_mb=c.get("bucket_mb") if c["path"] == "bucketed" else None)
+    run.prediction = dataclasses.replace(rp, prediction=new)
+    if run.log:
+        print(f"PREDICTED step on the kept {c['path']} all-reduce: {new.step_time_s:.4g} s (the predictor "
+              f"expected the {p.grad_allreduce} path to be kept, {p.step_time_s:.4g} s)", flush=True)
+
+
 def _plan_brief(plan: dict) -> str:
     """One line for a plan dict (``Plan.to_dict()``): islands and each replica's layer split."""
     try:
@@ -1361,6 +1383,7 @@ def _main(run: _Run, args: argparse.Namespace) -> int:
     """Warm-up, resume, banner, hooks and the loop of ``main``."""
     _warm_up_batch_shares(run)
     _warm_up_grad_allreduce(run)
+    _predict_kept_path(run)
     t = run.cfg.train
     if run.resuming:
         _agreed(run.comm, lambda: _resume(run), t.message_timeout_s)

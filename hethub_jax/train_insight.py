@@ -26,8 +26,8 @@ from hethub_jax.train_hooks import Console, MetricsWriter, TrainState, _NoOp
 __all__ = ["PredictionHook", "TimelineHook", "TensorBoardHook", "GatherRecordsHook", "TENSORBOARD_MISSING",
            "mfu_inputs"]
 
-TENSORBOARD_MISSING = ("--tensorboard needs tensorboardX (not installed): pip install 'hethub-jax[tensorboard]' "
-                       "(or pip install tensorboardX)")
+TENSORBOARD_MISSING = ("--tensorboard needs tensorboardX (not installed): pip install '.[tensorboard]' "
+                       "from the repository root (or pip install tensorboardX)")
 
 
 def mfu_inputs(cfg: Any, plan: Any, pred: Any, seq_len: int) -> tuple:

@@ -239,3 +239,32 @@ def test_auto_predicts_the_path_the_runtime_rule_keeps():
     for bad in ("fast", 0, -1.0, True):
         with pytest.raises(ValueError, match="'auto' or None"):
             predict(Cfg, _hdp((3, 1)), _costs(), seq_len=8, grad_bucket_mb=bad)
+
+
+@pytest.mark.parametrize("kept", ["bucketed", "unbucketed"])
+def test_the_run_predicts_the_path_its_warm_up_kept(kept, capsys):
+    """Session 16 (a new user's report): ``auto``'s warm-up MEASURED one path while the PREDICTED step (and the
+    banner's "this run:") was the other's. ``train._predict_kept_path`` re-predicts on the kept path: the run's
+    PREDICTED step is then that path's figure of ``predict`` (independent call), the other path's kept beside it;
+    nothing changes when the warm-up kept the PREDICTED path or did not choose."""
+    from types import SimpleNamespace
+    from hethub_jax import train
+    from hethub_jax.train_predict import grad_allreduce_line, predict_run
+    plan, costs = _hdp((6, 2)), _costs(ratio=1.5, platform="cpu")
+    rp = predict_run(Cfg, plan, 8, costs=costs, grad_bucket_mb="auto")
+    choice = {"path": kept, "bucket_mb": 25.0, "bucketed_s": 1.0, "unbucketed_s": 1.0}
+    run = SimpleNamespace(rt=SimpleNamespace(grad_bucket_choice=choice), prediction=rp, plan=plan,
+                          cfg=SimpleNamespace(model=Cfg), log=True)
+    train._predict_kept_path(run)
+    want = predict(Cfg, plan, dict(costs), seq_len=8, grad_bucket_mb=25.0 if kept == "bucketed" else None)
+    p = run.prediction.prediction
+    assert p.grad_allreduce == kept and p.step_time_s == want.step_time_s
+    assert (p.step_time_bucketed_s, p.step_time_unbucketed_s) == (rp.prediction.step_time_bucketed_s,
+                                                                    rp.prediction.step_time_unbucketed_s)
+    assert f"this run: {kept}" in grad_allreduce_line(p)
+    said = capsys.readouterr().out
+    assert (run.prediction is rp) == (rp.prediction.grad_allreduce == kept) and (not said) == (run.prediction is rp)
+    run.rt.grad_bucket_choice = None  # no choice (a number or null grad_bucket_mb): the prediction stays
+    before = run.prediction
+    train._predict_kept_path(run)
+    assert run.prediction is before
