@@ -410,25 +410,11 @@ def bridge_allreduce_samples(spin_s: float, repeats: int) -> list | None:
     (docs/benchmarks.md, issue 13, session 15): the predictor's ring formula over the ping-pong line
     (``2 alpha + bytes / bandwidth`` for two islands) is about 1.7 ms at 8.2 MB, while the all-reduce took 6.6x one
     transfer of the same bytes on this bridge."""
-    import numpy as np
     from mpi4py import MPI
 
-    from hethub_jax.comm.mpi import MPIHostBridge
-    world = MPI.COMM_WORLD
-    br = MPIHostBridge(world.Dup(), timeout=120).with_spin(spin_s)
-    out = []
-    for nbytes in ALLREDUCE_SIZES:
-        x = {"e": np.ones(nbytes // 4, np.float32)}
-        times = []
-        for i in range(repeats + 1):
-            world.Barrier()
-            t0 = time.perf_counter()
-            br.allreduce_tree(x, op="sum")
-            dt = world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-            if i:
-                times.append(dt)
-        out.append({"kind": "bridge_allreduce", "bytes": nbytes, "seconds": float(np.median(times))})
-    return out if world.Get_rank() == 0 else None
+    from hethub_jax.profile import measure_bridge_allreduce  # the profiler's measurement (fits.bridge_allreduce)
+    out = measure_bridge_allreduce(ALLREDUCE_SIZES, repeats, spin_s)
+    return out if MPI.COMM_WORLD.Get_rank() == 0 else None
 
 
 #: seconds the receiver has been waiting when the message is sent (:func:`bridge_wake_lateness`): longer than the
