@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Dict, Mapping, Optional, Union
 
 from hethub_jax.planner.cluster import ClusterSpec, load_cluster
-from hethub_jax.planner.search import Candidate, PlanningError, SearchOptions, SearchResult, search
+from hethub_jax.planner.search import DEFAULT_TOP_K, Candidate, PlanningError, SearchOptions, SearchResult, search
 
 __all__ = ["load_model", "plan", "what_if_add_nodes", "what_if_add_group", "lm_head_placement", "WhatIf",
            "default_seq_len", "config_seq_len"]
@@ -102,7 +102,7 @@ def config_seq_len(model: Any) -> Optional[int]:
 
 
 def plan(model: Any, cluster: Union[str, os.PathLike, Mapping[str, Any], ClusterSpec], global_batch: int,
-         seq_len: Optional[int] = None, *, top_k: int = 3, profiles_dir: Optional[str] = None,
+         seq_len: Optional[int] = None, *, top_k: int = DEFAULT_TOP_K, profiles_dir: Optional[str] = None,
          upper_bound: bool = True, split: bool = True, **options: Any) -> SearchResult:
     """Search the plans of ``model`` on ``cluster`` for ``global_batch`` samples of ``seq_len`` tokens
     (default: a training config file's ``data.seq_len`` (:func:`config_seq_len`), else

@@ -56,7 +56,14 @@ from hethub_jax.planner.search_bounds import SplitBounds, cycle_bound, process_b
 
 __all__ = ["SearchOptions", "Skeleton", "Candidate", "SearchResult", "PlanningError", "search",
            "exhaustive_search", "min_bottleneck_split", "greedy_bottleneck_split", "group_costs", "bridge_for", "valid_tp_degrees",
-           "island_bound"]
+           "island_bound", "DEFAULT_TOP_K"]
+
+#: candidates the search keeps (``SearchOptions.top_k``) by default, for the plan CLI (``--top``) and plan-less
+#: training (``train_predict``) alike: ``planner.runnable.runnable_result`` splits and predicts again only these
+#: and ranks them again, so the chosen plan depends on k whenever a multi-node group's split changes the
+#: ranking; one constant keeps ``python -m hethub_jax.plan`` and ``python -m hethub_jax.train --cluster``
+#: choosing the same plan
+DEFAULT_TOP_K = 3
 
 #: relative slack on lower bounds: the planner's linear stage-time formulas and ``predict`` may round the
 #: last bit differently; a bound is trusted to prune only when it exceeds the incumbent by this much
@@ -89,7 +96,8 @@ class SearchOptions:
       tp_degrees: candidate TP degrees; ``None``: every valid divisor of the devices per node.
       max_stages_per_group: most pipeline stages one group (island) may hold.
       hetero_dp: also try the heterogeneous data-parallel plan family.
-      top_k: candidates kept.
+      top_k: candidates kept (:data:`DEFAULT_TOP_K`); ``planner.runnable.runnable_result`` splits and ranks again
+        only these, so a smaller k may choose another plan when a multi-node group is split.
       efficiency: fraction of datasheet peak assumed for catalog device types (``DeviceCosts.from_catalog``).
       last_group: only pipelines whose last stage (final norm, LM head, loss) is on this group.
       memory_headroom: fraction of each device's memory kept free, in [0, 1): a stage fits when its
@@ -114,7 +122,7 @@ class SearchOptions:
     tp_degrees: Optional[Tuple[int, ...]] = None
     max_stages_per_group: int = 4
     hetero_dp: bool = True
-    top_k: int = 3
+    top_k: int = DEFAULT_TOP_K
     efficiency: float = 0.4
     last_group: Optional[str] = None
     runnable_stages: bool = True
@@ -289,10 +297,12 @@ def group_costs(cluster: ClusterSpec, efficiency: float = 0.4, profiles_dir: Opt
     ``<profiles_dir>/<device>.json`` or ``<profiles_dir>/<group>.json`` when present; else the device
     catalog entry with the group's ``devices_per_node`` and bandwidths, at the group's ``efficiency``
     of peak when its spec gives one, else ``efficiency``. A ``--profiles`` file found for a group
-    replaces the catalog (and its efficiency).
+    replaces the catalog (and its efficiency). With ``<profiles_dir>/bridge_allreduce.json``
+    (``costs.BRIDGE_ALLREDUCE_FILE``: the bridge's all-reduce MEASURED on a plan-less training job's ranks),
+    every group's costs carry that line (``DeviceCosts.with_bridge_allreduce``), as plan-less training's do.
 
     Raises:
-      ValueError: for an unknown catalog device or an unreadable profile.
+      ValueError: for an unknown catalog device, an unreadable profile or bridge all-reduce file.
     """
     import dataclasses
     import os
@@ -315,6 +325,10 @@ def group_costs(cluster: ClusterSpec, efficiency: float = 0.4, profiles_dir: Opt
                                    intra_node_bandwidth=g.intra_node_bandwidth,
                                    network_bandwidth=g.network_bandwidth)
         out[g.name] = DeviceCosts.from_catalog(spec, efficiency if g.efficiency is None else g.efficiency)
+    from hethub_jax.planner.costs import read_bridge_allreduce
+    saved = read_bridge_allreduce(profiles_dir)
+    if saved is not None:
+        out = {k: c.with_bridge_allreduce(saved["fit"]) for k, c in out.items()}
     return out
 
 
