@@ -382,12 +382,14 @@ class SetUpFailed(Exception):
         return [r for r, m in sorted(self.failed.items()) if m == mine and r != self.rank]
 
 
-def agree_errors(error: str | None, timeout: float) -> None:
+def agree_errors(error: str | None, timeout: float, comm: Any = None) -> None:
     """An agreement point after MPI started: a collective over ``MPI.COMM_WORLD`` (an allgather of a
     fixed ``2048``-byte record per rank) at which every rank says whether its set-up step failed
     (``error``: its message, cut to 2047 UTF-8 bytes; ``None``: it is fine). Every rank of the job must
     call it at the same points, in the same order, with no other collective in between that only some
-    ranks reach. Returns when no rank failed.
+    ranks reach. Returns when no rank failed. ``comm``: a duplicate of ``MPI.COMM_WORLD`` (same ranks) to
+    agree on instead, so that a rank failing between the collectives of a step on ``COMM_WORLD`` cannot
+    match its agreement with a peer's pending collective there (None: ``COMM_WORLD``).
 
     Raises:
       SetUpFailed: on every rank, when at least one rank gave an error.
@@ -396,7 +398,7 @@ def agree_errors(error: str | None, timeout: float) -> None:
     """
     from mpi4py import MPI
 
-    comm = MPI.COMM_WORLD
+    comm = MPI.COMM_WORLD if comm is None else comm
     failed = _gather_errors(comm, error, _AGREE_BYTES, deadline=time.monotonic() + timeout,
                             what=f"a set-up agreement point within {timeout:g} s")
     if failed:

@@ -47,7 +47,11 @@ def _parser() -> argparse.ArgumentParser:
                         "workspace, in [0, 1) (default 0.05: a stage may use 95%% of the capacity)")
     p.add_argument("--profiles", default=None, help="folder of measured profiles <device>.json / <group>.json")
     p.add_argument("--out", default=None, help="write the chosen plan (JSON; the first printed) here")
-    p.add_argument("--top", type=int, default=3, help="plans to print: the chosen one and up to K-1 alternatives (default 3)")
+    from hethub_jax.planner.search import DEFAULT_TOP_K
+    p.add_argument("--top", type=int, default=DEFAULT_TOP_K,
+                   help=f"plans to print: the chosen one and up to K-1 alternatives (default {DEFAULT_TOP_K}, as plan-less "
+                        f"training keeps; the search keeps K candidates, which a multi-node group's split per stage "
+                        f"ranks again, so another K may choose another plan)")
     p.add_argument("--max-stages-per-group", type=int, default=4, help="most stages one group may hold (default 4)")
     p.add_argument("--microbatch-sizes", type=int, nargs="+", default=None,
                    help="candidate microbatch sizes (default: every divisor of the global batch)")
@@ -240,6 +244,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from hethub_jax.planner import PlanningError, SearchOptions, default_seq_len, load_cluster, load_model, search
     from hethub_jax.planner.runnable import runnable_result
     from hethub_jax.planner.search import group_costs
+    from hethub_jax.planner.costs import bridge_allreduce_text, read_bridge_allreduce
     from hethub_jax.planner.api import config_seq_len
     from hethub_jax.planner.search import DEFAULT_MEMORY_HEADROOM
     try:
@@ -294,6 +299,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"capacity; memory in GiB (2**30 bytes)")
     for line in cost_source_lines(cluster, costs):
         print(line)
+    saved = read_bridge_allreduce(args.profiles)
+    if saved is not None:
+        print(f"bridge all-reduce between islands: MEASURED {bridge_allreduce_text(saved['fit'])} ({saved['path']}, "
+              f"measured {saved.get('date', '?')} on the ranks of a plan-less training job), for every group")
     for i, c in enumerate(res.candidates):
         print()
         print(format_candidate(i, c, groups, res.upper_bound_tokens_per_s,

@@ -677,10 +677,11 @@ def unused_devices_note(plan, counts: dict, built_in: bool = False, planned: str
     if not parts:
         return None
     if planned is not None:
+        from hethub_jax.planner.search import DEFAULT_TOP_K
         return (f"devices left idle by the planner: {'; '.join(parts)}: the plan it chose for {planned} "
                 f"(the least PREDICTED step time among the plans it predicted) does not use them (its "
                 f"'devices used' line above); the python -m hethub_jax.plan command printed with the chosen plan "
-                f"shows the alternatives with --top 3 (docs/planner.md)")
+                f"shows the alternatives with --top {DEFAULT_TOP_K} (docs/planner.md)")
     head = "the built-in plan (one island, one stage, one device)" if built_in else "the plan"
     return (f"WARNING: unused devices: {'; '.join(parts)}. They stay idle: {head} does not use them. To use "
             f"them, give a plan whose stages cover them (python -m hethub_jax.train --plan PLAN.json): more data "
@@ -866,7 +867,8 @@ def _release_locks(run: _Run) -> None:
 
 
 def _plan_from_cluster(args: argparse.Namespace, cfg):
-    """``--cluster``: rank 0 profiles (or reuses ``--profiles``) and plans, every rank gets the same plan
+    """``--cluster``: rank 0 profiles (or reuses ``--profiles``), a 2-rank job measures the bridge's all-reduce
+    between its ranks (or reuses the saved one), rank 0 plans, every rank gets the same plan
     (``train_predict.plan_from_cluster``); sets ``args.plan`` to the written plan.json. Returns the
     ``RunPrediction``. Raises _ConfigError for ``--plan`` with ``--cluster`` or (one process) a planning
     error; under MPI a planning error ends every rank at an agreement point (``cluster.SetUpFailed``)."""
@@ -891,7 +893,8 @@ def _plan_from_cluster(args: argparse.Namespace, cfg):
             return plan_from_cluster(
                 cfg.model, preset, args.cluster, global_batch=t.global_batch_size or DEFAULT_BATCH_SIZE,
                 seq_len=cfg.data.seq_len, microbatch_size=t.microbatch_size, profiles_dir=args.profiles,
-                out_dir=out_dir, rank=rank, world_size=size, log=say, grad_bucket_mb=t.grad_bucket_mb)
+                out_dir=out_dir, rank=rank, world_size=size, log=say, grad_bucket_mb=t.grad_bucket_mb,
+                timeout_s=t.message_timeout_s)
         except (ValueError, OSError) as e:  # a planning error is shared by every rank: printed once
             raise _ConfigError(str(e)) from None
     path, pred, lines = _agreed(True if size > 1 else None, plan_it, t.message_timeout_s)

@@ -11,6 +11,9 @@ Two entry points used by ``hethub_jax.train`` during set-up (before any JAX impo
   ``planner.runnable``), write the chosen plan as ``plan.json``
   beside the metrics. Under ``mpiexec`` rank 0 profiles and plans and sends the plan and the profiles to
   every other rank (so every rank trains the SAME plan; ``cluster.handshake`` then checks the plan digest).
+  Between the profiles and the search, a job of 2 ranks measures the MPI bridge's all-reduce between its
+  own ranks (:func:`bridge_allreduce_step`: ``profile.measure_bridge_allreduce`` and its Hockney fit, saved as
+  ``<profiles>/bridge_allreduce.json``), which the planner then uses for the cross-island gradient all-reduce.
 
 Every figure here is PREDICTED and labelled so. This module imports no JAX (the profiler runs in a child
 process, so the training process can still choose its JAX platform and device count afterwards).
@@ -236,6 +239,9 @@ class RunPrediction:
       seq_len: tokens per sample.
       source: one line saying where the costs came from (profile files or the catalog).
       plan: the plan predicted (None: not kept); the banner then names each stage mesh's figures.
+      bridge_allreduce: plan-less training: where the cross-island gradient all-reduce's figure comes from
+        (:func:`bridge_allreduce_step`: ``"MEASURED alpha .. s, beta .. s/byte on this job's ranks ..."`` or
+        ``"catalog default ..."``); None: not said (a run with ``--plan``).
     """
 
     prediction: Any
@@ -244,6 +250,7 @@ class RunPrediction:
     seq_len: int
     source: str
     plan: Any = None
+    bridge_allreduce: Optional[str] = None
 
     def records(self, cfg: Any, plan: Any, offset_s: float) -> list:
         """PREDICTED ``ActionRecord``s of one step starting at ``offset_s`` (seconds, the measured clock),
@@ -268,6 +275,7 @@ class RunPrediction:
                 "step_time_unbucketed_s": getattr(p, "step_time_unbucketed_s", None),
                 "step_time_bucketed_s": getattr(p, "step_time_bucketed_s", None),
                 "faster_grad_allreduce": (getattr(p, "buckets", None) or {}).get("faster"),
+                "bridge_allreduce_source": self.bridge_allreduce,
                 "stages": [{"replica": s.replica, "stage": s.stage, "island": s.island, "source": s.source,
                             "memory_bytes": s.memory.total, "bubble_fraction": s.bubble_fraction}
                            for s in p.stages]}
@@ -279,6 +287,8 @@ class RunPrediction:
                  f"{100 * self.bubble_fraction:.1f}%) from {self.source}"]
         line = grad_allreduce_line(p)
         lines += [line] if line else []
+        if self.bridge_allreduce:
+            lines.append(f"  gradient all-reduce between islands (bridge): {self.bridge_allreduce}")
         for s in p.stages:
             lines.append(f"  PREDICTED replica {s.replica} stage {s.stage} on {s.island}: "
                          f"{s.memory.total / 2**20:,.0f} MiB per device, bubble {100 * s.bubble_fraction:.1f}%"
@@ -549,15 +559,21 @@ def _get_profile(path: str, groups: List[Any], model: str, seq_len: int, log,
             else f"{msg}; costs: {cost_source_text('cpu')}")
 
 
-def cluster_costs(cluster: Any, profiles: Mapping[str, Any]) -> Dict[str, Any]:
+def cluster_costs(cluster: Any, profiles: Mapping[str, Any],
+                  bridge_fit: Optional[Mapping[str, float]] = None) -> Dict[str, Any]:
     """Per group name, the ``DeviceCosts``: from the profile dict when given, else the planner's default
-    (``search.group_costs``: the catalog entry with the group's links)."""
+    (``search.group_costs``: the catalog entry with the group's links). ``bridge_fit``: the bridge's
+    all-reduce line MEASURED on the job's ranks (``{"c0": s, "c1": s/byte}``, :func:`bridge_allreduce_step`),
+    given to every group's costs (``DeviceCosts.with_bridge_allreduce``, replacing a profile's own
+    ``fits.bridge_allreduce``); None: the profiles' own fits, else the ring formula over the cluster's link."""
     from hethub_jax.planner.costs import DeviceCosts
     from hethub_jax.planner.search import group_costs
     costs = group_costs(cluster)
     for name, prof in profiles.items():
         if prof is not None:
             costs[name] = DeviceCosts.from_profile(prof)
+    if bridge_fit is not None:
+        costs = {k: c.with_bridge_allreduce(bridge_fit) for k, c in costs.items()}
     return costs
 
 
@@ -565,21 +581,25 @@ def _search_options(mbs: Optional[int], grad_bucket_mb: Optional[Union[float, st
     """The ``SearchOptions`` of plan-less training: the planner's defaults, the run's microbatch size when
     its config fixes one (``train.microbatch_size``), the run's ``train.grad_bucket_mb`` (the gradient
     all-reduce path a heterogeneous-DP plan is ranked by; ``"auto"``: the planner's and training's default),
-    top 1."""
-    from hethub_jax.planner.search import SearchOptions
-    return SearchOptions(top_k=1, microbatch_sizes=(mbs,) if mbs else None, grad_bucket_mb=grad_bucket_mb)
+    the top ``search.DEFAULT_TOP_K`` candidates, as the plan CLI keeps by default (``--top``): the split per
+    stage (``planner.runnable.runnable_result``) ranks again only those, so plan-less training and the CLI
+    choose the same plan."""
+    from hethub_jax.planner.search import DEFAULT_TOP_K, SearchOptions
+    return SearchOptions(top_k=DEFAULT_TOP_K, microbatch_sizes=(mbs,) if mbs else None, grad_bucket_mb=grad_bucket_mb)
 
 
 def _search(cfg: Any, cluster: Any, gbs: int, seq_len: int, mbs: Optional[int], profiles: Mapping[str, Any],
-            grad_bucket_mb: Optional[Union[float, str]] = "auto"):
-    """The planner's best plan (top 1) as ``python -m hethub_jax.plan`` emits it: a multi-node group
-    holding several stages split into one island per stage and predicted again
+            grad_bucket_mb: Optional[Union[float, str]] = "auto", bridge_fit: Optional[Mapping[str, float]] = None):
+    """The planner's best plan as ``python -m hethub_jax.plan`` emits it: the search's top
+    ``search.DEFAULT_TOP_K`` (:func:`_search_options`, the CLI's default ``--top``), a multi-node group
+    holding several stages split into one island per stage and predicted again, ranked again
     (``planner.runnable.runnable_result``), so that today's runtime runs it; unchanged otherwise. A
-    ``SearchResult`` of ``RunnableCandidate`` s (``island_groups``: island -> node group)."""
+    ``SearchResult`` of ``RunnableCandidate`` s (``island_groups``: island -> node group); ``.best`` is the plan.
+    ``bridge_fit``: as :func:`cluster_costs`."""
     from hethub_jax.planner.runnable import runnable_result
     from hethub_jax.planner.search import search
     opts = _search_options(mbs, grad_bucket_mb)
-    costs = cluster_costs(cluster, profiles)
+    costs = cluster_costs(cluster, profiles, bridge_fit)
     res = search(cfg, cluster, gbs, seq_len, costs=costs, options=opts)
     return runnable_result(res, cfg, cluster, seq_len, costs=costs, options=opts)
 
@@ -610,6 +630,8 @@ def plan_command(model: str, cluster_path: str, gbs: Any, seq_len: Any, mbs: Opt
         argv += ["--memory-headroom", repr(opts.memory_headroom)]
     if not opts.hetero_dp:
         argv += ["--no-hetero-dp"]
+    if opts.top_k != cli.get_default("top"):  # one constant today (search.DEFAULT_TOP_K): never printed
+        argv += ["--top", str(opts.top_k)]
     if opts.grad_bucket_mb != cli.get_default("grad_bucket_mb"):
         argv += ["--grad-bucket-mb", "none" if opts.grad_bucket_mb is None else repr(float(opts.grad_bucket_mb))]
     if out:
@@ -679,30 +701,204 @@ def _plan_lines(res: Any, cluster: Any, costs: Mapping[str, Any], ub_note: Optio
                             cluster.resolved().num_devices).splitlines()
 
 
-def _plan_rank0(cfg: Any, model: str, cluster_path: str, gbs: int, seq_len: int, mbs: Optional[int],
-                profiles_dir: str, log, world_size: int = 1, out_dir: Optional[str] = None,
-                grad_bucket_mb: Optional[Union[float, str]] = "auto") -> Dict[str, Any]:
-    """Rank 0's work: profiles, search, lines. Returns the message sent to every rank. ``out_dir``: where
-    a model file for the suggested plan commands goes when ``cfg`` is not the preset ``model`` unchanged
-    (default: the parent of ``profiles_dir``)."""
+def _profile_rank0(cfg: Any, model: str, cluster_path: str, gbs: int, mbs: Optional[int], seq_len: int,
+                   profiles_dir: str, log) -> Dict[str, Any]:
+    """Rank 0's first part: the island profiles (:func:`_profiles`, measured or reused) and the bridge
+    all-reduce measurement saved beside them (``costs.read_bridge_allreduce``, None when there is none),
+    read here so that every rank learns from rank 0's message whether to measure it
+    (:func:`bridge_allreduce_step`). Returns ``{"profiles", "notes", "bridge_saved"}``.
+
+    Raises:
+      ValueError: a bad cluster spec, or a saved bridge all-reduce file that does not read."""
     from hethub_jax.planner.cluster import load_cluster
+    from hethub_jax.planner.costs import read_bridge_allreduce
     cluster = load_cluster(cluster_path)
     planner_sizes = tuple(planner_microbatch_sizes(gbs, mbs))
     sizes = tuple(microbatch_sizes_to_profile(list(planner_sizes)))
     profiles, notes = _profiles(cluster, model, seq_len, profiles_dir, log, sizes, cfg=cfg, planner_sizes=planner_sizes)
+    return {"profiles": profiles, "notes": notes, "bridge_saved": read_bridge_allreduce(profiles_dir)}
+
+
+#: calls per size of plan-less training's bridge all-reduce measurement (the median; one untimed call first):
+#: the standalone profiler's least (``max(--repeats, 5)``); at :data:`profile.BRIDGE_ALLREDUCE_SIZES` well under
+#: a second on this machine's bridge
+BRIDGE_ALLREDUCE_REPEATS = 5
+
+
+def _profiles_bridge_fit(profiles: Mapping[str, Any]) -> Optional[str]:
+    """When every group has a profile carrying ``fits.bridge_allreduce`` (the standalone profiler under
+    ``mpiexec -n 2``), the text of those lines (the predictor takes the slower of two islands'), else None."""
+    from hethub_jax.planner.costs import bridge_allreduce_text
+    fits = [((p or {}).get("fits") or {}).get("bridge_allreduce") for p in profiles.values()]
+    if not fits or any(not f for f in fits):
+        return None
+    texts = list(dict.fromkeys(bridge_allreduce_text(f) for f in fits))
+    return "; ".join(texts)
+
+
+def bridge_allreduce_step(prof_msg: Mapping[str, Any], profiles_dir: str, *, rank: int = 0, world_size: int = 1,
+                          timeout_s: float = 300.0, log=print) -> Dict[str, Any]:
+    """Plan-less training between the island profiles and the search, on EVERY rank: where the planner's
+    cross-island gradient all-reduce figure comes from, measured here when it can be.
+
+    In this order: the measurement saved beside the profiles (``prof_msg["bridge_saved"]``,
+    ``<profiles_dir>/bridge_allreduce.json``, read by rank 0) is reused; else profiles of every group that carry
+    ``fits.bridge_allreduce`` are used as they are; else a job of 2 ranks measures it between its own ranks,
+    the ranks that will run the all-reduce: both call ``profile.measure_bridge_allreduce`` (the standalone
+    profiler's method, at ``profile.BRIDGE_ALLREDUCE_SIZES`` bytes, :data:`BRIDGE_ALLREDUCE_REPEATS` calls each)
+    on ``MPI.COMM_WORLD`` and fit ``profile.fit_bridge_allreduce`` (Hockney's alpha-beta); rank 0 then saves it
+    (:func:`_plan_rank0`, ``save``). Else (one process: islands in-process, no MPI bridge; or a job of more than
+    2 ranks, which the 2-rank measurement does not cover) the cluster spec's link by the ring formula.
+
+    Under MPI every rank enters two agreement points (``cluster.agree_errors``, at most ``timeout_s`` each):
+    before measuring (the imports) and after; a failure on any rank ends every rank there with that rank's
+    error (``SetUpFailed``). A rank whose measurement failed while its peer still waits in a blocking MPI call
+    of the measurement (a barrier: the peer never reaches the agreement point) prints its error and ends the
+    job (``MPI.COMM_WORLD.Abort(1)``) after ``timeout_s``. ``prof_msg``: :func:`_profile_rank0`'s message, the
+    same on every rank.
+
+    Returns:
+      ``{"fit": {"c0", "c1", ...} or None (the profiles' own fits or the ring formula), "line": where the figure
+      comes from (``RunPrediction.bridge_allreduce``), "save": the measurement to write or None}``.
+    Raises:
+      hethub_jax.cluster.SetUpFailed: on every rank, when the measurement failed on any rank.
+    """
+    from hethub_jax.planner.costs import bridge_allreduce_text
+    saved = prof_msg.get("bridge_saved")
+    if saved:
+        threads = ("; this run's islands are threads of one process, which do not use the MPI bridge: an "
+                   "assumption for them" if world_size <= 1 else "")
+        return {"fit": dict(saved["fit"]), "save": None,
+                "line": (f"MEASURED {bridge_allreduce_text(saved['fit'])}, reused from {saved['path']} (measured "
+                         f"{saved.get('date', '?')} on the {saved.get('ranks', '?')} ranks of a plan-less training job "
+                         f"on {', '.join(saved.get('hosts') or ['?'])}; delete it to measure again{threads})")}
+    in_profiles = _profiles_bridge_fit(prof_msg.get("profiles") or {})
+    if in_profiles:
+        return {"fit": None, "save": None,
+                "line": f"MEASURED {in_profiles} (fits.bridge_allreduce of the saved profiles, python -m "
+                        f"hethub_jax.profile under mpiexec -n 2)"}
+    if world_size != 2:
+        why = ("one process runs every island (no MPI bridge)" if world_size <= 1 else
+               f"the measurement runs between the 2 ranks of a 2-rank job; this job has {world_size}")
+        return {"fit": None, "save": None,
+                "line": f"catalog default (ring formula over the cluster spec's link between the groups; not "
+                        f"measured: {why})"}
+    from hethub_jax import cluster as cl
+    error = None
+    try:
+        import platform
+
+        from mpi4py import MPI
+
+        from hethub_jax.comm.mpi import MPIHostBridge  # noqa: F401 (the bridge measured: fails here, not midway)
+        from hethub_jax.profile import BRIDGE_ALLREDUCE_SIZES, fit_bridge_allreduce, measure_bridge_allreduce
+    except Exception as e:  # every rank must reach the agreement point
+        error = f"bridge all-reduce measurement on rank {rank}: {type(e).__name__}: {e}"
+    cl.agree_errors(error, timeout_s)
+    # the agreement after the measurement runs on a communicator of its own: a rank that failed midway must
+    # not match its agreement with its peer's pending barrier or all-reduce on COMM_WORLD (seen: the peer
+    # then went on with a wrong result)
+    agree = MPI.COMM_WORLD.Dup()
+    log(f"measuring the bridge all-reduce between this job's 2 ranks (profile.measure_bridge_allreduce at "
+        f"{', '.join(map(str, BRIDGE_ALLREDUCE_SIZES))} bytes, median of {BRIDGE_ALLREDUCE_REPEATS} calls each)...")
+    t0, fit, samples, hosts = time.perf_counter(), None, None, None
+    try:
+        hosts = MPI.COMM_WORLD.allgather(platform.node())
+        samples = measure_bridge_allreduce(BRIDGE_ALLREDUCE_SIZES, BRIDGE_ALLREDUCE_REPEATS)
+        fit = fit_bridge_allreduce(samples or [])
+        if fit is None:
+            error = f"bridge all-reduce measurement on rank {rank}: no samples (not a 2-rank MPI job?)"
+    except Exception as e:  # every rank must reach the agreement point
+        error = f"bridge all-reduce measurement on rank {rank}: {type(e).__name__}: {e}"
+    try:
+        cl.agree_errors(error, timeout_s, comm=agree)
+    except TimeoutError:
+        if error is None:
+            raise  # a peer died or hangs: the caller's uncaught-exception hook aborts the job
+        _abort_job(rank, f"{error} (the other rank did not reach the agreement point within {timeout_s:g} s: "
+                         f"it waits in the measurement's MPI calls; ending the job)")
+    agree.Free()
+    date = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())
+    from hethub_jax.planner.costs import BRIDGE_ALLREDUCE_FILE
+    path = os.path.join(profiles_dir, BRIDGE_ALLREDUCE_FILE)
+    return {"fit": fit,
+            "line": (f"MEASURED {bridge_allreduce_text(fit)} on this job's ranks (ranks 0 and 1 on "
+                     f"{', '.join(dict.fromkeys(hosts))}: profile.measure_bridge_allreduce, Hockney fit, "
+                     f"{time.perf_counter() - t0:.1f} s; saved to {path})"),
+            "save": {"fit": fit, "samples": samples, "date": date, "ranks": 2, "hosts": hosts,
+                     "note": "MEASURED by plan-less training (python -m hethub_jax.train --cluster) between the "
+                             "job's own ranks before planning; the planner gives this line to every group's costs "
+                             "(planner.costs.BRIDGE_ALLREDUCE_FILE)"}}
+
+
+def _abort_job(rank: int, error: str) -> None:
+    """Prints ``[rank R] error`` on stderr and ends the whole MPI job (``MPI.COMM_WORLD.Abort(1)``, then this
+    process with status 1 should Abort return; after
+    ``cluster.ABORT_GRACE_S`` so that the launcher forwards the line), as ``cluster.install_abort_on_exception``
+    does: for a rank whose measurement failed while its peer waits in a blocking MPI call that no agreement
+    point can reach."""
+    from mpi4py import MPI
+
+    from hethub_jax.cluster import ABORT_GRACE_S
+    sys.stderr.write(f"[rank {rank}] python -m hethub_jax.train: error: {error}\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    time.sleep(ABORT_GRACE_S)
+    try:
+        MPI.COMM_WORLD.Abort(1)
+    finally:  # MPICH's Abort was seen to return to the caller while the launcher ends the job: go no further
+        os._exit(1)
+
+
+def _save_bridge_allreduce(profiles_dir: str, save: Mapping[str, Any]) -> str:
+    """Writes a bridge all-reduce measurement as ``<profiles_dir>/bridge_allreduce.json``
+    (``costs.BRIDGE_ALLREDUCE_FILE``, format ``costs.BRIDGE_ALLREDUCE_FORMAT``), atomically. Returns the path.
+
+    Raises:
+      OSError: the folder cannot be written."""
+    from hethub_jax.planner.costs import BRIDGE_ALLREDUCE_FILE, BRIDGE_ALLREDUCE_FORMAT
+    os.makedirs(profiles_dir, exist_ok=True)
+    path = os.path.join(profiles_dir, BRIDGE_ALLREDUCE_FILE)
+    with open(path + ".tmp", "w") as f:
+        json.dump({**save, "format": BRIDGE_ALLREDUCE_FORMAT}, f, indent=1)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def _plan_rank0(cfg: Any, model: str, cluster_path: str, gbs: int, seq_len: int, mbs: Optional[int],
+                profiles_dir: str, log, world_size: int = 1, out_dir: Optional[str] = None,
+                grad_bucket_mb: Optional[Union[float, str]] = "auto", *, profiled: Optional[Mapping[str, Any]] = None,
+                bridge: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+    """Rank 0's work: profiles (``profiled``: :func:`_profile_rank0`'s message when already done; None: done
+    here), search, lines. ``bridge``: :func:`bridge_allreduce_step`'s result (its ``fit`` given to every
+    group's costs, its ``save`` written beside the profiles first); None: the saved measurement when there is
+    one, else the profiles' own fits. Returns the message sent to every rank. ``out_dir``: where
+    a model file for the suggested plan commands goes when ``cfg`` is not the preset ``model`` unchanged
+    (default: the parent of ``profiles_dir``)."""
+    from hethub_jax.planner.cluster import load_cluster
+    cluster = load_cluster(cluster_path)
+    if profiled is None:
+        profiled = _profile_rank0(cfg, model, cluster_path, gbs, mbs, seq_len, profiles_dir, log)
+    profiles, notes = profiled["profiles"], profiled["notes"]
+    if bridge is None:
+        bridge = bridge_allreduce_step(profiled, profiles_dir, log=log)
+    if bridge.get("save"):
+        _save_bridge_allreduce(profiles_dir, bridge["save"])
+    bridge_fit = bridge.get("fit")
     t0 = time.perf_counter()
-    res = _search(cfg, cluster, gbs, seq_len, mbs, profiles, grad_bucket_mb)
+    res = _search(cfg, cluster, gbs, seq_len, mbs, profiles, grad_bucket_mb, bridge_fit)
     model_arg = _model_arg(cfg, model, out_dir or os.path.dirname(os.path.abspath(profiles_dir)))
     command = lambda out=None: plan_command(model_arg, cluster_path, gbs, seq_len, mbs, profiles_dir, out,
                                             grad_bucket_mb)
     _check_ranks(res.best, world_size, command("plan.json"))
     lines = [f"planner ({time.perf_counter() - t0:.1f} s, {res.evaluated} plans predicted): chosen plan for "
              f"cluster {cluster.name}, every figure PREDICTED", *_plan_lines(
-                 res, cluster, cluster_costs(cluster, profiles), upper_bound_skipped_note(command()))]
+                 res, cluster, cluster_costs(cluster, profiles, bridge_fit), upper_bound_skipped_note(command()))]
     note = extrapolation_note(res.best.plan, profiles)  # e.g. a saved profile of other sizes, reused
     lines += [note] if note else []
     return {"plan": res.best.plan.to_dict(), "profiles": profiles, "notes": notes, "lines": lines,
-            "kind": res.best.kind, "island_groups": dict(res.best.island_groups)}
+            "kind": res.best.kind, "island_groups": dict(res.best.island_groups), "bridge_fit": bridge_fit,
+            "bridge_line": bridge.get("line")}
 
 
 def _share(make, rank: int, size: int):
@@ -736,7 +932,8 @@ def _read(path: str) -> Optional[str]:
 def plan_from_cluster(cfg: Any, model: str, cluster_path: str, *, global_batch: int, seq_len: int,
                       microbatch_size: Optional[int], profiles_dir: Optional[str], out_dir: str,
                       rank: int = 0, world_size: int = 1, log=print,
-                      grad_bucket_mb: Optional[Union[float, str]] = None) -> Tuple[str, RunPrediction, List[str]]:
+                      grad_bucket_mb: Optional[Union[float, str]] = None,
+                      timeout_s: float = 300.0) -> Tuple[str, RunPrediction, List[str]]:
     """Plan-less training's set-up: the planner's best plan for ``cfg`` on the cluster, written to
     ``<out_dir>/plan.json``, with its prediction and the lines to print.
 
@@ -750,23 +947,35 @@ def plan_from_cluster(cfg: Any, model: str, cluster_path: str, *, global_batch: 
       grad_bucket_mb: the run's ``train.grad_bucket_mb``: the path a heterogeneous-DP plan's gradient
         all-reduce is ranked by in the search (``SearchOptions.grad_bucket_mb``) and the prediction's path
         (:func:`predict_run`); the banner gives both paths' PREDICTED steps.
+      timeout_s: under MPI, the most seconds a rank waits at each agreement point of the bridge all-reduce
+        measurement (:func:`bridge_allreduce_step`; the run's ``train.message_timeout_s``).
 
     Returns:
       ``(plan_path, prediction, lines)``.
     The plan is the planner's best as ``python -m hethub_jax.plan`` emits it: a multi-node group holding
     several stages is split into one island per stage (``planner.runnable``), which today's runtime runs.
+    In between, the bridge's all-reduce is measured on the job's ranks or reused (:func:`bridge_allreduce_step`;
+    the prediction's ``bridge_allreduce`` says which).
 
     Raises:
       ValueError: a bad cluster spec or an infeasible request (``PlanningError``), naming it; under MPI a
         split plan whose rank count differs from the job's (:func:`_check_ranks`: it says which
         ``python -m hethub_jax.plan`` and ``mpiexec -n`` commands run the plan).
+      hethub_jax.cluster.SetUpFailed: on every rank, the bridge all-reduce measurement failed on some rank.
     """
     from hethub_jax.parallel.plan import Plan
     from hethub_jax.planner.cluster import load_cluster
     from hethub_jax.planner.search import bridge_for
     profiles_dir = profiles_dir or os.path.join(out_dir, "profiles")
+    profiled = _share(lambda: _profile_rank0(cfg, model, cluster_path, global_batch, microbatch_size, seq_len,
+                                             profiles_dir, log), rank, world_size)
+    if "error" in profiled:
+        raise ValueError(f"--cluster {cluster_path}: {profiled['error']}")
+    bridge = bridge_allreduce_step(profiled, profiles_dir, rank=rank, world_size=world_size, timeout_s=timeout_s,
+                                   log=log)  # every rank: the measurement needs them all
     msg = _share(lambda: _plan_rank0(cfg, model, cluster_path, global_batch, seq_len, microbatch_size,
-                                     profiles_dir, log, world_size, out_dir, grad_bucket_mb), rank, world_size)
+                                     profiles_dir, log, world_size, out_dir, grad_bucket_mb, profiled=profiled,
+                                     bridge=bridge), rank, world_size)
     if "error" in msg:
         raise ValueError(f"--cluster {cluster_path}: {msg['error']}")
     plan = Plan.from_dict(msg["plan"])
@@ -786,7 +995,8 @@ def plan_from_cluster(cfg: Any, model: str, cluster_path: str, *, global_batch: 
         names = list(dict.fromkeys(group[i.name] for i in plan.islands))
         pairs = [(a, b) for i, a in enumerate(names) for b in names[i + 1:]]
     src = "; ".join(msg["notes"]) or "catalog"
-    costs = cluster_costs(cluster, msg["profiles"])
+    costs = cluster_costs(cluster, msg["profiles"], msg.get("bridge_fit"))
     pred = predict_run(cfg, plan, seq_len, costs={i.name: costs[group[i.name]] for i in plan.islands},
                        bridge=bridge_for(cluster, pairs), source=src, grad_bucket_mb=grad_bucket_mb)
+    pred.bridge_allreduce = msg.get("bridge_line")
     return path, pred, [*msg["notes"], *msg["lines"], f"plan written to {path}"]

@@ -24,7 +24,8 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 from hethub_jax.planner import analytic
 from hethub_jax.planner.catalog import DeviceSpec, get_device
 
-__all__ = ["PHASES", "LinkModel", "DeviceCosts", "PROFILE_FORMAT", "cost_source_text", "CORUN_BY_SIZE_DEFAULT"]
+__all__ = ["PHASES", "LinkModel", "DeviceCosts", "PROFILE_FORMAT", "cost_source_text", "CORUN_BY_SIZE_DEFAULT",
+           "BRIDGE_ALLREDUCE_FILE", "BRIDGE_ALLREDUCE_FORMAT", "read_bridge_allreduce", "bridge_allreduce_text"]
 
 PHASES = ("F", "F_nosave", "B", "B_recompute")
 #: ``format`` field of profile JSON files written by ``python -m hethub_jax.profile``
@@ -814,6 +815,52 @@ def cost_source_text(device: str, *, efficiency: Optional[float] = 0.4, profile_
                 + (f" (measured {measured})" if measured else " (measured)"))
     return (f"catalog {device!r} datasheet peak x {efficiency:g} efficiency (assumption, not measured; "
             f"profile with python -m hethub_jax.profile)")
+
+
+#: the file beside the island profiles (``<profiles dir>/bridge_allreduce.json``) holding the bridge's all-reduce
+#: line MEASURED on the ranks of a plan-less training job (``train_predict``: ``profile.measure_bridge_allreduce``
+#: and ``profile.fit_bridge_allreduce`` on the job's own ``MPI.COMM_WORLD``, between its islands' processes);
+#: ``planner.search.group_costs`` (the plan CLI's ``--profiles``) and ``train_predict.cluster_costs`` give it to
+#: every group's costs (:meth:`DeviceCosts.with_bridge_allreduce`), in place of a profile's own
+#: ``fits.bridge_allreduce``
+BRIDGE_ALLREDUCE_FILE = "bridge_allreduce.json"
+BRIDGE_ALLREDUCE_FORMAT = "hethub-jax-bridge-allreduce/1"
+
+
+def read_bridge_allreduce(profiles_dir: Optional[str]) -> Optional[Dict[str, Any]]:
+    """The saved bridge all-reduce measurement of :data:`BRIDGE_ALLREDUCE_FILE` in ``profiles_dir``: a dict with
+    ``format``, ``fit`` (``{"c0": s, "c1": s/byte, ...}``, ``profile.fit_bridge_allreduce``), ``samples``,
+    ``date``, ``ranks``, ``hosts``; None when ``profiles_dir`` is None or has no such file.
+
+    Raises:
+      ValueError: the file is not such a measurement (format, or a fit without finite ``c0`` and ``c1 >= 0``),
+        naming the file.
+      OSError: the file exists but cannot be read.
+    """
+    if not profiles_dir:
+        return None
+    path = os.path.join(profiles_dir, BRIDGE_ALLREDUCE_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        try:
+            d = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{path}: not JSON ({e}); delete it to measure the bridge all-reduce again") from None
+    fit = d.get("fit") if isinstance(d, Mapping) else None
+    ok = (isinstance(d, Mapping) and d.get("format") == BRIDGE_ALLREDUCE_FORMAT and isinstance(fit, Mapping)
+          and all(isinstance(fit.get(k), (int, float)) and math.isfinite(fit[k]) for k in ("c0", "c1"))
+          and fit["c1"] >= 0)
+    if not ok:
+        raise ValueError(f"{path}: not a {BRIDGE_ALLREDUCE_FORMAT} file with a fit of finite c0 and c1 >= 0; "
+                         f"delete it to measure the bridge all-reduce again")
+    return dict(d, path=path)
+
+
+def bridge_allreduce_text(fit: Mapping[str, Any]) -> str:
+    """``"alpha 6.8e-05 s, beta 7.2e-10 s/byte"``: a bridge all-reduce line ``c0 + c1 x bytes`` in Hockney's
+    terms (alpha the seconds of a call, beta the seconds per byte)."""
+    return f"alpha {float(fit['c0']):.3g} s, beta {float(fit['c1']):.3g} s/byte"
 
 
 def _local_bridge(d: Optional[Mapping[str, Any]]) -> Optional[LinkModel]:
