@@ -41,7 +41,7 @@ def _cli_plan(argv, tmp_path, name="cli.json"):
     if "--out" in argv:
         i = argv.index("--out")
         del argv[i:i + 2]
-    assert plan_main([*argv, "--top", "1", "--out", str(out)]) == 0
+    assert plan_main([*argv, "--out", str(out)]) == 0  # the default --top: plan-less training's k
     return Plan.from_json(str(out))
 
 

@@ -182,9 +182,15 @@ def test_cluster_planless_training_under_mpiexec(tmp_path):
                     "--profiles", str(tmp_path / "prof"), "--no-checkpoint", "--no-progress",
                     "--metrics-file", str(m), "--trace-file", str(tmp_path / "run" / "t.json")], n=2, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    costs = DeviceCosts.from_profile(fixed_profile())
+    # both ranks measured the bridge's all-reduce before planning and rank 0 saved it beside the profile
+    # (session 17): the planner's costs carry that line
+    from hethub_jax.planner.costs import read_bridge_allreduce
+    saved = read_bridge_allreduce(str(tmp_path / "prof"))
+    assert saved is not None and saved["ranks"] == 2
+    assert "gradient all-reduce between islands (bridge): MEASURED alpha" in proc.stdout
+    costs = DeviceCosts.from_profile(fixed_profile()).with_bridge_allreduce(saved["fit"])
     best = search(load_model(MODEL), load_cluster(str(cluster)), 4, 16, costs={"fast": costs, "slow": costs},
-                  options=SearchOptions(top_k=1)).best
+                  options=SearchOptions()).best
     written = Plan.from_json(str(tmp_path / "run" / "plan.json"))
     assert written.to_dict() == best.plan.to_dict()
     assert "reusing saved profile" in proc.stdout and "plan written to" in proc.stdout
@@ -428,7 +434,7 @@ def test_planless_training_plan_is_split_per_stage_as_the_cli_emits_it(tmp_path)
     check_runtime_support(got)
     assert {"a.0", "a.1"} <= {i.name for i in got.islands}
     assert plan_main(["--model", "llama3-70b", "--cluster", str(cluster), "--global-batch", "16", "--seq-len",
-                      "4096", "--top", "1", "--microbatch-sizes", "1", "--no-upper-bound",
+                      "4096", "--microbatch-sizes", "1", "--no-upper-bound",
                       "--out", str(tmp_path / "cli.json")]) == 0
     assert Plan.from_json(str(tmp_path / "cli.json")) == got
     assert any("split per stage" in x and "group a -> islands a.0, a.1" in x for x in lines)
