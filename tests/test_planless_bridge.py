@@ -102,6 +102,40 @@ def test_planless_training_and_the_cli_call_runnable_result_with_one_k_and_choos
     assert Plan.from_json(str(tmp_path / "cli.json")) == best.plan
 
 
+def test_where_the_split_changes_the_ranking_planless_training_and_the_cli_choose_the_same_better_plan(tmp_path):
+    """llama3-70b at 4096 tokens, global batch 16 in microbatches of 1, on 4 x 8 H100 + 2 x 8 MI300X (catalog
+    costs): the search's best, split per stage and predicted again, is slower than another of its top
+    ``DEFAULT_TOP_K`` split the same way (found by trying the example two-group clusters, 2026-12-03). Keeping
+    only the top 1 (plan-less training before session 17) chose the slower plan; now plan-less training, its
+    full set-up included, and the plan CLI at its default ``--top`` write the same, faster plan."""
+    from hethub_jax.plan import main as plan_main
+    from hethub_jax.planner import load_cluster, load_model, search
+    from hethub_jax.planner.runnable import runnable_result
+    cluster = tmp_path / "c.json"
+    cluster.write_text(json.dumps({"name": "two-groups", "groups": [
+        {"name": "b", "device": "H100-SXM", "nodes": 4}, {"name": "a", "device": "MI300X", "nodes": 2}]}))
+    cfg, c = load_model("llama3-70b"), load_cluster(str(cluster))
+    costs = tp.cluster_costs(c, {"a": None, "b": None})
+    ranked = {}
+    for k in (1, DEFAULT_TOP_K):
+        opt = SearchOptions(top_k=k, microbatch_sizes=(1,))
+        searched = search(cfg, c, 16, 4096, costs=costs, options=opt)
+        ranked[k] = (searched, runnable_result(searched, cfg, c, 4096, costs=costs, options=opt))
+    top1, topk = ranked[1][1].best, ranked[DEFAULT_TOP_K][1].best
+    assert topk.step_time_s < top1.step_time_s * (1 - 1e-3)  # not a tie: the split changed the ranking
+    first = ranked[DEFAULT_TOP_K][0].candidates[0]  # the search's best as searched
+    assert topk.searched is not None and topk.searched.plan != first.plan
+    assert top1.searched is not None and top1.searched.plan == first.plan
+    path, pred, _ = tp.plan_from_cluster(cfg, "llama3-70b", str(cluster), global_batch=16, seq_len=4096,
+                                         microbatch_size=1, profiles_dir=str(tmp_path / "prof"),
+                                         out_dir=str(tmp_path / "run"), log=lambda m: None)
+    assert Plan.from_json(path) == topk.plan
+    assert pred.prediction.step_time_s == pytest.approx(topk.step_time_s, rel=1e-12)
+    assert plan_main(["--model", "llama3-70b", "--cluster", str(cluster), "--global-batch", "16", "--seq-len",
+                      "4096", "--microbatch-sizes", "1", "--no-upper-bound", "--out", str(tmp_path / "cli.json")]) == 0
+    assert Plan.from_json(str(tmp_path / "cli.json")) == topk.plan
+
+
 # ---- the saved bridge all-reduce line --------------------------------------------------------------------
 
 def test_saved_bridge_line_reaches_every_groups_costs_in_the_cli_and_planless_training(tmp_path, capsys):
