@@ -871,7 +871,8 @@ def _plan_rank0(cfg: Any, model: str, cluster_path: str, gbs: int, seq_len: int,
                 bridge: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
     """Rank 0's work: profiles (``profiled``: :func:`_profile_rank0`'s message when already done; None: done
     here), search, lines. ``bridge``: :func:`bridge_allreduce_step`'s result (its ``fit`` given to every
-    group's costs, its ``save`` written beside the profiles first); None: the saved measurement when there is
+    group's costs, its ``save`` written beside the profiles first, or the line says why not: an ``OSError``,
+    e.g. a read-only ``--profiles`` folder, is not a planning error); None: the saved measurement when there is
     one, else the profiles' own fits. Returns the message sent to every rank. ``out_dir``: where
     a model file for the suggested plan commands goes when ``cfg`` is not the preset ``model`` unchanged
     (default: the parent of ``profiles_dir``)."""
@@ -882,8 +883,12 @@ def _plan_rank0(cfg: Any, model: str, cluster_path: str, gbs: int, seq_len: int,
     profiles, notes = profiled["profiles"], profiled["notes"]
     if bridge is None:
         bridge = bridge_allreduce_step(profiled, profiles_dir, log=log)
+    line = bridge.get("line")
     if bridge.get("save"):
-        _save_bridge_allreduce(profiles_dir, bridge["save"])
+        try:
+            _save_bridge_allreduce(profiles_dir, bridge["save"])
+        except OSError as e:  # e.g. a read-only --profiles folder: plan with it all the same, say so
+            line = f"{line.rsplit('; saved to ', 1)[0]}; NOT saved: {e})"
     bridge_fit = bridge.get("fit")
     t0 = time.perf_counter()
     res = _search(cfg, cluster, gbs, seq_len, mbs, profiles, grad_bucket_mb, bridge_fit)
@@ -898,7 +903,7 @@ def _plan_rank0(cfg: Any, model: str, cluster_path: str, gbs: int, seq_len: int,
     lines += [note] if note else []
     return {"plan": res.best.plan.to_dict(), "profiles": profiles, "notes": notes, "lines": lines,
             "kind": res.best.kind, "island_groups": dict(res.best.island_groups), "bridge_fit": bridge_fit,
-            "bridge_line": bridge.get("line")}
+            "bridge_line": line}
 
 
 def _share(make, rank: int, size: int):

@@ -222,6 +222,27 @@ def test_planless_planning_reuses_the_saved_fit_and_its_prediction_uses_it(tmp_p
     assert Plan.from_json(str(tmp_path / "cli.json")) == plan
 
 
+def test_a_measurement_that_cannot_be_saved_is_used_and_said_so(tmp_path, monkeypatch):
+    """Rank 0 plans with a fresh measurement (``bridge_allreduce_step``'s result, given as under MPI) when the
+    profiles folder cannot take the file: no planning error, the line says NOT saved."""
+    from hethub_jax.planner import load_model
+
+    def refuse(profiles_dir, save):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "prof" / BRIDGE_ALLREDUCE_FILE))
+    monkeypatch.setattr(tp, "_save_bridge_allreduce", refuse)
+    (tmp_path / "prof").mkdir()
+    (tmp_path / "prof" / "cpu.json").write_text(json.dumps(_fixed_profile()))
+    fit = {"c0": 1e-4, "c1": 1e-9}
+    bridge = {"fit": fit, "save": {"fit": fit, "samples": []},
+              "line": f"MEASURED alpha 0.0001 s, beta 1e-09 s/byte on this job's ranks (ranks 0 and 1 on h: ...; "
+                      f"saved to {tmp_path / 'prof' / BRIDGE_ALLREDUCE_FILE})"}
+    msg = tp._plan_rank0(load_model(MODEL), "tiny", str(TINY2), 4, 16, None, str(tmp_path / "prof"), lambda m: None,
+                         bridge=bridge)
+    assert msg["bridge_fit"] == fit
+    assert msg["bridge_line"].startswith("MEASURED alpha 0.0001 s") and "NOT saved: [Errno 13]" in msg["bridge_line"]
+    assert "saved to" not in msg["bridge_line"]
+
+
 # ---- under mpiexec -n 2: the measurement on the job's own ranks ------------------------------------------
 
 _SCRIPT = textwrap.dedent("""
