@@ -52,19 +52,39 @@ other, beside an idle core); since session 14 the same pair also times the whole
 EMULATED wait after its own); the two ranks' MPI bridge is measured and recorded, and used for the link
 between the islands with ``--bridge measure`` (default ``assumed``: 50 us + bytes / 1 GB/s).
 
-The two-island runtimes use the bucketed gradient all-reduce overlapped with the last backward
-(``--bucket-mb``, default 25 MiB, the size training's ``train.grad_bucket_mb: auto`` tries; it applies to the
-heterogeneous-DP plans; since session 15 training's default ``auto`` keeps whichever of the bucketed and the
-unbucketed path its warm-up MEASURES faster, so read ``fraction_of_upper_bound`` (bucketed) beside
-``fraction_of_upper_bound_unbucketed``); the figures give each rank's bucket count, overlap and exposed wait, and the
-seconds spent in the gradient sums after the backward. Since session 15, when the planner's plan buckets,
-the same plan also runs UNBUCKETED in the same interleaved loop (``planned_unbucketed``, the all-reduce after
-the whole backward: an in-run comparison), and the plan is PREDICTED on both paths
+The gradient all-reduce of the two-island runtimes (heterogeneous-DP plans) is chosen as training chooses it
+(``--bucket-mb auto``, the default since session 17, training's ``train.grad_bucket_mb: auto``): before the
+timed steps each runtime runs training's own warm-up decision (``hethub_jax.train.warm_up_grad_allreduce``:
+the step's forward/backward with the all-reduce in 25 MiB buckets overlapped with the last backward and after
+the whole backward, on the training set's first global batch, the slowest rank's seconds, each path's fastest
+of 3; bucketed kept only when faster by more than 2%, ``plan.keeps_bucketed_allreduce``). The headline figures
+(``fraction_of_upper_bound``, ``prediction_error``, the ``planned`` row) are the planner's plan on the path
+KEPT by that warm-up measurement (not the faster of the timed rows); ``grad_allreduce_kept``,
+``grad_allreduce_decided_by`` and ``grad_allreduce_warm_up`` (both MEASURED warm-up seconds) say which and
+why. When the plan can bucket, the same plan also runs on the OTHER path in the same interleaved loop
+(``planned_unbucketed`` or ``planned_bucketed``: an in-run comparison, secondary figures
+``fraction_of_upper_bound_bucketed`` / ``_unbucketed``, ``prediction_error_bucketed`` / ``_unbucketed``).
+``--bucket-mb N`` (MiB > 0) forces every runtime bucketed, the plan's unbucketed row beside it (sessions 9-16:
+``--bucket-mb 25``), ``--bucket-mb 0`` turns it off. The plan is PREDICTED on both paths
 (``hethub_jax.planner.predict_buckets``: the chunked last microbatch at the profile's measured ratio,
-``fits.chunked_last``; 1.0 for profiles without it, said in ``predicted_buckets.ratio_source``;
-``--profile-islands`` measures it again since session 16: late in session 15 it was skipped because it lifted each
-rank's profile peak from 9.8 to 11.4-11.9 GB and the two ranks were OOM-killed on the 23 GB machine; those GB were
-free heap pages the steady host allocator kept resident, now given back: ``profile.release_host_memory``).
+``fits.chunked_last``; 1.0 for profiles without it, said in ``predicted_buckets.ratio_source``), and its
+PREDICTED step, as training's, first on the path the predictor expects ``auto`` to keep, then on the path the
+warm-up kept (``train_predict.prediction_on_kept_path``, training's ``_predict_kept_path``). The figures
+give each rank's bucket count, overlap and exposed wait, and the seconds spent in the gradient sums after the
+backward. ``--profile-islands`` measures the chunked ratio (``--chunked-mbs``, since session 17 by default at
+the planner's smallest and largest microbatch size up to 16, as plan-less training's brief profile: 1 and 16
+at batch 64, the predictor interpolating linearly in tokens between them; sessions 15-16 measured every
+profiled size up to 16 and each island profile took ~490 s instead of ~350 s; late in session 15 it was
+skipped because it lifted each rank's profile peak from 9.8 to 11.4-11.9 GB and the two ranks were OOM-killed
+on the 23 GB machine; those GB were free heap pages the steady host allocator kept resident, now given back:
+``profile.release_host_memory``).
+
+Memory and time per phase (session 17): ``figures.memory_per_rank`` gives, per rank, each phase's wall
+seconds and the process's peak resident set (VmHWM) at its end and how much the phase raised it
+(``profile.PhaseLog``): the bridge, the island profile, the co-run pair, the plan, building the runtimes, the
+gradient all-reduce warm-up, the timed steps; and the island profile's own phases (the profile JSON's
+``phases``: compute fits, stage shapes, chunked last microbatch, ...), printed per rank after the profiles and
+at the end (a quiet run's peak rose from 9.99 to 14.97 GB in session 16 without a phase to blame).
 
 Default global batch 64 (rows of ``--seq`` tokens; it was 16 before session 9, and the recorded runs used
 8 and 32): heterogeneous DP with a replicated update pays it on each island (the slow one's EMULATED 3x),
@@ -82,12 +102,13 @@ Figures: ``fraction_of_upper_bound`` = (b) / (a_fast + a_slow), ``planned_over_u
 ``parts_planned_last_step``: per island the planned plan's last step part by part, measured against PREDICTED
 (compute actions, the last one apart, pipeline, the rest of the step split: ``_parts_compare``);
 ``corun``: the measured co-run slowdown; ``bridge_link``: the link used and the measured one.
-Session 15: ``prediction_error`` compares the PREDICTED step on the runtimes' path (bucketed when
-``--bucket-mb`` > 0 and the plan buckets) with the measured one (``prediction_error_search_model``: the
-planner's own unbucketed figure, the definition before); ``predicted_step_s_planned_bucketed`` /
-``_unbucketed``, ``predicted_faster_grad_allreduce``, ``predicted_buckets`` (the bucketed path's terms);
-when the plan buckets, ``fraction_of_upper_bound_unbucketed`` (the planner's plan measured unbucketed in the
-same run), ``planned_bucketed_over_unbucketed`` (tokens/s) and ``prediction_error_unbucketed``.
+``prediction_error`` compares the PREDICTED step on the path the planner's plan trained on (session 17: the
+path ``auto``'s warm-up kept; sessions 15-16: the forced bucketed one) with the measured one
+(``prediction_error_search_model``: the planner's own ranking figure); ``predicted_step_s_planned_bucketed`` /
+``_unbucketed``, ``predicted_faster_grad_allreduce``, ``predicted_auto_keeps``, ``predicted_buckets`` (the
+bucketed path's terms); when the plan buckets, each path's ``fraction_of_upper_bound_<path>``,
+``measured_step_s_planned_<path>`` and ``prediction_error_<path>`` (measured in the same run) and
+``planned_bucketed_over_unbucketed`` (tokens/s).
 """
 from __future__ import annotations
 
@@ -142,16 +163,15 @@ def plans(cfg, args, costs) -> dict:
     rep = hdp.plan.replace(optimizer_sharding="replicated")
     pred_r = predict(cfg, rep, {i.name: costs[i.name] for i in rep.islands}, seq_len=args.seq,
                      bridge=bridge_for(both, [("fast", "slow")])).step_time_s
-    # the planner's plan PREDICTED on the path the runtimes run (--bucket-mb, as train.grad_bucket_mb), both
+    # the planner's plan PREDICTED as training predicts it (--bucket-mb as train.grad_bucket_mb: "auto", the path
+    # the predictor expects auto to keep; main re-predicts it on the path the warm-up MEASURED and kept), both
     # gradient all-reduce paths of a heterogeneous-DP plan beside each other (planner.predict_buckets)
-    bucket_mb = args.bucket_mb if args.bucket_mb > 0 else None
     pred_b = predict(cfg, best.plan, {i.name: costs[i.name] for i in best.plan.islands}, seq_len=args.seq,
-                     bridge=bridge_for(both, [("fast", "slow")]), grad_bucket_mb=bucket_mb)
+                     bridge=bridge_for(both, [("fast", "slow")]), grad_bucket_mb=runtime_grad_buckets(args.bucket_mb))
     args.planned_prediction, args.planned_search_step_s = pred_b, best.step_time_s
+    args.planned_prediction_before_warm_up = pred_b
     out = {"planned": (best.plan, pred_b.step_time_s), "uniform": (uniform, pred_u),
            "hetero_dp": (hdp.plan, hdp.step_time_s), "hetero_dp_replicated": (rep, pred_r)}
-    if pred_b.grad_allreduce == "bucketed":  # the same plan unbucketed, measured in the same run
-        out["planned_unbucketed"] = (best.plan, pred_b.step_time_unbucketed_s)
     for isl in ("fast", "slow"):
         one = cluster_from_dict(cluster(args.slowdown, isl))
         alone = search(cfg, one, args.batch, args.seq, costs={isl: costs[isl]}, options=SearchOptions(top_k=1)).best
@@ -177,6 +197,41 @@ def plans(cfg, args, costs) -> dict:
 ALONE_VARIANTS = ("alone", "alone1f1b", "alonemb")
 
 
+def _bucket_mb(text: str):
+    """``--bucket-mb``: ``"auto"`` or a number of MiB >= 0 (0: off).
+
+    Raises:
+      argparse.ArgumentTypeError: for anything else."""
+    import argparse
+    import math
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--bucket-mb must be auto or a number of MiB >= 0, got {text!r}") from None
+    if not (v >= 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"--bucket-mb must be auto or a number of MiB >= 0, got {text!r}")
+    return v
+
+
+def runtime_grad_buckets(bucket_mb):
+    """``--bucket-mb`` as ``PipelineRuntime.set_grad_buckets`` takes it: ``"auto"``, MiB, or None (0: off)."""
+    return bucket_mb if bucket_mb == "auto" else (float(bucket_mb) if bucket_mb > 0 else None)
+
+
+def chunked_sizes(spec: str, batch: int) -> str:
+    """``--chunked-mbs`` as the island profile's ``--chunked-mbs``: ``auto``: the planner's smallest and
+    largest microbatch size up to 16 (``train_predict.chunked_microbatch_sizes_to_profile`` of
+    ``planner_microbatch_sizes(batch)``: what plan-less training measures); ``profiled``: the profiler's own
+    ``auto`` (every profiled size up to 16); ``none`` or sizes: passed on."""
+    spec = spec.strip().lower()
+    if spec == "auto":
+        from hethub_jax.train_predict import chunked_microbatch_sizes_to_profile, planner_microbatch_sizes
+        return ",".join(map(str, chunked_microbatch_sizes_to_profile(planner_microbatch_sizes(batch))))
+    return "auto" if spec == "profiled" else spec
+
+
 def parser():
     """The benchmark's command-line parser (no JAX import)."""
     ap = training_parser(__doc__, batch=64, warmup=1, json_help="output path (written by rank 0)")
@@ -195,10 +250,21 @@ def parser():
                     help="microbatch sizes for --profile-islands (auto: 1, 2, every power of two below the "
                          "global batch and the global batch: every size the planner may choose is then "
                          "interpolated between profiled sizes, not extrapolated)")
-    ap.add_argument("--bucket-mb", type=float, default=25.0,
-                    help="gradient bucket size of the two-island runtimes, MiB (the size train.grad_bucket_mb "
-                         "auto tries; 0: off, the all-reduce after the whole backward; a bucketed planner's "
-                         "plan is also measured unbucketed in the same run)")
+    ap.add_argument("--chunked-mbs", default="auto",
+                    help="with --profile-islands: microbatch sizes at which each island's profile times the bucketed "
+                         "all-reduce's chunked last microbatch (fits.chunked_last). auto (default, since session 17): "
+                         "the planner's smallest and largest size up to 16, as plan-less training's brief profile "
+                         "(train_predict.chunked_microbatch_sizes_to_profile; the predictor interpolates the ratio "
+                         "linearly in tokens between them); profiled: every profiled size up to 16 (sessions 15-16: "
+                         "1, 2, 4, 8, 16 at batch 64); none; or comma-separated sizes")
+    ap.add_argument("--bucket-mb", type=_bucket_mb, default="auto",
+                    help="gradient all-reduce of the two-island runtimes, as training's train.grad_bucket_mb. auto "
+                         "(default, training's default): each runtime's warm-up MEASURES the all-reduce in buckets of "
+                         "25 MiB and after the backward and keeps the faster (hethub_jax.train.warm_up_grad_allreduce, "
+                         "the code training runs); the headline figures are the planner's plan on the path kept, the "
+                         "other path measured beside it in the same run. A number of MiB > 0: every runtime bucketed "
+                         "at that size (forced, as before session 17; the planner's plan also measured unbucketed); "
+                         "0: off, the all-reduce after the whole backward")
     ap.add_argument("--timeline-png", default=None, help="Gantt chart of the planned plan's last step")
     ap.add_argument("--pool-stage-shapes", action="store_true",
                     help="with --profile-islands: both islands take the mean of the two ranks' whole-stage figures of "
@@ -238,17 +304,21 @@ def main() -> None:
     from hethub_jax.models.config import LlamaConfig
     from hethub_jax.parallel.runtime import PipelineRuntime
     from hethub_jax.planner.search import group_costs
+    from hethub_jax.profile import PhaseLog
     from hethub_jax.train_predict import cluster_costs
     from hethub_jax.optim import OptimConfig
 
     world = MPI.COMM_WORLD
     if world.Get_size() != 2:
         sys.exit("run with exactly 2 ranks (one per island)")
+    # this rank's phases: wall seconds and peak / resident memory (figures.memory_per_rank; issue 17, session 17)
+    args.memory = PhaseLog()
     comm = MPIHostBridge(world, timeout=900)
     cfg = LlamaConfig(**MODEL)
     # the two ranks' MPI bridge, measured and recorded always (both ranks take part; well under a second),
     # used for the planner and the prediction with --bridge measure
-    measured_link, args.bridge_samples = _measure_bridge()
+    with args.memory.phase("bridge"):
+        measured_link, args.bridge_samples = _measure_bridge()
     args.bridge_measured = measured_link
     args.bridge_link = measured_link if args.bridge == "measure" else None
     spec = cluster(args.slowdown, bridge=args.bridge_link)
@@ -258,29 +328,40 @@ def main() -> None:
         from hethub_jax.train_predict import microbatch_sizes_to_profile, planner_microbatch_sizes
         args.profile_mbs = ",".join(map(str, microbatch_sizes_to_profile(planner_microbatch_sizes(args.batch),
                                                                          every_power_of_two=True)))
+    args.chunked_mbs_profile = chunked_sizes(args.chunked_mbs, args.batch)
     args.canary_cfg, args.canary_profile = cfg, []
+    args.profile_phases = None
     if args.profile_islands:  # the machine's speed when the profiles are taken (the yardstick, _canary_round)
         args.canary_profile.append(_canary_round(world, rank, cfg, args))
     if args.profile_islands:
         pids = world.allgather(os.getpid())  # this job's ranks: not "other processes" in the profile's note
         others = [p for p in pids if p != os.getpid()]
-        if args.profile_concurrently:
-            mine = _profile_island(args, rank, others)
-        else:  # one rank at a time: each profile's whole-model calls at microbatch 64 peak at ~11.6 GiB RSS
-            mine = None  # under the steady host allocator (one glibc arena), two at once exceeded 23 GiB
-            for r in range(world.Get_size()):
-                if r == rank:
-                    mine = _profile_island(args, rank, others)
-                world.Barrier()
+        with args.memory.phase("profile"):
+            if args.profile_concurrently:
+                mine = _profile_island(args, rank, others)
+            else:  # one rank at a time: each profile's whole-model calls at microbatch 64 peak at ~11.6 GiB RSS
+                mine = None  # under the steady host allocator (one glibc arena), two at once exceeded 23 GiB
+                for r in range(world.Get_size()):
+                    if r == rank:
+                        mine = _profile_island(args, rank, others)
+                    world.Barrier()
+        args.profile_phases = mine.get("phases")
+        print(f"hetero_e2e rank {rank} (island {('fast', 'slow')[rank]}) profile by phase: "
+              + "; ".join(_phase_brief(x) for x in args.profile_phases or ()), flush=True)
         profs = world.allgather(mine)
         args.canary_profile.append(_canary_round(world, rank, cfg, args))
         if args.pool_stage_shapes:
             profs = pool_stage_shapes(profs)
         profiles = {"fast": profs[0], "slow": profs[1]}
         costs = cluster_costs(cluster_from_dict(spec), profiles)
+        chunked = profs[0].get("chunked_microbatch_sizes")
         source = (f"profiles of the pinned islands, measured by each rank before the run, "
                   f"{'both at once' if args.profile_concurrently else 'one rank after the other'} (microbatch sizes "
-                  f"{args.profile_mbs})")
+                  f"{args.profile_mbs}; the chunked last microbatch at "
+                  + (f"{', '.join(map(str, chunked))}" if chunked else "no size")
+                  + (": the planner's smallest and largest up to 16, as plan-less training's profile, the ratio "
+                     "interpolated linearly in tokens between them" if args.chunked_mbs.strip().lower() == "auto"
+                     else "") + ")")
     else:
         profiles = {"fast": _load(prof), "slow": _load(prof)} if prof else {"fast": None, "slow": None}
         costs = (cluster_costs(cluster_from_dict(spec), profiles) if prof
@@ -288,7 +369,8 @@ def main() -> None:
         source = f"profile {prof}" if prof else "catalog 'cpu' entry (assumption, not measured)"
     corun = None
     if args.corun == "measure":  # both ranks take part: each one's call alone and beside the other's
-        corun = _measure_corun(cfg, args, world, rank)
+        with args.memory.phase("corun"):
+            corun = _measure_corun(cfg, args, world, rank)
         from dataclasses import replace
         # the pinned pair's factor just measured, not a profile's size-ratio relation (that models
         # unpinned processes, planner.costs.CORUN_BY_SIZE_DEFAULT)
@@ -297,35 +379,127 @@ def main() -> None:
         source += (f"; co-run slowdown of the two cores MEASURED {corun['factor']:.3f} (compute), "
                    f"{corun['update_factor']:.3f} (optimizer update)")
     args.corun_measured = corun
-    contenders = plans(cfg, args, costs)
-    from hethub_jax.train_predict import extrapolation_note
-    notes = {n: extrapolation_note(p, profiles) for n, (p, _) in contenders.items()}
+    with args.memory.phase("plan"):
+        contenders = plans(cfg, args, costs)
     optim = OptimConfig(learning_rate=1e-3, warmup_steps=2, decay_steps=1000)
     isl = ("fast", "slow")[rank]
     same = contenders["planned"][0].to_dict() == contenders["hetero_dp"][0].to_dict()
-    runtimes = {n: PipelineRuntime(p, cfg, optim, seed=0, comm=comm, rank=rank)
-                for n, (p, _) in contenders.items() if not n.startswith("alone") and not (same and n == "hetero_dp")}
-    for rt in runtimes.values():  # as training does (train.grad_bucket_mb): applies to the hetero-DP plans
-        rt.set_grad_buckets(args.bucket_mb if args.bucket_mb > 0 else None)
-    if "planned_unbucketed" in runtimes:  # the in-run comparison: the planner's plan, all-reduce after the backward
-        runtimes["planned_unbucketed"].set_grad_buckets(None)
-    seen = {i: [] for i in ("fast", "slow")}
-    for v in ALONE_VARIANTS:  # a variant is measured when it differs on either island (the same decision
-        new = [contenders[f"{v}_{i}"][0].to_dict() not in seen[i] for i in ("fast", "slow")]  # on both ranks)
-        for i in ("fast", "slow"):
-            seen[i].append(contenders[f"{v}_{i}"][0].to_dict())
-        if v == "alone" or any(new):
-            runtimes[v] = PipelineRuntime(contenders[f"{v}_{isl}"][0], cfg, optim, seed=0)
+
+    def two_island_runtime(plan):
+        return PipelineRuntime(plan, cfg, optim, seed=0, comm=comm, rank=rank)
+    with args.memory.phase("runtimes"):
+        runtimes = {n: two_island_runtime(p) for n, (p, _) in contenders.items()
+                    if not n.startswith("alone") and not (same and n == "hetero_dp")}
+        for rt in runtimes.values():  # as training does (train.grad_bucket_mb; default auto): hetero-DP plans
+            rt.set_grad_buckets(runtime_grad_buckets(args.bucket_mb))
+        seen = {i: [] for i in ("fast", "slow")}
+        for v in ALONE_VARIANTS:  # a variant is measured when it differs on either island (the same decision
+            new = [contenders[f"{v}_{i}"][0].to_dict() not in seen[i] for i in ("fast", "slow")]  # on both ranks)
+            for i in ("fast", "slow"):
+                seen[i].append(contenders[f"{v}_{i}"][0].to_dict())
+            if v == "alone" or any(new):
+                runtimes[v] = PipelineRuntime(contenders[f"{v}_{isl}"][0], cfg, optim, seed=0)
     if rank == 0:
         print(f"hetero_e2e: 2 CPU islands pinned to one core each; model {cfg.num_params() / 1e6:.1f} M params "
               f"(d {cfg.hidden_size}, {cfg.num_hidden_layers} layers), seq {args.seq}, global batch {args.batch}; "
               f"EMULATED slowdown {args.slowdown:g}x on island slow; planner costs: {source}", flush=True)
+    batches = _batches(args)
+    # the gradient all-reduce path of each two-island runtime, decided as training decides it (the warm-up on
+    # the first batch); the planner's plan's other path added as a secondary row; the PREDICTED steps follow
+    with args.memory.phase("grad_allreduce_warm_up"):
+        grad_allreduce_paths(args, cfg, costs, runtimes, contenders, batches[0], rank, two_island_runtime, same)
+    from hethub_jax.train_predict import extrapolation_note
+    notes = {n: extrapolation_note(p, profiles) for n, (p, _) in contenders.items()}
+    if rank == 0:
         for n, note in notes.items():
             if note:
                 print(f"  {n}: {note}", flush=True)
-    result = _measure(args, world, rank, core, runtimes, contenders)
+    result = _measure(args, world, rank, core, runtimes, contenders, batches)
     if rank == 0:
         _report(args, cfg, contenders, result, costs, source, notes)
+
+
+#: the two-island contenders whose runtimes the gradient all-reduce setting applies to (heterogeneous-DP plans)
+TWO_ISLAND = ("planned", "uniform", "hetero_dp", "hetero_dp_replicated")
+
+
+def _runtime_path(rt) -> dict:
+    """The gradient all-reduce path runtime ``rt`` runs now: ``{"path": "bucketed" | "unbucketed",
+    "bucket_mb": MiB or None, "off_reason": None or why not bucketed}``."""
+    why = rt.grad_bucket_off_reason()
+    return {"path": "unbucketed" if why else "bucketed",
+            "bucket_mb": None if why else rt.grad_bucket_bytes / 2**20, "off_reason": why}
+
+
+def grad_allreduce_paths(args, cfg, costs, runtimes, contenders, batch, rank, make_runtime, same=False) -> dict:
+    """Each two-island runtime's gradient all-reduce path, decided as training decides it, and the planner's
+    plan's other path added. Collective (both ranks, same order).
+
+    1. ``--bucket-mb auto`` (training's default ``train.grad_bucket_mb: auto``): each runtime of
+       :data:`TWO_ISLAND` runs ``hethub_jax.train.warm_up_grad_allreduce`` (the code training runs: the
+       step's forward/backward with the all-reduce in 25 MiB buckets and after the backward on ``batch``, the
+       training set's first global batch as in training; bucketed kept only when MEASURED faster by more than
+       2%). The
+       planner's plan ("planned": the headline figures) then trains on the path KEPT; a number (forced) or 0
+       (off) times nothing.
+    2. When the planner's plan can bucket, the same plan on the OTHER path becomes one more contender,
+       ``planned_bucketed`` or ``planned_unbucketed`` (a runtime of its own, forced to that path: the
+       in-run comparison; secondary figures).
+    3. The PREDICTED steps follow the runtimes' paths: the planner's plan's by
+       ``train_predict.prediction_on_kept_path`` (training's re-prediction on the kept path) into
+       ``args.planned_prediction`` and ``contenders["planned"]``, the other row at the other path's
+       PREDICTED step; every other two-island contender ``predict``-ed on its runtime's path.
+
+    Sets ``args.grad_paths`` (per two-island runtime: :func:`_runtime_path` plus ``"warm_up"``, the warm-up's
+    record or None) and ``args.grad_mode`` (``"auto"``, ``"forced"`` or ``"off"``); returns
+    ``args.grad_paths``."""
+    from hethub_jax.planner import cluster_from_dict
+    from hethub_jax.planner.predictor import predict
+    from hethub_jax.planner.search import bridge_for
+    from hethub_jax.train import warm_up_grad_allreduce
+    from hethub_jax.train_predict import prediction_on_kept_path
+    args.grad_mode = "auto" if args.bucket_mb == "auto" else ("forced" if args.bucket_mb > 0 else "off")
+    choices = {n: warm_up_grad_allreduce(runtimes[n], batch, log=rank == 0 and n == "planned", emulated=True)
+               for n in TWO_ISLAND if n in runtimes}
+    plan, rt, c = contenders["planned"][0], runtimes["planned"], choices.get("planned")
+    other = ("unbucketed" if rt.grad_bucket_off_reason() is None
+             else "bucketed" if c and c.get("path") == "unbucketed" else None)
+    if other:  # the in-run comparison: the same plan on the path not kept
+        runtimes[f"planned_{other}"] = make_runtime(plan)
+        runtimes[f"planned_{other}"].set_grad_buckets(None if other == "unbucketed" else c["bucket_mb"])
+    bridge = bridge_for(cluster_from_dict(cluster(args.slowdown, bridge=args.bridge_link)), [("fast", "slow")])
+    of = lambda p: {i.name: costs[i.name] for i in p.islands}  # noqa: E731
+    args.planned_prediction = p = prediction_on_kept_path(cfg, plan, args.planned_prediction, of(plan), args.seq,
+                                                          bridge, c)
+    contenders["planned"] = (plan, p.step_time_s)
+    if other:
+        contenders[f"planned_{other}"] = (plan, getattr(p, f"step_time_{other}_s"))
+    for n in ("uniform", "hetero_dp", "hetero_dp_replicated"):
+        if n in runtimes:
+            q = contenders[n][0]
+            contenders[n] = (q, predict(cfg, q, of(q), seq_len=args.seq, bridge=bridge,
+                                        grad_bucket_mb=_runtime_path(runtimes[n])["bucket_mb"]).step_time_s)
+    if same:  # the planner's plan is the hetero-DP one: measured once, PREDICTED as it ran
+        contenders["hetero_dp"] = contenders["planned"]
+    args.grad_paths = {n: dict(_runtime_path(r), warm_up=choices.get(n)) for n, r in runtimes.items()
+                       if n in TWO_ISLAND or n.startswith("planned_")}
+    return args.grad_paths
+
+
+def _batches(args) -> list:
+    """The global batches of the run: warm-up, timed and one spare (``--warmup + --steps + 1``), the training
+    set's first ones (``batches[0]``: the batch training's warm-up decides the all-reduce path on)."""
+    from hethub_jax.data import DataConfig, build_datasets
+    train, _, _ = build_datasets(DataConfig(seq_len=args.seq))
+    it = train.batches(args.batch)
+    return [next(it) for _ in range(args.warmup + args.steps + 1)]
+
+
+def _phase_brief(rec) -> str:
+    """``NAME S s, peak X GiB (+R)`` for a ``profile.PhaseLog`` record."""
+    gib = lambda b: "?" if b is None else f"{b / 2**30:.2f}"  # noqa: E731
+    return (f"{rec['phase']} {rec['seconds']:.0f} s, peak {gib(rec.get('peak_rss_bytes'))} GiB "
+            f"(+{gib(rec.get('peak_rss_rise_bytes'))})")
 
 
 def _profile_island(args, rank: int, job_pids=()) -> dict:
@@ -347,12 +521,15 @@ def _profile_island(args, rank: int, job_pids=()) -> dict:
                          "--microbatch-sizes", args.profile_mbs, "--repeats", "3", "--corun", "off",
                          "--no-bridge", "--no-runtime", "--no-progress",
                          "--stage-shapes", f"0-{MODEL['num_hidden_layers'] - 1}",
-                         # the chunked-last-microbatch measurement at the profiler's default (auto: the
-                         # profiled sizes up to 16). Session 15 skipped it (one profile peaked at 11.35 GB with
-                         # it, 9.84 GB without; two ranks OOM-killed on the 23 GB machine); session 16 found the
-                         # +1.5 GB to be the steady allocator's kept free pages (measure_chunked_last now gives
-                         # them back first, and profile.main at its end, so a rank that has profiled no longer
-                         # holds its peak while the next profiles): docs/benchmarks.md, issue 17, session 16
+                         # the chunked-last-microbatch measurement (fits.chunked_last) at --chunked-mbs: since
+                         # session 17 by default the planner's smallest and largest size up to 16 (1 and 16 at
+                         # batch 64), as plan-less training's profile; sessions 15-16 measured every profiled
+                         # size up to 16 (1, 2, 4, 8, 16), and the profiles took ~490 s instead of ~350 s.
+                         # Session 15 skipped it (one profile peaked at 11.35 GB with it, 9.84 GB without; two
+                         # ranks OOM-killed on the 23 GB machine); session 16 found the +1.5 GB to be the steady
+                         # allocator's kept free pages (measure_chunked_last now gives them back first, and
+                         # profile.main at its end): docs/benchmarks.md, issue 17, sessions 16-17
+                         "--chunked-mbs", args.chunked_mbs_profile,
                          "--job-pids", ",".join(map(str, job_pids))])
 
 
@@ -516,16 +693,12 @@ def _load(path):
         return json.load(f)
 
 
-def _measure(args, world, rank, core, runtimes, contenders):
-    """Interleaved timed steps of every contender; gathered on rank 0."""
+def _measure(args, world, rank, core, runtimes, contenders, batches):
+    """Interleaved timed steps of every contender on ``batches`` (:func:`_batches`); gathered on rank 0."""
     import time
 
     from benchmarks.common import loadavg, machine, time_reduce_shared
-    from hethub_jax.data import DataConfig, build_datasets
-    train, _, _ = build_datasets(DataConfig(seq_len=args.seq))
-    n_steps = args.warmup + args.steps + 1
-    it = train.batches(args.batch)
-    batches = [next(it) for _ in range(n_steps)]
+    n_steps = len(batches)
     names, load0 = list(runtimes), loadavg()
     times = {n: [] for n in names}
     tokens, records = {n: [] for n in names}, None
@@ -536,28 +709,31 @@ def _measure(args, world, rank, core, runtimes, contenders):
     faults = {n: [] for n in names}  # minor page faults of this rank per timed step (getrusage)
     import resource
     canary_steps = [_canary_round(world, rank, args.canary_cfg, args)]  # the yardstick before the timed steps
-    for i in range(n_steps):
-        order = names[i % len(names):] + names[:i % len(names)]
-        for n in order:
-            reduce_s["t"] = update_s["t"] = 0.0
-            runtimes[n].last_bucket_stats = None
-            world.Barrier()
-            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            t0 = time.perf_counter()
-            res = runtimes[n].train_step(batches[i])
-            dt = time.perf_counter() - t0
-            if i > args.warmup:
-                times[n].append(dt)
-                faults[n].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
-                tokens[n].append(res.num_tokens)
-                reduce[n].append(reduce_s["t"])
-                buckets[n].append(runtimes[n].last_bucket_stats)
-                tail[n].append({"t0": t0, "t1": t0 + dt, "apply_updates_s": update_s["t"],
-                                "param_exchange_s": getattr(runtimes[n], "last_exchange_s", 0.0)})
-            if n == "planned":
-                records = res.records
+    with args.memory.phase("timed_steps"):  # this rank's seconds and peak memory while the contenders train
+        for i in range(n_steps):
+            order = names[i % len(names):] + names[:i % len(names)]
+            for n in order:
+                reduce_s["t"] = update_s["t"] = 0.0
+                runtimes[n].last_bucket_stats = None
+                world.Barrier()
+                f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                t0 = time.perf_counter()
+                res = runtimes[n].train_step(batches[i])
+                dt = time.perf_counter() - t0
+                if i > args.warmup:
+                    times[n].append(dt)
+                    faults[n].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+                    tokens[n].append(res.num_tokens)
+                    reduce[n].append(reduce_s["t"])
+                    buckets[n].append(runtimes[n].last_bucket_stats)
+                    tail[n].append({"t0": t0, "t1": t0 + dt, "apply_updates_s": update_s["t"],
+                                    "param_exchange_s": getattr(runtimes[n], "last_exchange_s", 0.0)})
+                if n == "planned":
+                    records = res.records
     canary_steps.append(_canary_round(world, rank, args.canary_cfg, args))  # and after them
-    return world.gather({"canary_profile_s": args.canary_profile, "canary_steps_s": canary_steps,"rank": rank, "core": core, "times": times, "tokens": tokens, "records": records,
+    return world.gather({"canary_profile_s": args.canary_profile, "canary_steps_s": canary_steps,
+                         "memory_phases": args.memory.phases, "profile_phases": args.profile_phases,
+                         "rank": rank, "core": core, "times": times, "tokens": tokens, "records": records,
                          "reduce_s": reduce, "buckets": buckets, "faults": faults, "tail": tail,
                          "bucket_off": {n: getattr(rt, "grad_bucket_off_reason", lambda: None)()
                                         for n, rt in runtimes.items()},
@@ -628,8 +804,9 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
     rows = {}
     for n in ("planned", "uniform", "hetero_dp", "hetero_dp_replicated"):
         rows[n] = tps(n if n in g[0]["times"] else "planned")  # the planner's plan may be the hetero-DP one
-    if "planned_unbucketed" in g[0]["times"]:  # the planner's plan unbucketed, same run (in-run comparison)
-        rows["planned_unbucketed"] = tps("planned_unbucketed")
+    for n in ("planned_bucketed", "planned_unbucketed"):  # the planner's plan on the path not kept, same run
+        if n in g[0]["times"]:
+            rows[n] = tps(n)
     measured = {v: [tps(v, (r,)) for r in (0, 1)] for v in ALONE_VARIANTS if v in g[0]["times"]}
     best_v = [max(measured, key=lambda v: measured[v][r][0]) for r in (0, 1)]
     alone = [measured[v][r] for r, v in enumerate(best_v)]  # each island's fastest measured plan
@@ -644,8 +821,8 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
                                       for n in ("planned", "hetero_dp", "hetero_dp_replicated")},
                "prediction_error": round(abs(pred - rows["planned"][1]) / rows["planned"][1], 4),
                "predicted_step_s_planned": pred, "measured_step_s_planned": rows["planned"][1],
-               # session 15: the planner's plan PREDICTED on both gradient all-reduce paths (the runtimes run
-               # --bucket-mb's; planner.predict_buckets), and measured unbucketed in the same run
+               # the gradient all-reduce path the planner's plan trained on (session 17: kept by training's
+               # auto warm-up), both paths PREDICTED (planner.predict_buckets) and measured in the same run
                **_bucket_figures(args, rows, upper),
                # the machine's speed during the timed steps over that during the profiles (canary calls)
                "drift": _drift(g, pred, rows["planned"][1]),
@@ -668,8 +845,12 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
                                               for x in g],
                "hetero_dp_reduce_after_backward_s_per_rank": [
                    median(x["reduce_s"].get("hetero_dp", x["reduce_s"]["planned"])) for x in g],
-               "predicted_parts_s": {n: _parts(contenders[n][0], cfg, costs, args, n == "planned")
+               "predicted_parts_s": {n: _parts(n, contenders[n][0], cfg, costs, args)
                                      for n in ("planned", "hetero_dp", "hetero_dp_replicated")},
+               # per rank, its phases' seconds and peak / resident memory (profile.PhaseLog), and its island
+               # profile's phases (session 17: a quiet run's peak rose to 14.97 GB, the phase unknown)
+               "memory_per_rank": [{"rank": x["rank"], "phases": x.get("memory_phases"),
+                                    "profile_phases": x.get("profile_phases")} for x in g],
                "parts_planned_last_step": _parts_compare(args, cfg, contenders, g, costs),
                # minor page faults per timed step of the planner's plan, per rank (hethub_jax.host_allocator:
                # about 300,000 a step before session 12's one-arena setting, none after; issue 17)
@@ -707,21 +888,13 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
     exposed = ", ".join(f"{x['bucket_exposed_s'] * 1e3:.0f} ms" for x in b)
     after = ", ".join(f"{x * 1e3:.0f} ms" for x in figures["hetero_dp_reduce_after_backward_s_per_rank"])
     off = figures["hetero_dp_bucketing_off_reason"]
+    hdp_mb = args.grad_paths.get("hetero_dp", args.grad_paths["planned"])["bucket_mb"]
     print(f"hetero DP: " + (f"gradient all-reduce NOT bucketed ({off})" if off else
-                            f"{b[0]['num_buckets']} gradient buckets of {args.bucket_mb:g} MiB, exposed wait per rank "
+                            f"{b[0]['num_buckets']} gradient buckets of {hdp_mb:g} MiB, exposed wait per rank "
                             f"{exposed}") + f", all-reduce after the backward per rank {after}; PREDICTED (pipeline, "
           f"all-reduce + norm, update) {figures['predicted_parts_s']['hetero_dp']}, replicated update "
           f"{figures['predicted_parts_s']['hetero_dp_replicated']}")
-    bf = figures
-    if bf.get("predicted_step_s_planned_bucketed") is not None:
-        print(f"planned, gradient all-reduce: PREDICTED bucketed {bf['predicted_step_s_planned_bucketed']:.3f} s, "
-              f"unbucketed {bf['predicted_step_s_planned_unbucketed']:.3f} s (PREDICTED faster: "
-              f"{bf['predicted_faster_grad_allreduce']}; chunked last microbatch x "
-              f"{bf['predicted_buckets']['ratio']} from {bf['predicted_buckets']['ratio_source']})"
-              + (f"; measured bucketed {rows['planned'][1]:.3f} s, unbucketed {rows['planned_unbucketed'][1]:.3f} s, "
-                 f"fraction_of_upper_bound_unbucketed {bf['fraction_of_upper_bound_unbucketed']:.3f}, "
-                 f"prediction_error_unbucketed {bf['prediction_error_unbucketed']:.3f} [EMULATED]"
-                 if "planned_unbucketed" in rows else ""))
+    print(grad_allreduce_summary(figures))
     print(f"hetero DP sharded (ZeRO-1) over replicated update: {figures['hetero_dp_over_replicated']:.3f}; "
           f"replicated fraction_of_upper_bound {figures['fraction_of_upper_bound_hetero_dp_replicated']:.3f}")
     for isl, d in figures["parts_planned_last_step"].items():
@@ -743,9 +916,13 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
           + (", ".join(f"{x:.3f}" for x in d["per_rank"]) if d["mean"] is not None else "not measured (no --profile-islands)")
           + (f"; prediction_error RESCALED by the mean drift {d['prediction_error_rescaled']:.3f} (not the figure)"
              if d["prediction_error_rescaled"] is not None else ""))
+    for m in figures["memory_per_rank"]:
+        print(f"rank {m['rank']} by phase (seconds, peak RSS so far, its rise): "
+              + "; ".join(_phase_brief(x) for x in m["phases"] or ()))
     print(f"upper bound {upper:.1f} tokens/s; fraction_of_upper_bound {figures['fraction_of_upper_bound']:.3f}, "
           f"planned_over_uniform {figures['planned_over_uniform']:.3f}, prediction_error "
-          f"{figures['prediction_error']:.3f} (predicted {pred:.3f} s from {source}) [EMULATED]")
+          f"{figures['prediction_error']:.3f} (predicted {pred:.3f} s from {source}) on the "
+          f"{figures['grad_allreduce_kept']} gradient all-reduce ({figures['grad_allreduce_decided_by']}) [EMULATED]")
     if args.timeline_png:
         _timeline(args, cfg, contenders, g, costs)
 
@@ -756,37 +933,93 @@ def _err(pred, measured):
 
 
 def _bucket_figures(args, rows, upper) -> dict:
-    """The planner's plan's two gradient all-reduce paths (session 15): PREDICTED bucketed and unbucketed
-    steps (``predict(..., grad_bucket_mb=--bucket-mb)``: ``planner.predict_buckets``) and, when the plan
-    buckets, the same plan measured unbucketed in this run (``fraction_of_upper_bound_unbucketed``,
-    ``planned_bucketed_over_unbucketed`` = tokens/s bucketed over unbucketed, ``prediction_error_unbucketed``);
-    ``prediction_error_search_model``: the planner's own (unbucketed) prediction against the measured
-    planned step, the definition of ``prediction_error`` before session 15."""
-    p = args.planned_prediction
-    out = {"predicted_grad_allreduce_planned": p.grad_allreduce,
+    """The gradient all-reduce path of the planner's plan (session 17) and its two paths side by side.
+
+    ``grad_allreduce_kept``: the path the headline figures (``fraction_of_upper_bound``, ``prediction_error``,
+    the "planned" row) trained on; ``grad_allreduce_decided_by``: how (``--bucket-mb auto``: training's warm-up
+    measurement, :func:`grad_allreduce_paths`; a number: forced; 0 / a plan that cannot bucket: unbucketed);
+    ``grad_allreduce_warm_up``: the warm-up's record (``bucketed_s`` and ``unbucketed_s``: MEASURED seconds of
+    the step's forward/backward + all-reduce per path, the fastest of ``steps``; ``bucket_mb``; ``path``;
+    ``reason`` when nothing was timed), None unless auto. PREDICTED: ``predicted_grad_allreduce_planned`` (the
+    path of ``predicted_step_s_planned``: the kept one, ``train_predict.prediction_on_kept_path``),
+    ``predicted_auto_keeps`` (the path the predictor expected the warm-up to keep, ``Prediction.buckets``) and
+    ``predicted_grad_allreduce_before_warm_up``, both paths' steps, ``predicted_faster_grad_allreduce``,
+    ``predicted_buckets`` (the bucketed path's terms). When the plan can bucket, both paths MEASURED in this run
+    (the kept one is the "planned" row, the other ``planned_bucketed`` / ``planned_unbucketed``, secondary):
+    ``fraction_of_upper_bound_bucketed`` / ``_unbucketed``, ``measured_step_s_planned_bucketed`` /
+    ``_unbucketed``, ``prediction_error_bucketed`` / ``_unbucketed`` (each path's PREDICTED step against its
+    measured one) and ``planned_bucketed_over_unbucketed`` (tokens/s). ``prediction_error_search_model``: the
+    planner's own ranking figure (``search``, the path the predictor expects auto to keep) against the measured
+    planned step."""
+    p, kept = args.planned_prediction, args.grad_paths["planned"]
+    c = kept.get("warm_up")
+    before = args.planned_prediction_before_warm_up
+    if args.grad_mode == "auto" and c and c.get("path"):
+        how = ("MEASURED by training's warm-up (train.grad_bucket_mb auto: hethub_jax.train.warm_up_grad_allreduce, "
+               "bucketed only when faster by more than 2%)")
+    elif kept["off_reason"] and args.grad_mode != "off":
+        how = f"the plan cannot bucket: {kept['off_reason']}"
+    else:
+        how = ("forced by --bucket-mb " + f"{args.bucket_mb:g}" if args.grad_mode == "forced"
+               else "--bucket-mb 0 (off)")
+    by_path = {kept["path"]: rows["planned"]}
+    by_path.update({x: rows[f"planned_{x}"] for x in ("bucketed", "unbucketed") if f"planned_{x}" in rows})
+    out = {"grad_allreduce_kept": kept["path"], "grad_allreduce_decided_by": how,
+           "grad_allreduce_warm_up": c, "grad_allreduce_mode": args.grad_mode,
+           "grad_allreduce_per_contender": args.grad_paths,
+           "predicted_grad_allreduce_planned": p.grad_allreduce,
+           "predicted_grad_allreduce_before_warm_up": before.grad_allreduce,
+           "predicted_auto_keeps": (p.buckets or {}).get("auto_keeps"),
            "predicted_step_s_planned_bucketed": p.step_time_bucketed_s,
            "predicted_step_s_planned_unbucketed": p.step_time_unbucketed_s,
            "predicted_faster_grad_allreduce": (p.buckets or {}).get("faster"),
            "predicted_buckets": p.buckets,
            "predicted_step_s_planned_search": args.planned_search_step_s,
            "prediction_error_search_model": _err(args.planned_search_step_s, rows["planned"][1])}
-    if "planned_unbucketed" in rows:
-        out.update({"fraction_of_upper_bound_unbucketed": round(rows["planned_unbucketed"][0] / upper, 4),
-                    "planned_bucketed_over_unbucketed": round(rows["planned"][0] / rows["planned_unbucketed"][0], 4),
-                    "measured_step_s_planned_unbucketed": rows["planned_unbucketed"][1],
-                    "prediction_error_unbucketed": _err(p.step_time_unbucketed_s, rows["planned_unbucketed"][1])})
+    if len(by_path) == 2:  # both paths measured in this run
+        for x, (tok, step) in by_path.items():
+            out.update({f"fraction_of_upper_bound_{x}": round(tok / upper, 4), f"measured_step_s_planned_{x}": step,
+                        f"prediction_error_{x}": _err(getattr(p, f"step_time_{x}_s"), step)})
+        out["planned_bucketed_over_unbucketed"] = round(by_path["bucketed"][0] / by_path["unbucketed"][0], 4)
     return out
 
 
-def _parts(plan, cfg, costs, args, configured: bool = False) -> list:
-    """The PREDICTED (pipeline, gradient all-reduce + norm, update) seconds of ``plan`` (``configured``: on
-    the runtimes' gradient all-reduce path, ``--bucket-mb``; else unbucketed, as before session 15)."""
+def grad_allreduce_summary(figures: dict) -> str:
+    """The report's line on the planner's plan's gradient all-reduce: the path kept and how, the warm-up's
+    MEASURED seconds, both paths PREDICTED and, when both ran, measured (the secondary rows)."""
+    f = figures
+    w = f.get("grad_allreduce_warm_up") or {}
+    line = (f"planned, gradient all-reduce: KEPT {f['grad_allreduce_kept']} ({f['grad_allreduce_decided_by']}"
+            + (f"; warm-up MEASURED bucketed {w['bucketed_s']:.3f} s, unbucketed {w['unbucketed_s']:.3f} s"
+               if w.get("bucketed_s") is not None else "") + "): the headline figures' path")
+    if f.get("predicted_step_s_planned_bucketed") is not None:
+        line += (f"; PREDICTED bucketed {f['predicted_step_s_planned_bucketed']:.3f} s, unbucketed "
+                 f"{f['predicted_step_s_planned_unbucketed']:.3f} s (the predictor expected auto to keep "
+                 f"{f['predicted_auto_keeps']}; chunked last microbatch x {f['predicted_buckets']['ratio']} from "
+                 f"{f['predicted_buckets']['ratio_source']})")
+    if f.get("measured_step_s_planned_bucketed") is not None:
+        line += (f"; timed in this run: bucketed {f['measured_step_s_planned_bucketed']:.3f} s (fraction "
+                 f"{f['fraction_of_upper_bound_bucketed']:.3f}, prediction_error {f['prediction_error_bucketed']}), "
+                 f"unbucketed {f['measured_step_s_planned_unbucketed']:.3f} s (fraction "
+                 f"{f['fraction_of_upper_bound_unbucketed']:.3f}, prediction_error "
+                 f"{f['prediction_error_unbucketed']}) [EMULATED]")
+    return line
+
+
+def _parts(name, plan, cfg, costs, args) -> list:
+    """The PREDICTED (pipeline, gradient all-reduce + norm, update) seconds of contender ``name`` on the
+    gradient all-reduce path its runtime ran (``args.grad_paths``; the planner's plan: its prediction on the
+    kept path, ``args.planned_prediction``)."""
     from hethub_jax.planner import cluster_from_dict
     from hethub_jax.planner.predictor import predict
     from hethub_jax.planner.search import bridge_for
-    p = predict(cfg, plan, {i.name: costs[i.name] for i in plan.islands}, seq_len=args.seq,
-                bridge=bridge_for(cluster_from_dict(cluster(args.slowdown, bridge=args.bridge_link)), [("fast", "slow")]),
-                grad_bucket_mb=(args.bucket_mb if configured and args.bucket_mb > 0 else None))
+    if name == "planned":
+        p = args.planned_prediction
+    else:
+        path = args.grad_paths.get(name, args.grad_paths["planned"])
+        p = predict(cfg, plan, {i.name: costs[i.name] for i in plan.islands}, seq_len=args.seq,
+                    bridge=bridge_for(cluster_from_dict(cluster(args.slowdown, bridge=args.bridge_link)),
+                                      [("fast", "slow")]), grad_bucket_mb=path["bucket_mb"])
     return [round(p.pipeline_s, 4), round(p.allreduce_s, 4), round(p.update_s, 4)]
 
 

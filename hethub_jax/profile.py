@@ -46,6 +46,10 @@ What is measured, with the runtime's own code paths (``hethub_jax.parallel.stage
   * unless ``--no-runtime``, each stage call with 1-4 microbatches in flight (residuals or inputs held,
     as GPipe holds them) over the same call alone (:func:`measure_in_flight`, ``fits.in_flight``).
 Each figure is the median of ``--repeats`` timed calls after one untimed call (compilation).
+Per phase of the profile (compute fits, stage shapes, co-run, ..., chunked last microbatch), the JSON's
+``phases`` records its wall seconds and the process's peak resident set (VmHWM) at its end and how much the
+phase raised it (:class:`PhaseLog`; a progress line per phase on stderr unless ``--no-progress``), so that
+a profile's peak memory can be traced to its phase.
 The process's host allocator is set as ``PipelineRuntime`` sets it for CPU islands
 (``hethub_jax.host_allocator``, recorded as ``host_allocator``), so that a call costs here what it
 costs in a pipeline (with glibc's defaults XLA:CPU's large buffers are mmapped and faulted in again on
@@ -873,6 +877,77 @@ def _rss_bytes() -> Optional[int]:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
+
+
+def memory_status() -> Dict[str, Optional[int]]:
+    """This process's memory now: ``{"rss_bytes": resident (VmRSS), "peak_rss_bytes": the peak resident set
+    since the process started (VmHWM)}`` from ``/proc/self/status`` (kB there); where that is unreadable the
+    peak from ``resource.getrusage`` (``ru_maxrss``, KiB on Linux) and the resident set from
+    ``/proc/self/statm``, each None when unknown. Never resets the peak (``/proc/self/clear_refs`` would also
+    lower what ``/usr/bin/time -v`` reports for the whole process)."""
+    out: Dict[str, Optional[int]] = {"rss_bytes": None, "peak_rss_bytes": None}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key = {"VmRSS:": "rss_bytes", "VmHWM:": "peak_rss_bytes"}.get(line.split(":")[0] + ":")
+                if key:
+                    out[key] = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    if out["peak_rss_bytes"] is None:
+        try:
+            import resource
+            out["peak_rss_bytes"] = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+        except (ImportError, OSError, ValueError):
+            pass
+    if out["rss_bytes"] is None:
+        out["rss_bytes"] = _rss_bytes()
+    return out
+
+
+class PhaseLog:
+    """Per-phase wall seconds and this process's memory, for the profiler's phases (``profile.main``: the
+    JSON's ``phases``) and ``benchmarks/hetero_e2e.py``'s ranks (issue 17, session 17: a quiet run's peak
+    rose from 9.99 to 14.97 GB and nobody could say in which phase). Each phase (``with log.phase(name):``)
+    appends ``{"phase", "seconds" (wall), "peak_rss_bytes" (VmHWM at its end: the process's peak so far),
+    "peak_rss_rise_bytes" (how much this phase raised that peak; 0: it stayed under an earlier phase's),
+    "rss_bytes" (resident at its end), "rss_bytes_before"}`` (bytes; None where unreadable). A phase that
+    raises an exception is not recorded. ``say``: called with :func:`phase_line` of each record (None:
+    silent)."""
+
+    def __init__(self, say: Optional[Callable[[str], Any]] = None):
+        self.phases: List[Dict[str, Any]] = []
+        self._say = say
+        self._peak: Optional[int] = None  # the highest peak read so far (bytes)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        before, t0 = memory_status(), time.perf_counter()
+        yield
+        after = memory_status()
+        peak, rise = after["peak_rss_bytes"], None
+        if before["peak_rss_bytes"] is not None and peak is not None:
+            # the kernel syncs threads' RSS counters lazily: a later VmHWM can read a few pages LOWER than an
+            # earlier one (seen: 64 KiB); the peak never falls, so the highest reading so far is the peak
+            start = max(before["peak_rss_bytes"], self._peak or 0)
+            peak = max(peak, start)
+            rise = peak - start
+        self._peak = peak if peak is not None else self._peak
+        rec = {"phase": name, "seconds": time.perf_counter() - t0, "peak_rss_bytes": peak,
+               "peak_rss_rise_bytes": rise, "rss_bytes": after["rss_bytes"], "rss_bytes_before": before["rss_bytes"]}
+        self.phases.append(rec)
+        if self._say is not None:
+            self._say(phase_line(rec))
+
+
+def phase_line(rec: Mapping[str, Any]) -> str:
+    """One progress line for a :class:`PhaseLog` record: ``phase NAME: S s, peak RSS X GiB (+R GiB), resident
+    Y GiB`` (``?`` where unknown)."""
+    gib = lambda b: "?" if b is None else f"{b / 2**30:.2f}"  # noqa: E731
+    rise = rec.get("peak_rss_rise_bytes")
+    return (f"phase {rec['phase']}: {rec['seconds']:.1f} s, peak RSS {gib(rec.get('peak_rss_bytes'))} GiB"
+            + ("" if rise is None else f" (+{rise / 2**30:.2f} GiB in this phase)")
+            + f", resident {gib(rec.get('rss_bytes'))} GiB")
 
 
 def fit_chunked_last(samples: List[dict]) -> Optional[Dict[str, Any]]:
@@ -1972,10 +2047,16 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         shapes = parse_stage_shapes(args.stage_shapes, cfg.num_hidden_layers)
     except ValueError as e:
         raise SystemExit(f"--stage-shapes: {e}") from None
-    bridge = None if args.no_bridge else measure_bridge([1024, 64 * 1024, 1024 * 1024], args.repeats)
-    # the bridge's all-reduce as training sums the shared gradients over it (fits.bridge_allreduce), both ranks
-    bridge_ar = (measure_bridge_allreduce(BRIDGE_ALLREDUCE_SIZES, max(args.repeats, 5))
-                 if bridge is not None and bridge else None)
+    # per phase: wall seconds and this process's peak / resident memory (the JSON's "phases"; a progress line each)
+    log = PhaseLog(None if args.no_progress else (lambda line: print(f"profile: {line}", file=sys.stderr, flush=True)))
+    bridge = bridge_ar = None
+    if not args.no_bridge:
+        with log.phase("bridge"):
+            bridge = measure_bridge([1024, 64 * 1024, 1024 * 1024], args.repeats)
+            # the bridge's all-reduce as training sums the shared gradients over it (fits.bridge_allreduce), both
+            # ranks
+            bridge_ar = (measure_bridge_allreduce(BRIDGE_ALLREDUCE_SIZES, max(args.repeats, 5))
+                         if bridge is not None and bridge else None)
     if bridge is not None and bridge and _mpi_rank() != 0:
         return {}
     devices = jax.devices()
@@ -1983,38 +2064,58 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     if args.slowdown != 1 and platform_name != "cpu":
         raise SystemExit("--slowdown (emulation) applies only to cpu islands")
     t0, snap = time.perf_counter(), cpu_snapshot(job_pids, children=True)
-    samples, updates = profile_compute(cfg, args.seq_len, mbs_list, tps, args.repeats, devices,
-                                       not args.no_progress, dps, dp_mbs)
-    samples += profile_stage_shapes(cfg, args.seq_len, mbs_list, tps, args.repeats, devices, shapes) if shapes else []
-    corun = (measure_corun(cfg, devices, args.seq_len, args.repeats, args.corun_neighbour)
-             + measure_update_pair(cfg, devices, args.repeats)
-             if args.corun == "on" or (args.corun == "auto" and platform_name == "cpu") else [])
-    if args.corun == "on" or (args.corun == "auto" and platform_name == "cpu"):  # the tail's updates in the runtime
-        corun += [] if args.no_runtime else measure_tail_pair(cfg, devices, args.repeats, args.seq_len)
-    corun += measure_launch(cfg, devices, args.seq_len, args.repeats)  # islands as threads: one launcher
-    corun += [] if args.no_runtime else measure_runtime_overhead(cfg, devices, args.repeats)
-    corun += [] if args.no_runtime else measure_cold(cfg, devices, args.seq_len, args.repeats)
-    corun += [] if args.no_runtime else measure_in_flight(cfg, devices, args.seq_len, args.repeats)
-    corun += [] if args.no_runtime else measure_action_costs(cfg, devices, args.seq_len, args.repeats)
-    corun += [] if args.no_runtime else measure_emulated_wait(max(args.repeats, 20))
+    with log.phase("compute"):
+        samples, updates = profile_compute(cfg, args.seq_len, mbs_list, tps, args.repeats, devices,
+                                           not args.no_progress, dps, dp_mbs)
+    if shapes:
+        with log.phase("stage_shapes"):
+            samples += profile_stage_shapes(cfg, args.seq_len, mbs_list, tps, args.repeats, devices, shapes)
+    corun: List[dict] = []
+    if args.corun == "on" or (args.corun == "auto" and platform_name == "cpu"):
+        with log.phase("corun"):
+            corun += (measure_corun(cfg, devices, args.seq_len, args.repeats, args.corun_neighbour)
+                      + measure_update_pair(cfg, devices, args.repeats))
+            # the tail's updates in the runtime
+            corun += [] if args.no_runtime else measure_tail_pair(cfg, devices, args.repeats, args.seq_len)
+    with log.phase("launch"):
+        corun += measure_launch(cfg, devices, args.seq_len, args.repeats)  # islands as threads: one launcher
+    if not args.no_runtime:
+        for name, measure in (("runtime_overhead", lambda: measure_runtime_overhead(cfg, devices, args.repeats)),
+                              ("cold", lambda: measure_cold(cfg, devices, args.seq_len, args.repeats)),
+                              ("in_flight", lambda: measure_in_flight(cfg, devices, args.seq_len, args.repeats)),
+                              ("action_costs", lambda: measure_action_costs(cfg, devices, args.seq_len, args.repeats)),
+                              ("emulated_wait", lambda: measure_emulated_wait(max(args.repeats, 20)))):
+            with log.phase(name):
+                corun += measure()
     cmbs = chunked_microbatch_sizes(args.chunked_mbs, mbs_list, (0, cfg.num_hidden_layers - 1) in shapes)
     if cmbs:  # heterogeneous DP's bucketed path
-        corun += measure_chunked_last(cfg, devices, args.seq_len, cmbs, args.repeats)
+        with log.phase("chunked_last"):
+            corun += measure_chunked_last(cfg, devices, args.seq_len, cmbs, args.repeats)
     act = args.seq_len * cfg.hidden_size * analytic.dtype_bytes(cfg.dtype)
     sizes = sorted({act * m for m in mbs_list} | {1 << 20, 8 << 20})
     if bridge is None and not args.no_runtime:  # not under mpiexec: the in-process bridge of islands as threads
-        corun += measure_local_bridge(sizes, args.repeats)
-    copies = measure_host_copy(devices[0], sizes, args.repeats)
-    allreduce = measure_allreduce(devices[:max(tps)], sizes, args.repeats)
-    copies += measure_shared_sum(cfg, devices, args.repeats, args.seq_len)
+        with log.phase("local_bridge"):
+            corun += measure_local_bridge(sizes, args.repeats)
+    with log.phase("host_copy_allreduce_shared_sum"):
+        copies = measure_host_copy(devices[0], sizes, args.repeats)
+        allreduce = measure_allreduce(devices[:max(tps)], sizes, args.repeats)
+        copies += measure_shared_sum(cfg, devices, args.repeats, args.seq_len)
     if not args.no_runtime:  # the tied embedding's sums with the stages on every profiled mesh
-        copies += measure_shared_sum_mesh(cfg, devices, sorted({(1, tp) for tp in tps} | {(dp, 1) for dp in dps}),
-                                          args.repeats, args.seq_len)
+        with log.phase("shared_sum_mesh"):
+            copies += measure_shared_sum_mesh(cfg, devices, sorted({(1, tp) for tp in tps} | {(dp, 1) for dp in dps}),
+                                              args.repeats, args.seq_len)
     prof = build_profile(cfg, args, samples, updates, copies, allreduce, bridge, platform_name, corun, bridge_ar)
     prof["others_cpu_share"] = others_share(snap, cpu_snapshot(job_pids, children=True))
     prof["others_cpu_share_excludes"] = ({"job_pids": job_pids, "note": "this job's other processes (given by "
                                           "--job-pids) are not counted as other processes"} if job_pids else None)
     prof["host_allocator"] = {"allocator": alloc["allocator"], "note": alloc["reason"]}
+    # a caller that goes on in this process (benchmarks/hetero_e2e.py's ranks train next, one rank profiling
+    # while the other waits) does not keep the profile's peak resident
+    with log.phase("release_host_memory"):
+        release_host_memory()
+    prof["chunked_microbatch_sizes"] = list(cmbs)
+    prof["phases"] = log.phases
+    prof["phases_note"] = PHASES_NOTE
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(prof, fh, indent=1)
@@ -2024,10 +2125,13 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         print(f"note: other processes{' (outside this job)' if job_pids else ''} used "
               f"{100 * prof['others_cpu_share']:.0f}% of this machine's CPUs while "
               f"profiling; the figures include their load (profile on an idle machine)")
-    # a caller that goes on in this process (benchmarks/hetero_e2e.py's ranks train next, one rank profiling
-    # while the other waits) does not keep the profile's peak resident
-    release_host_memory()
     return prof
+
+
+#: what a profile's ``phases`` records (``profile.main``, :class:`PhaseLog`)
+PHASES_NOTE = ("per phase of the profile, in order: wall seconds; peak_rss_bytes = the process's peak resident set "
+               "(VmHWM) at the phase's end, peak_rss_rise_bytes = how much the phase raised it (the phase with the "
+               "largest rise holds the profile's peak), rss_bytes = resident at its end; bytes")
 
 
 def _model(name: str) -> Any:

@@ -39,7 +39,7 @@ from typing import Any, Sequence
 from hethub_jax.train_hooks import (CheckpointHook, Console, ConsoleHook, EvalHook, Hook, MetricsHook,
                                     MetricsWriter, ProgressHook, TraceHook, TrainState)
 
-__all__ = ["main", "build_parser", "default_plan", "EXIT_CONFIG_ERROR"]
+__all__ = ["main", "build_parser", "default_plan", "warm_up_grad_allreduce", "EXIT_CONFIG_ERROR"]
 
 EXIT_CONFIG_ERROR = 2
 _PROG = "python -m hethub_jax.train"
@@ -995,48 +995,69 @@ def _warm_up_batch_shares(run: _Run) -> None:
 
 
 def _warm_up_grad_allreduce(run: _Run) -> None:
-    """``train.grad_bucket_mb: auto``: after the batch shares are set, time the step's forward/backward
-    with the gradient all-reduce in buckets and after the whole backward on one batch and keep the
-    faster (``PipelineRuntime.choose_grad_buckets``; no update is applied); prints both MEASURED
-    seconds. Nothing to do for a number, null, or a plan that cannot bucket (the banner says why)."""
-    rt = run.rt
+    """``train.grad_bucket_mb: auto``: :func:`warm_up_grad_allreduce` on the run's runtime, its warm-up
+    batch the training set's first global batch (read only when something is timed)."""
+    warm_up_grad_allreduce(run.rt, lambda: next(iter(run.train_ds.batches(run.plan.global_batch_size))),
+                           log=run.log, emulated=bool(run.emulation))
+
+
+def warm_up_grad_allreduce(rt: Any, batch: Any, log: bool = False, emulated: bool = False) -> dict | None:
+    """``train.grad_bucket_mb: auto``'s decision, the ONE copy (training's warm-up and
+    ``benchmarks/hetero_e2e.py`` call it): after the batch shares are set, time the step's forward/backward
+    with the gradient all-reduce in buckets and after the whole backward on one batch and keep the faster
+    (``PipelineRuntime.choose_grad_buckets``: each path once untimed, then 3 each interleaved, the slowest
+    rank's seconds, the fastest step per path; ``plan.keeps_bucketed_allreduce``: bucketed only when faster
+    by more than 2%; no update is applied); with ``log`` prints both MEASURED seconds and the kept path.
+
+    Args:
+      rt: a ``PipelineRuntime`` (its ``set_grad_buckets("auto")`` called; anything else: nothing to do).
+      batch: the warm-up batch (the global batch's arrays, the same on every rank) or a function of no
+        arguments returning it, called only when something is timed.
+      log: print the lines (rank 0); emulated: say that the seconds include EMULATED slowdowns.
+
+    Returns:
+      the runtime's record (``rt.grad_bucket_choice``: ``{"path", "bucketed_s", "unbucketed_s", "bucket_mb",
+      "steps", "reason"}``, seconds MEASURED; ``path`` None and ``reason`` set when the plan cannot bucket,
+      nothing timed), or None when ``auto`` is not pending (a number, null, or already decided).
+      Collective: every rank of the runtime calls it with the same batch.
+    """
     if not getattr(rt, "grad_bucket_auto_pending", False):
-        return
+        return None
     if rt.grad_bucket_off_reason() is not None:
-        rt.choose_grad_buckets({})  # records why nothing is timed (no batch is read)
-        return
-    if run.log:
+        return rt.choose_grad_buckets({})  # records why nothing is timed (no batch is read)
+    if log:
         print("heterogeneous DP: train.grad_bucket_mb auto: timing the gradient all-reduce in buckets and after "
               "the backward in a warm-up (forward/backward on one batch, no update)...", flush=True)
-    warm = next(iter(run.train_ds.batches(run.plan.global_batch_size)))
-    c = rt.choose_grad_buckets(warm)
-    if run.log:
+    c = rt.choose_grad_buckets(batch() if callable(batch) else batch)
+    if log:
         print(f"heterogeneous DP: MEASURED step forward/backward + all-reduce: bucketed ({c['bucket_mb']:g} MiB) "
               f"{c['bucketed_s']:.4g} s, after the backward {c['unbucketed_s']:.4g} s (fastest of {c['steps']}"
-              + (", EMULATED slowdowns included" if run.emulation else "")
+              + (", EMULATED slowdowns included" if emulated else "")
               + f") -> keeps the {'bucketed' if c['path'] == 'bucketed' else 'unbucketed (after the backward)'} "
                 f"all-reduce", flush=True)
+    return c
 
 
 def _predict_kept_path(run: _Run) -> None:
     """After ``train.grad_bucket_mb: auto``'s warm-up: when the MEASURED choice (``rt.grad_bucket_choice``)
     keeps the other gradient all-reduce path than the PREDICTED one (``Prediction.grad_allreduce``, the
     path ``plan.keeps_bucketed_allreduce`` keeps on the two PREDICTED steps), the run's prediction is
-    made again on the kept path, so that the banner, the metrics' ``run.prediction`` and the measured
-    against PREDICTED step time all speak of the path this run trains (both paths' PREDICTED steps are
-    kept beside it). No-op without a prediction, a choice, or a plan that cannot bucket."""
-    c, rp = getattr(run.rt, "grad_bucket_choice", None), run.prediction
-    if rp is None or not c or c.get("path") not in ("bucketed", "unbucketed"):
+    made again on the kept path (``train_predict.prediction_on_kept_path``, which
+    ``benchmarks/hetero_e2e.py`` calls too), so that the banner, the metrics' ``run.prediction`` and the
+    measured against PREDICTED step time all speak of the path this run trains (both paths' PREDICTED
+    steps are kept beside it). No-op without a prediction, a choice, or a plan that cannot bucket."""
+    rp = run.prediction
+    if rp is None:
         return
+    from hethub_jax.train_predict import prediction_on_kept_path
     p = rp.prediction
-    if getattr(p, "step_time_bucketed_s", None) is None or getattr(p, "grad_allreduce", c["path"]) == c["path"]:
+    new = prediction_on_kept_path(run.cfg.model, run.plan, p, rp.costs, rp.seq_len, rp.bridge,
+                                  getattr(run.rt, "grad_bucket_choice", None))
+    if new is p:
         return
-    from hethub_jax.planner.predictor import predict
-    new = predict(run.cfg.model, run.plan, dict(rp.costs), seq_len=rp.seq_len, bridge=rp.bridge,
-                  grad_bucket_mb=c.get("bucket_mb") if c["path"] == "bucketed" else None)
     run.prediction = dataclasses.replace(rp, prediction=new)
     if run.log:
-        print(f"PREDICTED step on the kept {c['path']} all-reduce: {new.step_time_s:.4g} s (the predictor "
+        print(f"PREDICTED step on the kept {new.grad_allreduce} all-reduce: {new.step_time_s:.4g} s (the predictor "
               f"expected the {p.grad_allreduce} path to be kept, {p.step_time_s:.4g} s)", flush=True)
 
 

@@ -33,7 +33,8 @@ from hethub_jax.planner.costs import cost_source_text
 __all__ = ["RunPrediction", "predict_run", "plan_from_cluster", "profile_device", "measured_bubble",
            "PROFILE_SETTINGS", "planner_microbatch_sizes", "microbatch_sizes_to_profile", "tp_degrees_to_profile",
            "profiled_tp_degrees", "dp_degrees_to_profile", "dp_microbatch_sizes_to_profile", "profiled_dp_degrees",
-           "profiled_microbatch_sizes", "chunked_microbatch_sizes_to_profile", "extrapolation_note", "plan_command", "cores_note"]
+           "profiled_microbatch_sizes", "chunked_microbatch_sizes_to_profile", "extrapolation_note", "plan_command", "cores_note",
+           "prediction_on_kept_path"]
 
 #: the brief profile of plan-less training (``python -m hethub_jax.profile`` flags): the fastest of 2
 #: timed calls (the machine may be shared); no co-run slowdown, runtime per-action seconds or in-process
@@ -319,6 +320,32 @@ def grad_allreduce_line(p: Any) -> Optional[str]:
             f"PREDICTED faster: {bk.get('faster')} (this run: {p.grad_allreduce}; chunked last microbatch "
             f"{', '.join(f'{k} x{v:.3f}' for k, v in bk.get('ratio', {}).items()) or 'none'}"
             f"{' from ' + '/'.join(src) if src else ''})")
+
+
+def prediction_on_kept_path(cfg: Any, plan: Any, prediction: Any, costs: Mapping[str, Any], seq_len: int,
+                            bridge: Any, choice: Optional[Mapping[str, Any]]) -> Any:
+    """The PREDICTED step on the gradient all-reduce path a run KEPT: ``prediction`` itself when the
+    MEASURED choice ``choice`` (``PipelineRuntime.grad_bucket_choice``, made by ``train.grad_bucket_mb:
+    auto``'s warm-up, ``hethub_jax.train.warm_up_grad_allreduce``) kept the path ``prediction`` is on
+    (``Prediction.grad_allreduce``), when there is no choice (a number or null ``grad_bucket_mb``) or it
+    chose nothing (the plan cannot bucket), or when the plan was not PREDICTED on both paths
+    (``step_time_bucketed_s`` None); else ``planner.predictor.predict`` again on the kept path (bucketed
+    at the choice's ``bucket_mb``, or unbucketed), whose other-path figures equal ``prediction``'s. The ONE
+    copy of this rule: training (``train._predict_kept_path``) and ``benchmarks/hetero_e2e.py`` call it.
+
+    Args:
+      cfg, plan, costs (per island name), seq_len, bridge: as ``predict`` was called for ``prediction``.
+      prediction: a ``planner.predictor.Prediction``.
+      choice: ``{"path": "bucketed" | "unbucketed" | None, "bucket_mb": MiB, ...}`` or None.
+    """
+    if not choice or choice.get("path") not in ("bucketed", "unbucketed"):
+        return prediction
+    if getattr(prediction, "step_time_bucketed_s", None) is None \
+            or getattr(prediction, "grad_allreduce", choice["path"]) == choice["path"]:
+        return prediction
+    from hethub_jax.planner.predictor import predict
+    return predict(cfg, plan, dict(costs), seq_len=seq_len, bridge=bridge,
+                   grad_bucket_mb=choice.get("bucket_mb") if choice["path"] == "bucketed" else None)
 
 
 def _profile_date(path: Optional[str]) -> Optional[str]:

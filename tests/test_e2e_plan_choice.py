@@ -162,17 +162,25 @@ def test_planless_training_profiles_up_to_the_global_batch(tmp_path, monkeypatch
 
 
 def test_e2e_benchmark_defaults_follow_training():
-    """hetero_e2e's hetero-DP contender runs the bucketed all-reduce at training's default bucket size
-    (it ran unbucketed before session 9: the runtime's own default is off), and profiles every size the
-    planner may choose by default."""
+    """hetero_e2e's two-island runtimes take training's default gradient all-reduce setting (``auto``: the
+    warm-up measures both paths and keeps the faster; session 17: before, it forced the bucketed path at
+    auto's bucket size, and before session 9 it ran unbucketed), and profile every size the planner may
+    choose by default."""
     import os
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-    from benchmarks.hetero_e2e import parser
-    from hethub_jax.parallel.plan import AUTO_GRAD_BUCKET_MB
+    from benchmarks.hetero_e2e import parser, runtime_grad_buckets
+    from hethub_jax.train import config_field_default
     args = parser().parse_args(["--json", "x.json"])
-    assert args.bucket_mb == AUTO_GRAD_BUCKET_MB  # the size training's default (auto) measures
+    assert args.bucket_mb == config_field_default("train.grad_bucket_mb") == "auto"
+    assert runtime_grad_buckets(args.bucket_mb) == "auto"
     assert args.profile_mbs == "auto" and args.batch == 64
+    forced = parser().parse_args(["--json", "x.json", "--bucket-mb", "25"])
+    assert runtime_grad_buckets(forced.bucket_mb) == 25.0
+    assert runtime_grad_buckets(parser().parse_args(["--json", "x", "--bucket-mb", "0"]).bucket_mb) is None
+    for bad in ("-1", "fast", "nan"):
+        with pytest.raises(SystemExit):
+            parser().parse_args(["--json", "x.json", "--bucket-mb", bad])
 
 
 def test_tp_degrees_profiled_are_those_the_planner_may_choose():
