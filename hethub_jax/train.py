@@ -483,6 +483,8 @@ class _Run:
       start_step: steps already done (resume), 0 otherwise.
       resuming: whether this run resumes: ``train.resume``, or with ``train.resume`` null whether
         ``checkpoint_dir`` holds a complete checkpoint (:func:`_resolve_resume`).
+      idle_devices: the devices of the run's processes that no stage uses (:func:`idle_devices`; the run
+        record's ``idle_devices``).
     """
 
     args: argparse.Namespace
@@ -506,6 +508,7 @@ class _Run:
     saver: Any = None
     resumed_from: dict | None = None
     resuming: bool = False  # train.resume, with null resolved (``_resolve_resume``)
+    idle_devices: list = dataclasses.field(default_factory=list)  # ``idle_devices``: devices no stage uses
 
 
 def _load_config(args: argparse.Namespace):
@@ -590,6 +593,7 @@ def _check_launch(run: _Run) -> None:
                 raise _ConfigError(str(e)) from None
         records = _agreed(run.comm, shake, run.cfg.train.message_timeout_s)
         counts = {r: rec["local_device_count"] for r, rec in enumerate(records)}
+    run.idle_devices = idle_devices(plan, counts)
     note = unused_devices_note(plan, counts, built_in=run.cfg.train.plan is None, planned=run.args.cluster)
     if note:
         run.plan_notes.append(note)
@@ -640,47 +644,82 @@ def _ranges(idx: Sequence[int]) -> str:
     return ", ".join(out)
 
 
-def unused_devices_note(plan, counts: dict, built_in: bool = False, planned: str | None = None) -> str | None:
-    """A WARNING line when processes of the run have JAX devices that no stage of ``plan`` uses, else
-    None. A warning, not an error: the plan is explicit (unlike MaxText, whose mesh is derived from
-    every visible device and which fails when the product of the parallel degrees differs from the
-    device count, or Megatron, which derives DP from the world size), and the built-in one-device plan
-    must run on a multi-device machine; but idle accelerators are almost never what a user wants.
+def idle_devices(plan, counts: dict) -> list[dict]:
+    """The JAX devices of the run's processes that no stage of ``plan`` uses, one record per process that
+    has any (``[]`` when every device is used); the run record's ``idle_devices`` (metrics file).
 
     Args:
       plan: the validated plan.
       counts: devices present: ``{platform: count}`` for a single process running every island (the
         islands of one platform then share that process's devices, indices from 0), or ``{rank:
         count}`` (local devices of each MPI rank, from the start-up handshake).
-      built_in: the plan is the built-in default (no ``--plan``): the advice says so.
-      planned: the cluster spec of plan-less training (``--cluster``): the plan is the planner's choice,
-        which left the devices idle on purpose (the fastest plan it PREDICTED); the line (a plan note,
-        which the banner prints after ``note:``) then says so and how to see the alternatives, not a
-        WARNING advising ``--cluster``.
+
+    Returns:
+      Single process: ``{"platform", "devices" (count), "used", "idle"}`` per platform; under MPI:
+      ``{"rank", "island", "platform", "devices", "used", "idle"}`` per rank; ``used`` and ``idle`` are
+      sorted local device indices.
     """
-    parts = []
+    out = []
     if all(isinstance(k, str) for k in counts):  # one process runs every island
         for platform, have in counts.items():
             used = set().union(*(used_device_indices(plan, i.name) for i in plan.islands if i.platform == platform))
             idle = [i for i in range(have) if i not in used]
             if idle:
-                parts.append(f"this process has {have} {platform} device(s), the plan uses {len(used)} "
-                             f"(indices {_ranges(sorted(used))}); unused: {_ranges(idle)}")
+                out.append({"platform": platform, "devices": have, "used": sorted(used), "idle": idle})
     else:
         for rank, have in sorted(counts.items()):
             isl = plan.rank_island(rank)
             used = used_device_indices(plan, isl.name, plan.process_index(rank))
             idle = [i for i in range(have) if i not in used]
             if idle:
-                parts.append(f"rank {rank} (island {isl.name}) has {have} {isl.platform} device(s), the plan "
-                             f"uses {len(used)}; unused local device(s): {_ranges(idle)}")
-    if not parts:
+                out.append({"rank": rank, "island": isl.name, "platform": isl.platform, "devices": have,
+                            "used": sorted(used), "idle": idle})
+    return out
+
+
+def _idle_summary(records: list[dict]) -> str:
+    """``"1 of 2 on island fast, 2 of 4 on island slow"`` (per island, summed over its ranks), or for one
+    process running every island ``"3 of 4 cpu devices of this process"``."""
+    per: dict[str, list[int]] = {}
+    for r in records:
+        key = f"island {r['island']}" if "island" in r else f"{r['platform']} devices of this process"
+        n = per.setdefault(key, [0, 0])
+        n[0], n[1] = n[0] + len(r["idle"]), n[1] + r["devices"]
+    return ", ".join(f"{idle} of {have} {'on ' if k.startswith('island') else ''}{k}"
+                     for k, (idle, have) in per.items())
+
+
+def unused_devices_note(plan, counts: dict, built_in: bool = False, planned: str | None = None) -> str | None:
+    """A line when processes of the run have JAX devices that no stage of ``plan`` uses
+    (:func:`idle_devices`), else None. A WARNING, not an error: the plan is explicit (unlike MaxText,
+    whose mesh is derived from every visible device and which fails when the product of the parallel
+    degrees differs from the device count, or Megatron, which derives DP from the world size), and the
+    built-in one-device plan must run on a multi-device machine; but idle accelerators are almost never
+    what a user wants.
+
+    Args:
+      plan: the validated plan.
+      counts: devices present, as :func:`idle_devices` takes them.
+      built_in: the plan is the built-in default (no ``--plan``): the advice says so.
+      planned: the cluster spec of plan-less training (``--cluster``): the plan is the planner's choice,
+        which left the devices idle on purpose (the fastest plan it PREDICTED); the line (a plan note,
+        which the banner prints after ``note:``) is then a short summary, per island how many of its
+        devices are idle and why, under 120 characters; the per-rank device indices are in the metrics
+        file's run record (``idle_devices``).
+    """
+    records = idle_devices(plan, counts)
+    if not records:
         return None
     if planned is not None:
-        return (f"devices left idle by the planner: {'; '.join(parts)}: the plan it chose for {planned} "
-                f"(the least PREDICTED step time among the plans it predicted) does not use them (its "
-                f"'devices used' line above); the python -m hethub_jax.plan command printed with the chosen plan "
-                f"shows the alternatives with --top 3 (docs/planner.md)")
+        return f"devices left idle: {_idle_summary(records)}: unused by the planner's fastest PREDICTED plan"
+    parts = []
+    for r in records:
+        if "rank" in r:
+            parts.append(f"rank {r['rank']} (island {r['island']}) has {r['devices']} {r['platform']} device(s), "
+                         f"the plan uses {len(r['used'])}; unused local device(s): {_ranges(r['idle'])}")
+        else:
+            parts.append(f"this process has {r['devices']} {r['platform']} device(s), the plan uses "
+                         f"{len(r['used'])} (indices {_ranges(r['used'])}); unused: {_ranges(r['idle'])}")
     head = "the built-in plan (one island, one stage, one device)" if built_in else "the plan"
     return (f"WARNING: unused devices: {'; '.join(parts)}. They stay idle: {head} does not use them. To use "
             f"them, give a plan whose stages cover them (python -m hethub_jax.train --plan PLAN.json): more data "
@@ -1189,6 +1228,7 @@ def _run_record(run: _Run) -> dict[str, Any]:
         "plan": plan.to_dict(), "plan_file": run.cfg.train.plan, "batch_shares": list(run.rt.shares),
         "grad_allreduce": getattr(run.rt, "grad_bucket_choice", None),
         "batch_shares_source": run.share_source,
+        "idle_devices": run.idle_devices,
         "num_params": run.cfg.model.num_params(),
         "emulation": {"active": bool(run.emulation), "lines": run.emulation,
                       "slowdown": {i.name: i.slowdown for i in plan.islands}},
