@@ -129,6 +129,25 @@ def latest_step(checkpoint_dir: str | os.PathLike, num_layers: int) -> int | Non
     return steps[0] if steps else None
 
 
+def looks_saved(checkpoint_dir: str | os.PathLike, step: int, num_layers: int) -> bool:
+    """Whether every unit of ``step`` looks as a save leaves it, without reading an array: its CRC file
+    (written after orbax finished the unit) reads as a non-empty JSON object (one ``[crc32, shape,
+    dtype]`` per array; every unit holds arrays) and its directory holds a file or directory that is not
+    hidden (orbax's). A cheap check (a few small files per unit), e.g. for ``train`` to decide that a
+    finished run has nothing to do before it plans; the arrays' checksums are verified only when a step
+    is restored (:func:`restore_latest`)."""
+    d = step_dir(checkpoint_dir, step)
+    for u in model_units(num_layers):
+        try:
+            with open(d / f"{u}.crc.json") as f:
+                crc = json.load(f)
+            if not isinstance(crc, dict) or not crc or not any(not p.name.startswith(".") for p in (d / u).iterdir()):
+                return False
+        except (OSError, ValueError):
+            return False
+    return True
+
+
 def _atomic_json(path: Path, obj: Any) -> None:
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     with open(tmp, "w") as f:

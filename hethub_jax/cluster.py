@@ -45,6 +45,7 @@ __all__ = [
     "set_jax_platform", "start", "config_hash", "package_versions", "handshake_record",
     "compare_records", "handshake", "install_abort_on_exception", "join_job", "launcher_rank",
     "start_watchdog", "StartFailed", "MPI_INIT_TIMEOUT_S", "agree_errors", "SetUpFailed",
+    "gather_texts",
 ]
 
 ENV_ISLAND = "HETHUB_ISLAND"
@@ -403,6 +404,21 @@ def agree_errors(error: str | None, timeout: float, comm: Any = None) -> None:
                             what=f"a set-up agreement point within {timeout:g} s")
     if failed:
         raise SetUpFailed(failed, comm.Get_rank(), comm.Get_size())
+
+
+def gather_texts(text: str, timeout: float, what: str = "an agreement point") -> dict[int, str]:
+    """Every rank's ``text`` after MPI started: ``{world rank: its text}`` on every rank, through the
+    same fixed-size allgather over ``MPI.COMM_WORLD`` as :func:`agree_errors` (``text`` cut to 2047 UTF-8
+    bytes), so that the ranks can check that they reached the same decision (e.g. train's check that the
+    newest checkpoint already reaches ``train.steps``). Every rank must call it at the same point.
+
+    Raises:
+      TimeoutError: a rank did not arrive within ``timeout`` seconds (``what`` names the point).
+    """
+    from mpi4py import MPI
+
+    return _gather_errors(MPI.COMM_WORLD, text, _AGREE_BYTES, deadline=time.monotonic() + timeout,
+                          what=f"{what} within {timeout:g} s")
 
 
 _WATCHDOG_CHILD = r"""

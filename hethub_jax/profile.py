@@ -643,6 +643,21 @@ def _progress_bar(total: int, progress: bool) -> Any:
                                     "{postfix}")
 
 
+def progress_setting(dp: int, tp: int, kind: str, mbs: int) -> str:
+    """The stage setting :func:`profile_compute` is measuring, for its progress line: the ``(dp, tp)`` mesh,
+    the stage kind and the microbatch in samples, in total and, on a DP mesh, per DP rank, e.g.
+    ``"mesh 2x1 (dp x tp), first stage, microbatch 4 = 2 per DP rank x 2"``; ``kind``: a key of
+    :func:`_stage_ranges`; ``mbs``: samples per DP rank."""
+    stage = _STAGE_WORDS.get(kind, f"{kind} stage")
+    total = f"microbatch {mbs * dp}" + (f" = {mbs} per DP rank x {dp}" if dp > 1 else "")
+    return f"mesh {dp}x{tp} (dp x tp), {stage}, {total}"
+
+
+#: the stage kinds of :func:`_stage_ranges` in words (progress lines)
+_STAGE_WORDS = {"first": "first stage", "mid1": "middle stage of 1 layer", "mid2": "middle stage of 2 layers",
+                "last": "last stage"}
+
+
 def profile_compute(cfg: Any, seq_len: int, mbs_list: Sequence[int], tps: Sequence[int], repeats: int,
                     devices: Sequence[Any], progress: bool, dps: Sequence[int] = (1,),
                     dp_mbs_list: Optional[Sequence[int]] = None) -> tuple:
@@ -665,7 +680,7 @@ def profile_compute(cfg: Any, seq_len: int, mbs_list: Sequence[int], tps: Sequen
         for kind, (fl, ll) in ranges.items():
             st = PipelineStage(cfg, fl, ll, list(devices[:dp * tp]), dp, tp, seed=0, recompute=False, optimizer=tx)
             for mbs in sizes_of(dp):
-                bar.set_postfix_str(f"mesh={dp}x{tp} {kind} mb={mbs * dp}", refresh=False)
+                bar.set_postfix_str(progress_setting(dp, tp, kind, mbs), refresh=False)
                 for phase, sec in measure_stage(st, cfg, mbs * dp, seq_len, repeats).items():
                     samples.append({"kind": "stage", "stage": kind, "first_layer": fl, "last_layer": ll,
                                     "layers": ll - fl + 1, "is_first": st.is_first, "is_last": st.is_last,

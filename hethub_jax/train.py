@@ -5,7 +5,9 @@
 1. set-up (``_set_up``): parse the command line -> load and validate the config
    (``hethub_jax.config``) -> under ``mpiexec``, start this rank's island -> the plan
    (``Plan.validate``) -> the datasets (``hethub_jax.data``) -> launch checks -> the pipeline runtime
-   (``hethub_jax.parallel.runtime``). Every failure here is a configuration error.
+   (``hethub_jax.parallel.runtime``). Every failure here is a configuration error. A run whose newest
+   checkpoint already reaches ``train.steps`` ends here with one line and status 0 (``finished_step``;
+   plan-less training before it profiles or plans).
 2. warm-up (``_warm_up_batch_shares``, ``_warm_up_grad_allreduce``): heterogeneous DP without shares in
    the plan measures them; with ``train.grad_bucket_mb: auto`` (default) it then times the gradient
    all-reduce in buckets and after the backward and keeps the faster.
@@ -483,6 +485,8 @@ class _Run:
       start_step: steps already done (resume), 0 otherwise.
       resuming: whether this run resumes: ``train.resume``, or with ``train.resume`` null whether
         ``checkpoint_dir`` holds a complete checkpoint (:func:`_resolve_resume`).
+      idle_devices: the devices of the run's processes that no stage uses (:func:`idle_devices`; the run
+        record's ``idle_devices``).
     """
 
     args: argparse.Namespace
@@ -506,6 +510,7 @@ class _Run:
     saver: Any = None
     resumed_from: dict | None = None
     resuming: bool = False  # train.resume, with null resolved (``_resolve_resume``)
+    idle_devices: list = dataclasses.field(default_factory=list)  # ``idle_devices``: devices no stage uses
 
 
 def _load_config(args: argparse.Namespace):
@@ -590,6 +595,7 @@ def _check_launch(run: _Run) -> None:
                 raise _ConfigError(str(e)) from None
         records = _agreed(run.comm, shake, run.cfg.train.message_timeout_s)
         counts = {r: rec["local_device_count"] for r, rec in enumerate(records)}
+    run.idle_devices = idle_devices(plan, counts)
     note = unused_devices_note(plan, counts, built_in=run.cfg.train.plan is None, planned=run.args.cluster)
     if note:
         run.plan_notes.append(note)
@@ -640,48 +646,82 @@ def _ranges(idx: Sequence[int]) -> str:
     return ", ".join(out)
 
 
-def unused_devices_note(plan, counts: dict, built_in: bool = False, planned: str | None = None) -> str | None:
-    """A WARNING line when processes of the run have JAX devices that no stage of ``plan`` uses, else
-    None. A warning, not an error: the plan is explicit (unlike MaxText, whose mesh is derived from
-    every visible device and which fails when the product of the parallel degrees differs from the
-    device count, or Megatron, which derives DP from the world size), and the built-in one-device plan
-    must run on a multi-device machine; but idle accelerators are almost never what a user wants.
+def idle_devices(plan, counts: dict) -> list[dict]:
+    """The JAX devices of the run's processes that no stage of ``plan`` uses, one record per process that
+    has any (``[]`` when every device is used); the run record's ``idle_devices`` (metrics file).
 
     Args:
       plan: the validated plan.
       counts: devices present: ``{platform: count}`` for a single process running every island (the
         islands of one platform then share that process's devices, indices from 0), or ``{rank:
         count}`` (local devices of each MPI rank, from the start-up handshake).
-      built_in: the plan is the built-in default (no ``--plan``): the advice says so.
-      planned: the cluster spec of plan-less training (``--cluster``): the plan is the planner's choice,
-        which left the devices idle on purpose (the fastest plan it PREDICTED); the line (a plan note,
-        which the banner prints after ``note:``) then says so and how to see the alternatives, not a
-        WARNING advising ``--cluster``.
+
+    Returns:
+      Single process: ``{"platform", "devices" (count), "used", "idle"}`` per platform; under MPI:
+      ``{"rank", "island", "platform", "devices", "used", "idle"}`` per rank; ``used`` and ``idle`` are
+      sorted local device indices.
     """
-    parts = []
+    out = []
     if all(isinstance(k, str) for k in counts):  # one process runs every island
         for platform, have in counts.items():
             used = set().union(*(used_device_indices(plan, i.name) for i in plan.islands if i.platform == platform))
             idle = [i for i in range(have) if i not in used]
             if idle:
-                parts.append(f"this process has {have} {platform} device(s), the plan uses {len(used)} "
-                             f"(indices {_ranges(sorted(used))}); unused: {_ranges(idle)}")
+                out.append({"platform": platform, "devices": have, "used": sorted(used), "idle": idle})
     else:
         for rank, have in sorted(counts.items()):
             isl = plan.rank_island(rank)
             used = used_device_indices(plan, isl.name, plan.process_index(rank))
             idle = [i for i in range(have) if i not in used]
             if idle:
-                parts.append(f"rank {rank} (island {isl.name}) has {have} {isl.platform} device(s), the plan "
-                             f"uses {len(used)}; unused local device(s): {_ranges(idle)}")
-    if not parts:
+                out.append({"rank": rank, "island": isl.name, "platform": isl.platform, "devices": have,
+                            "used": sorted(used), "idle": idle})
+    return out
+
+
+def _idle_summary(records: list[dict]) -> str:
+    """``"1 of 2 on island fast, 2 of 4 on island slow"`` (per island, summed over its ranks), or for one
+    process running every island ``"3 of 4 cpu devices of this process"``."""
+    per: dict[str, list[int]] = {}
+    for r in records:
+        key = f"island {r['island']}" if "island" in r else f"{r['platform']} devices of this process"
+        n = per.setdefault(key, [0, 0])
+        n[0], n[1] = n[0] + len(r["idle"]), n[1] + r["devices"]
+    return ", ".join(f"{idle} of {have} {'on ' if k.startswith('island') else ''}{k}"
+                     for k, (idle, have) in per.items())
+
+
+def unused_devices_note(plan, counts: dict, built_in: bool = False, planned: str | None = None) -> str | None:
+    """A line when processes of the run have JAX devices that no stage of ``plan`` uses
+    (:func:`idle_devices`), else None. A WARNING, not an error: the plan is explicit (unlike MaxText,
+    whose mesh is derived from every visible device and which fails when the product of the parallel
+    degrees differs from the device count, or Megatron, which derives DP from the world size), and the
+    built-in one-device plan must run on a multi-device machine; but idle accelerators are almost never
+    what a user wants.
+
+    Args:
+      plan: the validated plan.
+      counts: devices present, as :func:`idle_devices` takes them.
+      built_in: the plan is the built-in default (no ``--plan``): the advice says so.
+      planned: the cluster spec of plan-less training (``--cluster``): the plan is the planner's choice,
+        which left the devices idle on purpose (the fastest plan it PREDICTED); the line (a plan note,
+        which the banner prints after ``note:``) is then a short summary, per island how many of its
+        devices are idle and why, under 120 characters; the per-rank device indices are in the metrics
+        file's run record (``idle_devices``).
+    """
+    records = idle_devices(plan, counts)
+    if not records:
         return None
     if planned is not None:
-        from hethub_jax.planner.search import DEFAULT_TOP_K
-        return (f"devices left idle by the planner: {'; '.join(parts)}: the plan it chose for {planned} "
-                f"(the least PREDICTED step time among the plans it predicted) does not use them (its "
-                f"'devices used' line above); the python -m hethub_jax.plan command printed with the chosen plan "
-                f"shows the alternatives with --top {DEFAULT_TOP_K} (docs/planner.md)")
+        return f"devices left idle: {_idle_summary(records)}: unused by the planner's fastest PREDICTED plan"
+    parts = []
+    for r in records:
+        if "rank" in r:
+            parts.append(f"rank {r['rank']} (island {r['island']}) has {r['devices']} {r['platform']} device(s), "
+                         f"the plan uses {len(r['used'])}; unused local device(s): {_ranges(r['idle'])}")
+        else:
+            parts.append(f"this process has {r['devices']} {r['platform']} device(s), the plan uses "
+                         f"{len(r['used'])} (indices {_ranges(r['used'])}); unused: {_ranges(r['idle'])}")
     head = "the built-in plan (one island, one stage, one device)" if built_in else "the plan"
     return (f"WARNING: unused devices: {'; '.join(parts)}. They stay idle: {head} does not use them. To use "
             f"them, give a plan whose stages cover them (python -m hethub_jax.train --plan PLAN.json): more data "
@@ -736,6 +776,81 @@ def _check_resume(run: _Run) -> None:
             break
     except (ckpt.CheckpointMismatch, ckpt.CheckpointError) as e:
         raise _ConfigError(f"train.resume: {e}{_null_resume_hint(t)}") from None
+
+
+class _NothingToDo(Exception):
+    """Set-up found that the newest checkpoint already reaches ``train.steps`` (:func:`finished_step`,
+    agreed by every rank): ``main`` prints :func:`nothing_to_do_line` on rank 0 and returns 0 on every rank."""
+
+    def __init__(self, step: int, train: Any, rank: int):
+        self.step, self.train, self.rank = step, train, rank
+        super().__init__(nothing_to_do_line(step, train))
+
+
+def finished_step(cfg, global_batch_size: int) -> int | None:
+    """The step of the newest complete checkpoint in ``train.checkpoint_dir`` when this run would resume
+    from it (``train.resume`` null or true) and it already reaches ``train.steps``, so that there is
+    nothing to train; else None. Reads only the directory listing, that step's ``meta.json`` and its CRC
+    files (``checkpoint.looks_saved``), so that a rerun of a finished run is found before profiling,
+    planning, compiling or any warm-up.
+
+    None also when the directory, that step's ``meta.json`` or a CRC file does not read (or a unit
+    directory is empty), or the step was written for another model / data set-up / global batch
+    (``checkpoint.check_compatible`` with ``global_batch_size``, samples): the usual resume path then
+    reports the mismatch or the corrupt step, or falls back past it. The step's arrays are not read (their
+    checksums are verified when a run restores them, e.g. with a larger ``--steps``).
+
+    Args:
+      cfg: the validated config (``hethub_jax.config.TrainConfig``).
+      global_batch_size: the run's global batch (samples): the plan's, or for plan-less training the one
+        the planner is asked for (``train.global_batch_size``, else ``config.DEFAULT_BATCH_SIZE``).
+    """
+    from hethub_jax import checkpoint as ckpt
+
+    t = cfg.train
+    if t.checkpoint_dir is None or t.resume is False:
+        return None
+    try:
+        steps = ckpt.complete_steps(t.checkpoint_dir, cfg.model.num_hidden_layers)
+    except OSError:  # an unreadable directory: reported by the output checks that follow
+        return None
+    if not steps or steps[0] < t.steps or not ckpt.looks_saved(t.checkpoint_dir, steps[0], cfg.model.num_hidden_layers):
+        return None
+    try:
+        meta = ckpt.read_meta(t.checkpoint_dir, steps[0])
+        ckpt.check_compatible(meta, cfg.to_dict(), global_batch_size, where=f"checkpoint step {steps[0]}")
+    except (ckpt.CheckpointError, ckpt.CheckpointMismatch):
+        return None
+    return steps[0]
+
+
+def nothing_to_do_line(step: int, t) -> str:
+    """The one line a run prints when its checkpoint ``step`` already reaches ``train.steps`` (``t``:
+    ``TrainSettings``): the step, that nothing was changed, and how to train further."""
+    return (f"nothing to do: the newest checkpoint, step {step} in {t.checkpoint_dir}, already reaches "
+            f"train.steps={t.steps} (the outputs are kept). To train further: --steps M with M > {step} resumes from "
+            f"step {step} (optim.decay_steps defaults to train.steps, so the cosine decay then spans M steps: "
+            f"README); --no-resume starts again from step 0")
+
+
+def _agreed_finished_step(cfg, global_batch_size: int, size: int, timeout: float) -> int | None:
+    """:func:`finished_step` when every rank found the same (one checkpoint directory that every rank
+    sees: a shared file system), else None on every rank: the run then goes on to the usual resume
+    checks, which report ranks that see different checkpoint steps (``checkpoint.agree_steps``), so that
+    every rank takes the same path and none waits for a rank that has left. ``size``: the MPI job's ranks
+    (1: no MPI; else MPI has started, and every rank calls this at the same point).
+
+    Raises:
+      TimeoutError: under MPI, a rank did not arrive within ``timeout`` seconds (``cluster.gather_texts``).
+    """
+    step = finished_step(cfg, global_batch_size)
+    if size <= 1:
+        return step
+    from hethub_jax import cluster
+
+    seen = cluster.gather_texts("none" if step is None else str(step), timeout,
+                                what="the check of the newest checkpoint")
+    return step if len(set(seen.values())) == 1 else None
 
 
 def _null_resume_hint(t) -> str:
@@ -815,6 +930,9 @@ def _set_up(args: argparse.Namespace) -> _Run:
     """Config, processes, plan, data, launch checks and the pipeline runtime, in that order.
 
     Raises:
+      _NothingToDo: the newest checkpoint already reaches ``train.steps`` (:func:`finished_step`, agreed by
+        every rank): plan-less training finds it before profiling and planning, other runs after the
+        launch checks, before any output is locked or anything compiled.
       _ConfigError: any configuration error, before anything is compiled.
     """
     cfg = _load_config(args)
@@ -838,6 +956,10 @@ def _set_up(args: argparse.Namespace) -> _Run:
     run = _Run(args=args, cfg=cfg, plan=plan, plan_notes=notes, comm=comm, rank=rank,
                world_size=world_size, island=island, train_ds=train_ds, val_ds=val_ds)
     _check_launch(run)
+    if planned is None:  # (plan-less training checked before planning) a finished run ends before any warm-up
+        done = _agreed_finished_step(cfg, plan.global_batch_size, world_size, timeout)
+        if done is not None:
+            raise _NothingToDo(done, cfg.train, rank)
     try:
         _agreed(comm, lambda: _check_outputs(run), timeout)
         _agreed(comm, lambda: _check_resume(run), timeout)
@@ -883,6 +1005,10 @@ def _plan_from_cluster(args: argparse.Namespace, cfg):
         from hethub_jax import cluster
         rank = cluster.join_job()  # every rank passed its own checks before rank 0 profiles and plans
     t = cfg.train
+    # a rerun of a finished run ends here, before the profile is measured or reused and before planning
+    done = _agreed_finished_step(cfg, t.global_batch_size or DEFAULT_BATCH_SIZE, size, t.message_timeout_s)
+    if done is not None:
+        raise _NothingToDo(done, t, rank)
     out_dir = planned_dir(t.metrics_file)
     spec = cfg.model_spec
     preset = spec if isinstance(spec, str) else spec.get("preset", "tiny") if isinstance(spec, dict) else "tiny"
@@ -1213,6 +1339,7 @@ def _run_record(run: _Run) -> dict[str, Any]:
         "plan": plan.to_dict(), "plan_file": run.cfg.train.plan, "batch_shares": list(run.rt.shares),
         "grad_allreduce": getattr(run.rt, "grad_bucket_choice", None),
         "batch_shares_source": run.share_source,
+        "idle_devices": run.idle_devices,
         "num_params": run.cfg.model.num_params(),
         "emulation": {"active": bool(run.emulation), "lines": run.emulation,
                       "slowdown": {i.name: i.slowdown for i in plan.islands}},
@@ -1393,6 +1520,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _peers_failed(e)
     except SetUpFailed as e:
         return _set_up_failed(e, args)
+    except _NothingToDo as e:  # every rank: the newest checkpoint already reaches train.steps
+        if e.rank == 0:
+            print(str(e), flush=True)
+        return 0
     try:
         return _main(run, args)
     except _ConfigError as e:
@@ -1412,10 +1543,8 @@ def _main(run: _Run, args: argparse.Namespace) -> int:
     if run.resuming:
         _agreed(run.comm, lambda: _resume(run), t.message_timeout_s)
         if run.start_step >= t.steps:
-            if run.log:
-                print(f"checkpoint step {run.start_step} already reaches train.steps={t.steps}; nothing to do "
-                      f"(raise --steps to train further; --no-resume starts again from step 0; the outputs "
-                      f"are kept: metrics {t.metrics_file}, checkpoints {t.checkpoint_dir})", flush=True)
+            if run.log:  # (set-up ends such a run earlier unless the newest step's meta.json did not read)
+                print(nothing_to_do_line(run.start_step, t), flush=True)
             return 0
     if run.log:
         print("\n".join(_banner(run)), flush=True)

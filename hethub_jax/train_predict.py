@@ -33,8 +33,8 @@ from hethub_jax.planner.costs import cost_source_text
 __all__ = ["RunPrediction", "predict_run", "plan_from_cluster", "profile_device", "measured_bubble",
            "PROFILE_SETTINGS", "planner_microbatch_sizes", "microbatch_sizes_to_profile", "tp_degrees_to_profile",
            "profiled_tp_degrees", "dp_degrees_to_profile", "dp_microbatch_sizes_to_profile", "profiled_dp_degrees",
-           "profiled_microbatch_sizes", "chunked_microbatch_sizes_to_profile", "extrapolation_note", "plan_command", "cores_note",
-           "prediction_on_kept_path"]
+           "profiled_microbatch_sizes", "chunked_microbatch_sizes_to_profile", "extrapolation_note", "plan_command",
+           "cores_note", "grad_allreduce_line", "chunked_ratio_text", "prediction_on_kept_path"]
 
 #: the brief profile of plan-less training (``python -m hethub_jax.profile`` flags): the fastest of 2
 #: timed calls (the machine may be shared); no co-run slowdown, runtime per-action seconds or in-process
@@ -315,11 +315,30 @@ def grad_allreduce_line(p: Any) -> Optional[str]:
         getattr(p, "buckets", None)
     if b is None or u is None or not bk:
         return None
-    src = sorted(set(bk.get("ratio_source", {}).values()))
     return (f"  PREDICTED gradient all-reduce: bucketed {b:.4g} s, unbucketed {u:.4g} s per step; "
-            f"PREDICTED faster: {bk.get('faster')} (this run: {p.grad_allreduce}; chunked last microbatch "
-            f"{', '.join(f'{k} x{v:.3f}' for k, v in bk.get('ratio', {}).items()) or 'none'}"
-            f"{' from ' + '/'.join(src) if src else ''})")
+            f"PREDICTED faster: {bk.get('faster')} (this run: {p.grad_allreduce}; {chunked_ratio_text(bk)})")
+
+
+def chunked_ratio_text(buckets: Mapping[str, Any]) -> str:
+    """In words, the bucketed path's chunked last microbatch against the fused forward+backward call it
+    replaces, per chunking replica (``Prediction.buckets``: ``ratio`` and ``ratio_source`` per replica name,
+    from ``planner.predict_buckets.chunked_last_ratio``): ``"chunked last microbatch of r0 (fast): MEASURED
+    x1.115 of the fused call"`` (the profile's ``fits.chunked_last``), ``"... : not measured, taken as the
+    fused call's time (x1.0)"`` (no fit: catalog costs, older profiles); ``"no replica chunks its last
+    microbatch"`` without a chunking replica."""
+    ratio, source = buckets.get("ratio") or {}, buckets.get("ratio_source") or {}
+    if not ratio:
+        return "no replica chunks its last microbatch"
+    parts = []
+    for name, r in ratio.items():
+        src = source.get(name)
+        if src == "profile":
+            parts.append(f"of {name}: MEASURED x{r:.3f} of the fused call")
+        elif src is None or str(src).startswith("not measured"):
+            parts.append(f"of {name}: not measured, taken as the fused call's time (x{r:.1f})")
+        else:
+            parts.append(f"of {name}: x{r:.3f} of the fused call ({src})")
+    return "chunked last microbatch " + "; ".join(parts)
 
 
 def prediction_on_kept_path(cfg: Any, plan: Any, prediction: Any, costs: Mapping[str, Any], seq_len: int,

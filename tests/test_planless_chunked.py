@@ -60,7 +60,7 @@ def test_planless_profile_of_the_tiny_model_writes_chunked_last(tmp_path):
     """A real brief profile (``profile_device``, the child ``python -m hethub_jax.profile`` of plan-less
     training) of the tiny model at microbatch 1 and 2 with the chunked measurement at both: the profile holds
     ``fits.chunked_last`` at their token counts, with MEASURED positive ratios, and the heterogeneous-DP
-    banner line reads them ('from profile', not 'not measured')."""
+    banner line reads them ('MEASURED x... of the fused call', not 'not measured')."""
     from hethub_jax.models.config import get_preset
     from hethub_jax.parallel.plan import Plan
     from hethub_jax.planner import predict_buckets as pbk
@@ -87,4 +87,4 @@ def test_planless_profile_of_the_tiny_model_writes_chunked_last(tmp_path):
                            "optimizer_sharding": "replicated"})
     run = tp.predict_run(cfg, plan, 16, costs={"fast": costs, "slow": costs}, grad_bucket_mb=25.0)
     line = tp.grad_allreduce_line(run.prediction)
-    assert line is not None and "from profile" in line and "not measured" not in line, line
+    assert line is not None and "MEASURED x" in line and "not measured" not in line, line
