@@ -817,6 +817,8 @@ class _Planner:
         exceeds ``m``; every count from ``k`` up to that fits (balanced counts grow with ``n``). A cheap test before :meth:`tables` (the configuration bound's caps
         do not know the positions: under 1F1B an early stage holds more microbatches)."""
         S, sg = sk.num_stages, sk.stage_group()
+        if S > self.L:  # more stages than layers: no split (the best-first caller tests this first too)
+            return False
         M = self.gbs // sk.microbatch_size
         caps = []
         for s in range(S):
