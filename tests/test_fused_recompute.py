@@ -140,7 +140,7 @@ def test_compiled_fused_call_ignores_the_recompute_policy_and_holds_the_predicte
 def _tie_candidates():
     """Real candidates of a small two-group search (catalog costs, top 30), then an exact tie constructed on them:
     every prediction's step time set to the best one's (``dataclasses.replace``; memory and the rest as
-    PREDICTED). Returns (the search result, the tied candidates)."""
+    PREDICTED). Returns (model config, cluster, search options, the search result, the tied candidates)."""
     from hethub_jax.planner import SearchOptions, cluster_from_dict, search
     from test_search_bounds import small_model
     cfg = small_model(layers=4, hidden=64)
@@ -157,6 +157,9 @@ def _tie_candidates():
 
 
 def test_rank_key_orders_an_exact_tie_by_recompute_devices_memory_then_json():
+    """``rank_key``'s parts, each recomputed here from the candidate's plan and prediction (recompute, the
+    sum of dp x tp over the stages, the largest stage memory, the JSON), on a tie whose candidates differ
+    in every tie-break part."""
     from hethub_jax.planner.search import devices_used, rank_key
     *_, tied = _tie_candidates()
     keys = sorted(rank_key(c) for c in tied)
