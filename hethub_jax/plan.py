@@ -76,8 +76,10 @@ def fmt_bytes(x: float) -> str:
 
 
 def devices_used(plan: Any) -> int:
-    """Accelerators the plan's stages use (sum of every stage's ``dp x tp``)."""
-    return sum(st.num_devices for rep in plan.replicas for st in rep.stages)
+    """Accelerators the plan's stages use (sum of every stage's ``dp x tp``): ``planner.search.devices_used``,
+    the count the ranking's tie-break reads (``search.rank_key``)."""
+    from hethub_jax.planner.search import devices_used as used
+    return used(plan)
 
 
 def candidate_heading(i: int, kind: str, chosen_step_s: Optional[float] = None,

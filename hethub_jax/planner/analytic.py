@@ -247,7 +247,7 @@ def layer_activation_bytes(cfg: Any, tokens: float, seq_len: int, tp: int, recom
 
 def head_activation_bytes(cfg: Any, tokens: float, tp: int, dtype_bytes: int) -> float:
     """Bytes the last stage's ``jax.vjp`` keeps per microbatch for the final norm, LM head and loss
-    (recompute ``none`` and no fusion, e.g. GPipe): the float32 logits ``4 T V / v_split``, the LM
+    (recompute ``none``, and under either policy while a fused forward + backward runs): the float32 logits ``4 T V / v_split``, the LM
     head (or tied embedding) matrix in the compute dtype ``D V a / v_split`` and ``2 T D a`` of the
     final norm. Checked against ``memory_analysis()`` like :func:`layer_activation_bytes`."""
     d, *_, v = _dims(cfg)

@@ -64,7 +64,8 @@ class MemoryBreakdown:
       params: parameters (param dtype), TP-sharded as stage.py shards them.
       grads: the gradient accumulator (param dtype, same layout).
       optimizer: AdamW state: two moments in the param dtype (optax.adamw's default ``mu_dtype``).
-      activations: residuals / stage inputs of the microbatches in flight (schedule, recompute).
+      activations: residuals / stage inputs of the microbatches in flight (schedule, recompute); a
+        stage whose forwards are all fused with their backwards: one microbatch's residuals.
       logits: the last stage's float32 ``[microbatch / dp, seq, vocab / tp]`` logits and their
         gradient (one microbatch at a time); 0 elsewhere.
       total: the sum.
@@ -88,7 +89,8 @@ class StagePrediction:
     Attributes:
       replica, stage: indices in the plan; island: its island name.
       source: ``"profile"`` or ``"catalog"``: where the island's costs came from.
-      compute_s_per_microbatch: seconds of F + B of one microbatch (slowdown included).
+      compute_s_per_microbatch: seconds of F + B of one microbatch (slowdown included); for a stage
+        whose every forward is fused with its backward (a 1F1B last stage), the fused call's seconds.
       busy_s: seconds of the step spent in F and B.
       bubble_fraction: ``1 - busy_s / step pipeline time``.
       memory: peak memory per device; fits: ``memory.total <= device memory``.
@@ -269,11 +271,16 @@ def stage_memory_bytes(cfg: Any, first_layer: int, last_layer: int, is_first: bo
                        compute_dtype_bytes: Optional[int] = None) -> MemoryBreakdown:
     """Peak memory per device of a stage (bytes), see :class:`MemoryBreakdown`.
 
-    ``in_flight``: microbatches whose forward ran and backward has not (``schedule.in_flight_bound``).
-    Activations (``analytic.layer_activation_bytes``, on the last stage plus
-    ``analytic.head_activation_bytes``): recompute ``none``: ``in_flight x`` the stage's residuals
-    (pass ``in_flight=0`` for a last stage whose forward is fused with its backward); ``full``: ``in_flight`` stage inputs plus one microbatch's residuals while its backward
-    runs. dtype sizes default to the config's ``param_dtype`` and ``dtype``.
+    ``in_flight``: microbatches whose forward ran and backward has not (``schedule.in_flight_bound``);
+    0 for a stage whose every forward is fused with its backward (a last stage under 1F1B, e.g. a
+    one-stage heterogeneous-DP replica: the runtime's ``PipelineStage.forward_backward``).
+    Activations, with ``R`` one microbatch's residuals (``analytic.layer_activation_bytes`` per layer,
+    on the last stage plus ``analytic.head_activation_bytes``): recompute ``none``: ``in_flight x R``;
+    ``full``: ``in_flight`` stage inputs plus ``R`` while a backward recomputes its forward. Fused
+    (``in_flight=0``): ``R`` under either policy: the fused call is one ``jax.vjp`` of the stage inside
+    one jit (``PipelineStage._forward_backward``, which ignores the recompute policy), so one
+    microbatch's residuals live while it runs and none outlive it. dtype sizes default to the config's
+    ``param_dtype`` and ``dtype``.
 
     Raises:
       ValueError: for non-positive sizes, ``microbatch_size`` not divisible by ``dp``, or an unknown
@@ -292,12 +299,14 @@ def stage_memory_bytes(cfg: Any, first_layer: int, last_layer: int, is_first: bo
     resid = layers * analytic.layer_activation_bytes(cfg, tokens, seq_len, tp, "none", ab)
     if is_last:
         resid += analytic.head_activation_bytes(cfg, tokens, tp, ab)
-    if recompute == "none":
-        act = in_flight * resid
-    elif recompute == "full":
-        act = in_flight * analytic.stage_input_bytes(cfg, tokens, is_first, ab) + resid
-    else:
+    if recompute not in ("none", "full"):
         raise ValueError(f"recompute must be 'none' or 'full', got {recompute!r}")
+    if in_flight == 0:  # fused forward + backward: one microbatch's residuals during the call, any policy
+        act = resid
+    elif recompute == "none":
+        act = in_flight * resid
+    else:
+        act = in_flight * analytic.stage_input_bytes(cfg, tokens, is_first, ab) + resid
     logits = analytic.logits_bytes(cfg, tokens, tp) if is_last else 0.0
     params = n * pb
     return MemoryBreakdown(params, params, 2 * params, act, logits, params * 4 + act + logits)
@@ -1226,13 +1235,15 @@ def _alone_on_cores(plan: Any, keys, costs: Mapping[str, DeviceCosts]) -> set:
 def _in_flight(ctx: _StageCtx, arr: ScheduleArrays, s: int) -> int:
     """Microbatches in flight on the runtime's list of stage ``s`` (``schedule.max_in_flight``;
     ``in_flight_bound`` promises the same for GPipe and 1F1B); none when every forward is fused with its
-    backward (a last stage)."""
+    backward (a last stage): ``stage_memory_bytes`` then counts the fused call's one microbatch."""
     return 0 if ctx.is_last and arr.all_fused[s] else arr.in_flight[s]
 
 
 def _stage_prediction(cfg, plan, ctx: _StageCtx, acts: Optional[Sequence[Action]], busy: float, pipeline_s: float,
                       seq_len: int, in_flight: Optional[int] = None) -> StagePrediction:
-    """The stage's figures; ``in_flight`` (microbatches in flight) is counted on ``acts`` when not given."""
+    """The stage's figures; ``in_flight`` (microbatches in flight) is counted on ``acts`` when not given
+    (0: every forward fused with its backward, see :func:`_in_flight`). A fused stage's compute per
+    microbatch is its fused call's seconds (``t_fused``), else its F + B."""
     r, s = ctx.key
     spec = ctx.spec
     if in_flight is None:  # microbatches in flight on the list (see _in_flight)
@@ -1242,7 +1253,8 @@ def _stage_prediction(cfg, plan, ctx: _StageCtx, acts: Optional[Sequence[Action]
     mem = stage_memory_bytes(cfg, spec.first_layer, spec.last_layer, spec.is_first, spec.is_last,
                              microbatch_size=plan.microbatch_size, seq_len=seq_len, dp=spec.dp, tp=spec.tp,
                              in_flight=in_flight, recompute=plan.recompute)
-    return StagePrediction(r, s, spec.island, ctx.costs.source, ctx.t_f + ctx.t_b, busy,
+    per_mb = ctx.t_fused if ctx.is_last and in_flight == 0 else ctx.t_f + ctx.t_b
+    return StagePrediction(r, s, spec.island, ctx.costs.source, per_mb, busy,
                            1.0 - busy / pipeline_s if pipeline_s > 0 else 0.0, mem,
                            mem.total <= ctx.costs.memory_bytes)
 

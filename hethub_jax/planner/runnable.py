@@ -11,7 +11,7 @@ one node or whole nodes, so the split always runs) and predicts the split plan a
 concurrently (one process each) and each of the group's internal stage boundaries crosses the MPI host
 bridge (host copies + the plan's bridge, the slowest inter-group link the search passes, as for
 boundaries between groups). :func:`runnable_result` does this for every candidate of a search, ranks
-them again and recomputes the upper bound the same way. Every figure is PREDICTED.
+them again (``search.rank_key``, the search's order) and recomputes the upper bound the same way. Every figure is PREDICTED.
 
 Pure Python, like the rest of ``planner`` (JAX only through the predictor's lazy imports).
 """
@@ -25,7 +25,7 @@ from typing import Any, Mapping, Optional, Sequence, Tuple
 from hethub_jax.parallel.split import split_islands
 from hethub_jax.planner.cluster import ClusterSpec, load_cluster
 from hethub_jax.planner.search import (Candidate, PlanningError, SearchOptions, SearchResult, bridge_for,
-                                       group_costs, search, upper_bound_missing_note)
+                                       group_costs, rank_key, search, upper_bound_missing_note)
 
 __all__ = ["RunnableCandidate", "split_candidate", "runnable_result"]
 
@@ -80,8 +80,9 @@ def runnable_result(res: SearchResult, cfg: Any, cluster: Any, seq_len: int, *,
                     costs: Optional[Mapping[str, Any]] = None, options: Optional[SearchOptions] = None,
                     profiles_dir: Optional[str] = None, upper_bound: bool = False) -> SearchResult:
     """``res`` (a :func:`~hethub_jax.planner.search.search` result, computed with ``upper_bound=False``)
-    with every candidate split by :func:`split_candidate` and ranked again by (predicted step time,
-    plan JSON). ``upper_bound``: the cluster's upper bound computed as the search's (the sum over groups
+    with every candidate split by :func:`split_candidate` and ranked again by
+    :func:`~hethub_jax.planner.search.rank_key` (the search's own order: PREDICTED step time, then on exact
+    ties recompute ``none``, fewer devices, less PREDICTED peak memory, plan JSON). ``upper_bound``: the cluster's upper bound computed as the search's (the sum over groups
     of the best homogeneous tokens/s of a search on that group alone), with those candidates split the
     same way, and each candidate's ``upper_bound_fraction`` against it. The top k are the search's top
     k under its own model (one island per group), split; see docs/planner.md ("Runs today?").
@@ -94,7 +95,7 @@ def runnable_result(res: SearchResult, cfg: Any, cluster: Any, seq_len: int, *,
     opt = options or SearchOptions()
     costs = costs or group_costs(cluster, opt.efficiency, profiles_dir)
     cands = sorted((split_candidate(c, cfg, cluster, costs, seq_len, opt.grad_bucket_mb) for c in res.candidates),
-                   key=lambda c: (c.step_time_s, c.plan.to_json(indent=None)))
+                   key=rank_key)
     gbs = res.best.plan.global_batch_size
     ub, note = _split_upper_bound(cfg, cluster, gbs, seq_len, costs, opt) if upper_bound else (None, None)
     if ub:

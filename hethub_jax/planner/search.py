@@ -18,7 +18,8 @@ Search space (for a model, a cluster spec and a global batch size):
 Every candidate is ranked by ``predictor.predict(..., grad_bucket_mb=SearchOptions.grad_bucket_mb).step_time_s``
 (default ``"auto"``, training's ``train.grad_bucket_mb`` default: a heterogeneous-DP plan whose replicas can
 bucket their gradient all-reduce is ranked by the PREDICTED step of the path the runtime's warm-up rule keeps,
-``Prediction.buckets["auto_keeps"]``) and must fit memory (``Prediction.fits``). Pipeline plans are found by
+``Prediction.buckets["auto_keeps"]``) and must fit memory (``Prediction.fits``); exact ties are broken by
+:func:`rank_key` (the one order of candidates, here and in ``planner.runnable``). Pipeline plans are found by
 branch and bound: ``predict``'s step time is at least the pipeline makespan, which is at least ``max_b(M t_b + sum_{s<b} t_s)`` and ``M x`` the busiest
 island's per-microbatch compute (``planner.pipeline_time``), both plus the bridge crossings before them, and
 at least microbatch 0's chain through every stage and crossing (:func:`island_bound`, ``round_trip_lb``);
@@ -56,7 +57,7 @@ from hethub_jax.planner.search_bounds import SplitBounds, cycle_bound, process_b
 
 __all__ = ["SearchOptions", "Skeleton", "Candidate", "SearchResult", "PlanningError", "search",
            "exhaustive_search", "min_bottleneck_split", "greedy_bottleneck_split", "group_costs", "bridge_for", "valid_tp_degrees",
-           "island_bound", "DEFAULT_TOP_K"]
+           "island_bound", "DEFAULT_TOP_K", "rank_key", "devices_used"]
 
 #: candidates the search keeps (``SearchOptions.top_k``) by default, for the plan CLI (``--top``) and plan-less
 #: training (``train_predict``) alike: ``planner.runnable.runnable_result`` splits and predicts again only these
@@ -193,8 +194,8 @@ class SearchResult:
     """Result of :func:`search`.
 
     Attributes:
-      candidates: the top k, best (least predicted step time) first; ties go to recompute ``none``
-        (see ``_Planner.offer``), then to the plan JSON.
+      candidates: the top k, best first in :func:`rank_key` order (least PREDICTED step time; exact ties
+        to recompute ``none``, fewer devices, less PREDICTED peak memory, then the plan JSON).
       skeletons: configurations and pipeline orders the search looked at (the configurations of a
         (microbatch size, recompute, schedule) row whose cheap bound exceeds the k-th best are never
         built and not counted); expanded: pipeline orders not pruned by their bound.
@@ -216,6 +217,27 @@ class SearchResult:
     @property
     def best(self) -> Candidate:
         return self.candidates[0]
+
+
+def devices_used(plan: Plan) -> int:
+    """Accelerators the plan's stages use (sum of every stage's ``dp x tp``, over all replicas)."""
+    return sum(st.num_devices for rep in plan.replicas for st in rep.stages)
+
+
+def rank_key(candidate: Candidate) -> Tuple[float, bool, int, float, str]:
+    """The one order of candidates (best first) wherever plans are ranked: the search's top k
+    (``_Planner.offer``), ``planner.runnable.runnable_result`` (the plan CLI and plan-less training) and
+    so the plan both choose. ``(PREDICTED step time, recompute != "none", devices used, PREDICTED peak
+    memory per device over the stages (bytes), plan JSON)``: the least step time first; on an exact tie
+    recompute ``none`` (when every forward is fused with its backward, e.g. one-stage replicas under 1F1B,
+    both policies run the same calls and ``full`` only reads as a third more compute; issue 17), then the
+    plan leaving more devices free, then the one with more memory to spare, then the JSON (deterministic).
+
+    Raises:
+      AttributeError: for an object without ``plan`` and ``prediction`` (a :class:`Candidate`)."""
+    plan, pred = candidate.plan, candidate.prediction
+    peak = max((sp.memory.total for sp in pred.stages), default=0.0)
+    return (pred.step_time_s, plan.recompute != "none", devices_used(plan), peak, plan.to_json(indent=None))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -441,7 +463,8 @@ class _Planner:
         self._choices: Dict[tuple, List[Tuple[int, int, int]]] = {}
         #: (group, mbs, k, tp) -> (largest dp that fits, dp the runtime rule leaves) where they differ
         self.restricted: Dict[tuple, Tuple[int, int]] = {}
-        self.top: List[Tuple[float, str, Candidate]] = []
+        #: the k best so far, :func:`rank_key` order: (step time, plan JSON, candidate, rank key)
+        self.top: List[Tuple[float, str, Candidate, tuple]] = []
         self.skeletons = self.expanded = self.evaluated = 0
 
     # ---- top k -----------------------------------------------------------------------------------
@@ -456,14 +479,14 @@ class _Planner:
         return bound > self.ub() * (1 + LB_SLACK)
 
     def offer(self, cand: Candidate) -> None:
-        key = (cand.step_time_s, cand.plan.to_json(indent=None))
-        if any(k[1] == key[1] for k in self.top):
+        """Keeps ``cand`` if it is among the k best in :func:`rank_key` order (a plan already kept, same JSON,
+        is not added twice). Ties never change :meth:`ub` (the k-th least step time), so the pruning
+        stays exact under any tie order."""
+        key = rank_key(cand)
+        if any(k[1] == key[-1] for k in self.top):
             return
-        self.top.append((key[0], key[1], cand))
-        # Ties (equal PREDICTED step time) go to recompute "none" first (issue 17): when
-        # every forward of a plan is fused with its backward (one-stage replicas under 1F1B) both
-        # policies run the same calls, and the JSON order alone ("full" < "none") chose "full".
-        self.top.sort(key=lambda x: (x[0], x[2].plan.recompute != "none", x[1]))
+        self.top.append((key[0], key[-1], cand, key))
+        self.top.sort(key=lambda x: x[3])
         del self.top[self.opt.top_k:]
 
     # ---- per-stage costs (the same calls predict makes) -----------------------------------------
@@ -808,6 +831,8 @@ class _Planner:
         exceeds ``m``; every count from ``k`` up to that fits (balanced counts grow with ``n``). A cheap test before :meth:`tables` (the configuration bound's caps
         do not know the positions: under 1F1B an early stage holds more microbatches)."""
         S, sg = sk.num_stages, sk.stage_group()
+        if S > self.L:  # more stages than layers: no split (the best-first caller tests this first too)
+            return False
         M = self.gbs // sk.microbatch_size
         caps = []
         for s in range(S):
@@ -938,7 +963,8 @@ class _Planner:
         the layers a middle stage holds with ``in_flight`` microbatches (:meth:`stage_cap`). With
         ``one_f_one_b = M`` (1F1B with M microbatches) the caps follow 1F1B's in-flight counts instead:
         the group's stages sit at ``k`` consecutive positions ``s..s+k-1``, and position ``s + i`` holds
-        ``min(S - s - i, M) >= min(k - i, M)`` microbatches, except the pipeline's last stage (none, fused);
+        ``min(S - s - i, M) >= min(k - i, M)`` microbatches, except the pipeline's last stage (0 in flight: its
+        fused forward + backward holds one microbatch's residuals, ``predictor.stage_memory_bytes``);
         memory grows with them. The group's layers are spread by :func:`balanced` (its first stage takes
         the most), and for ``k >= 2`` its first stage is not the pipeline's last and holds ``>= min(k, M)``: at
         most ``k x cap(min(k, M))`` layers fit (a first stage above its cap does not fit; one at ``cap`` leaves no
@@ -1423,7 +1449,7 @@ def search(cfg: Any, cluster: Any, global_batch: int, seq_len: int, *, costs: Op
     if not p.top:
         raise PlanningError(p.why_infeasible())
     ub, note = _upper_bound(p) if upper_bound else (None, None)
-    cands = tuple(_with_fraction(c, ub) for _, _, c in p.top)
+    cands = tuple(_with_fraction(c, ub) for _, _, c, _ in p.top)
     return SearchResult(cands, p.skeletons, p.expanded, p.evaluated, time.perf_counter() - t0, ub, note)
 
 
@@ -1483,5 +1509,5 @@ def exhaustive_search(cfg: Any, cluster: Any, global_batch: int, seq_len: int, *
         p.hetero()
     if not p.top:
         raise PlanningError(p.why_infeasible())
-    return SearchResult(tuple(c for _, _, c in p.top), p.skeletons, p.skeletons, p.evaluated,
+    return SearchResult(tuple(c for _, _, c, _ in p.top), p.skeletons, p.skeletons, p.evaluated,
                         time.perf_counter() - t0)
