@@ -278,3 +278,20 @@ def test_profile_compute_reports_each_setting(monkeypatch):
     assert len(dp2) == 4 and all(s.endswith("microbatch 4 = 2 per DP rank x 2") for s in dp2), said
     assert {s["microbatch_size"] for s in samples if s["dp"] == 2} == {4}  # the total the line gives first
     assert all("per DP rank" not in s for s in said if s.startswith("mesh 1x1")), said
+
+
+def test_unknown_device_names_the_file_and_group(tmp_path):
+    """A cluster spec with an unknown catalog device fails at load, naming the file and the group (as a key typo
+    does), not later at planning with the name alone (a new user's report, session 17)."""
+    from hethub_jax.planner.catalog import CATALOG
+    from hethub_jax.planner.cluster import load_cluster
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ngroups:\n  - name: fast\n    device: cpux\n    nodes: 1\n")
+    with pytest.raises(ValueError) as e:
+        load_cluster(str(bad))
+    msg = str(e.value)
+    assert str(bad) in msg and "'fast'" in msg and "'cpux'" in msg
+    assert all(k in msg for k in CATALOG)
+    good = tmp_path / "good.yaml"
+    good.write_text("name: x\ngroups:\n  - name: fast\n    device: h100sxm\n    nodes: 1\n")
+    assert load_cluster(str(good)).groups[0].device == "h100sxm"  # the catalog's loose matching still holds

@@ -72,6 +72,12 @@ class NodeGroup(_Strict):
         if self.efficiency is not None and self.profile is not None:
             raise ValueError(f"node group {self.name!r}: 'efficiency' scales catalog datasheet peaks; a group "
                              f"with a measured 'profile' has none to scale")
+        if self.device is not None:
+            from hethub_jax.planner.catalog import get_device
+            try:  # checked at load, so the error names the file and the group as key typos do
+                get_device(self.device)
+            except ValueError as e:
+                raise ValueError(f"node group {self.name!r}: {e}") from None
         return self
 
     @property
