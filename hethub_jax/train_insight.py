@@ -112,7 +112,26 @@ class PredictionHook(_NoOp):
             f"first), PREDICTED {s['predicted_step_time_s']:.3g} s (PREDICTED/measured "
             f"{s['predicted_over_measured']:.2f}); bubble (idle fraction of the pipeline time, mean over stages): "
             + (f"median {100 * bub:.1f}% measured, " if bub is not None else "")
-            + f"PREDICTED {100 * s['predicted_bubble']:.1f}%; prediction from {self.pred.source}")
+            + f"PREDICTED {100 * s['predicted_bubble']:.1f}%" + one_stage_replicas_note(self.pred.plan)
+            + f"; prediction from {self.pred.source}")
+
+
+def one_stage_replicas_note(plan: Any) -> str:
+    """For a heterogeneous-DP plan whose every replica is one pipeline stage (``plan.num_replicas > 1``, one
+    stage each), the clause the end's bubble figure needs: such a plan has no pipeline bubble, so the MEASURED
+    figure (``parallel.trace.bubble_from_terms``: idle time against the longest process's pipeline) is the
+    replicas' imbalance, a faster replica idling until the slowest ends its backward, before the gradient
+    all-reduce; the batch shares are chosen to make it small (the PREDICTED figure: the same wait between the
+    PREDICTED replica times). ``""`` for any other plan or
+    ``None`` (a new user's question, session 17)."""
+    try:
+        n = plan.num_replicas if plan is not None else 0
+        if n < 2 or any(plan.num_stages(r) != 1 for r in range(n)):
+            return ""
+    except (AttributeError, TypeError):
+        return ""
+    return (" (one-stage replicas: no pipeline bubble; the measured figure is the replicas' imbalance, the faster "
+            "replica's wait for the slowest before the gradient all-reduce)")
 
 
 class GatherRecordsHook(_NoOp):

@@ -447,3 +447,18 @@ def test_planless_training_plan_is_split_per_stage_as_the_cli_emits_it(tmp_path)
     with pytest.raises(ValueError, match=r"it needs 3 MPI ranks, this job has 6.*mpiexec -n 3 python -m "
                                          r"hethub_jax.train --plan plan.json"):
         _plan_rank0(cfg, "llama3-8b", str(cluster), 16, 4096, 1, str(tmp_path / "prof"), print, world_size=6)
+
+
+def test_bubble_line_explains_one_stage_replicas():
+    """A heterogeneous-DP plan of one-stage replicas has no pipeline bubble: the end's bubble clause says the
+    measured figure is the replicas' imbalance (a new user's question, session 17); a pipeline plan, or a
+    plan of one replica, gets no clause."""
+    from hethub_jax.train_insight import one_stage_replicas_note
+    hdp = Plan.from_json(ROOT / "configs" / "plans" / "tiny_hetero_dp.json")
+    pipe = Plan.from_json(ROOT / "configs" / "plans" / "tiny_2island.json")
+    single = Plan.from_json(ROOT / "configs" / "plans" / "tiny_single.json")
+    assert hdp.num_replicas == 2 and all(hdp.num_stages(r) == 1 for r in range(2))
+    assert "replicas' imbalance" in one_stage_replicas_note(hdp)
+    assert pipe.num_stages(0) > 1 and one_stage_replicas_note(pipe) == ""
+    assert single.num_replicas == 1 and one_stage_replicas_note(single) == ""
+    assert one_stage_replicas_note(None) == ""
