@@ -112,7 +112,7 @@ class PredictionHook(_NoOp):
             f"first), PREDICTED {s['predicted_step_time_s']:.3g} s (PREDICTED/measured "
             f"{s['predicted_over_measured']:.2f}); bubble (idle fraction of the pipeline time, mean over stages): "
             + (f"median {100 * bub:.1f}% measured, " if bub is not None else "")
-            + f"PREDICTED {100 * s['predicted_bubble']:.1f}%" + one_stage_replicas_note(self.pred.plan)
+            + f"PREDICTED {100 * s['predicted_bubble']:.1f}%" + one_stage_replicas_note(getattr(self.pred, "plan", None))
             + f"; prediction from {self.pred.source}")
 
 
