@@ -26,7 +26,10 @@ call's minor page faults (``ru_minflt``) and the C heap after it (glibc ``mallin
   ``run_s3``    the same runtime with the EMULATED wait on (it sleeps 2x each compute action's wall seconds);
   ``small_s1``  a second runtime of the same plan at ``--small-mb`` (which matched its prediction), wait off;
   ``nofuse``    ``run_s1`` with ``rt.fuse_update = False`` (the update as its own call after both F+B);
-  ``notrim_*``  ``run_s1``, ``run_s3`` and ``profile`` after ``mallopt(M_TRIM_THRESHOLD, -1)`` (no automatic trim).
+  ``lowtrim_*`` ``run_s1``, ``profile`` and ``run_s3`` after ``mallopt(M_TRIM_THRESHOLD, --lowtrim-mib MiB)``: the
+                heap's free top trimmed after every large call (what the steady 1 GiB does once the free top
+                passes it), with and without the EMULATED sleep between the calls;
+  ``notrim_*``  ``run_s1``, ``profile`` and ``run_s3`` after ``mallopt(M_TRIM_THRESHOLD, -1)`` (no automatic trim).
 The runtime's same jitted ``forward_backward`` serves ``profile`` (the profiler's own stage compiles the same program).
 Output: every call's record and per variant and action the median CPU seconds and faults (``--json``); stdout
 lines as it goes. A watchdog ends the process when its resident set passes ``--rss-limit-gib`` (shared machine).
@@ -132,13 +135,21 @@ def main() -> None:
     ap.add_argument("--probe-mib", type=int, default=1280)
     ap.add_argument("--probe-small-mib", type=int, default=512)
     ap.add_argument("--probe-sleep", type=float, default=6.0)
-    ap.add_argument("--skip", default="", help="comma-separated variants to skip (probe,nofuse,notrim,small)")
+    ap.add_argument("--skip", default="", help="comma-separated variants to skip (probe,nofuse,lowtrim,notrim,small)")
+    ap.add_argument("--lowtrim-mib", type=int, default=256,
+                    help="the lowtrim_* variants: M_TRIM_THRESHOLD this many MiB (0: none), so that every call's "
+                         "large free top is trimmed, as when the heap's free top passes the steady 1 GiB")
+    ap.add_argument("--trim-mib", type=int, default=1024,
+                    help="M_TRIM_THRESHOLD (MiB) set after the steady settings: 1024 = the steady settings before "
+                         "session 18; 0 = as hethub_jax.host_allocator sets it now (never trim)")
     ap.add_argument("--memory-analysis", action="store_true", help="also XLA's memory_analysis of the two programs")
     ap.add_argument("--rss-limit-gib", type=float, default=5.5)
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     from benchmarks.common import pin_and_limit_threads
     core = pin_and_limit_threads(args.core)
+    if args.trim_mib:  # the steady settings as they were before session 18 (M_TRIM_THRESHOLD 1 GiB)
+        LIBC.mallopt(-1, args.trim_mib << 20)
     watchdog(args.rss_limit_gib)
     result = {"benchmark": "fused_call_gap", "args": vars(args), "core": core, "records": [], "probe": {}}
 
@@ -259,8 +270,16 @@ def main() -> None:
         step(rt, "nofuse", False)
         rt.fuse_update = True
         save()
+    M_TRIM_THRESHOLD = -1  # glibc malloc.h
+    if args.lowtrim_mib and "lowtrim" not in skip:  # the heap's free top over a lower threshold: trimmed at every free
+        ok = LIBC.mallopt(M_TRIM_THRESHOLD, args.lowtrim_mib << 20)
+        print(f"mallopt(M_TRIM_THRESHOLD, {args.lowtrim_mib} MiB) -> {ok}", flush=True)
+        step(rt, "warm_lowtrim", False)
+        step(rt, "lowtrim_run_s1", False)
+        profile("lowtrim_profile")
+        step(rt, "lowtrim_run_s3", True)
+        save()
     if "notrim" not in skip:
-        M_TRIM_THRESHOLD = -1
         ok = LIBC.mallopt(M_TRIM_THRESHOLD, -1)
         result["notrim_mallopt_ok"] = ok
         print(f"mallopt(M_TRIM_THRESHOLD, -1) -> {ok}", flush=True)
