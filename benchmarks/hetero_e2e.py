@@ -98,7 +98,8 @@ Figures: ``fraction_of_upper_bound`` = (b) / (a_fast + a_slow), ``planned_over_u
 ``predicted_parts_s``: the PREDICTED (pipeline, gradient sums + norm, update) seconds of (b), (d) and (e);
 ``fraction_of_upper_bound_hetero_dp_replicated`` = (e) / (a_fast + a_slow), ``hetero_dp_over_replicated``
 = (d) / (e); ``faults_per_step_planned_per_rank``: each rank's minor page faults per timed step of (b)
-(``getrusage``; the host allocator's settings, ``hethub_jax.host_allocator``, set before JAX starts);
+(``getrusage``; the host allocator's settings, ``hethub_jax.host_allocator``, set before JAX starts), and
+``faults_per_step_per_contender_per_rank`` the same for every contender;
 ``parts_planned_last_step``: per island the planned plan's last step part by part, measured against PREDICTED
 (compute actions, the last one apart, pipeline, the rest of the step split: ``_parts_compare``);
 ``corun``: the measured co-run slowdown; ``bridge_link``: the link used and the measured one.
@@ -855,6 +856,10 @@ def _report(args, cfg, contenders, gathered, costs, source, notes) -> None:
                # minor page faults per timed step of the planner's plan, per rank (hethub_jax.host_allocator:
                # about 300,000 a step before session 12's one-arena setting, none after; issue 17)
                "faults_per_step_planned_per_rank": [x.get("faults", {}).get("planned") for x in g],
+               # the same for every contender (session 18: alone1f1b_slow ran 2.2x its prediction; a one-stage
+               # step at microbatch 32 faulted ~250,000 pages a call while the heap's top was trimmed at 1 GiB)
+               "faults_per_step_per_contender_per_rank": {n: [x.get("faults", {}).get(n) for x in g]
+                                                          for n in g[0].get("faults", {})},
                # the link between the islands used by the planner and the prediction (--bridge)
                # the two cores' MEASURED co-run slowdown used by the planner and the prediction (--corun)
                "corun": args.corun_measured,

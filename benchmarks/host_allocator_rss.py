@@ -6,7 +6,7 @@
 
 Each variant runs in a fresh child process (pinned to one core with ``--cpu``; glibc's settings must be
 made before JAX starts its threads): ``hethub_jax.host_allocator.steady_host_allocator`` as the runtime
-sets it (``steady``: ``M_MMAP_MAX`` 0, ``M_TRIM_THRESHOLD`` 1 GiB, ``M_ARENA_MAX`` 1), glibc's
+sets it (``steady``: ``M_MMAP_MAX`` 0, ``M_TRIM_THRESHOLD`` 1 GiB in session 13, -1 = never since session 18, ``M_ARENA_MAX`` 1), glibc's
 defaults (``default``), or ``steady`` plus, with ``mallopt`` after it, a fixed mmap threshold
 (``mmapN``: ``M_MMAP_MAX`` 65536 again and ``M_MMAP_THRESHOLD`` N MiB: blocks of N MiB and more are
 mmapped and unmapped on free, smaller ones come from the one heap) or a lower trim threshold

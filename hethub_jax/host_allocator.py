@@ -17,13 +17,25 @@ calls took 0-30 faults and 0.50-0.79x the time (one process alternating the sett
 its "default" side with a fixed 128 KiB threshold).
 
 What :func:`steady_host_allocator` sets (glibc ``mallopt(3)``): ``M_MMAP_MAX = 0`` (every block
-from the heap, none mmapped), ``M_TRIM_THRESHOLD = 1 GiB`` (the heap's free top is kept) and
+from the heap, none mmapped), ``M_TRIM_THRESHOLD = -1`` (never: the heap's free top is kept whatever its size) and
 ``M_ARENA_MAX = 1`` (every thread allocates from the main heap). The process keeps its peak host
 memory instead of returning it to the kernel between calls: the cost. With one arena the peak itself is higher
 for calls of varied large shapes: the profile of ``benchmarks/hetero_e2e.py``'s 15 M model at microbatch
 16, 32 and 64 peaked at 10.3 GiB RSS against 4.7 GiB with glibc's defaults (measured 2026-12-03;
 ``malloc_trim`` between shapes did not lower it); set ``HETHUB_HOST_ALLOCATOR=default`` where host
 memory, not speed, is the limit.
+
+Why no trim threshold at all (measured, session 18, ``benchmarks/fused_call_gap.py``, docs/benchmarks.md issue 17):
+until then ``M_TRIM_THRESHOLD`` was 1 GiB, and a call whose block, with what was free beside it at the heap's
+top, passed 1 GiB gave it back to the kernel at its ``free``; the next call of that size faulted it in afresh.
+The 15 M model of ``benchmarks/hetero_e2e.py`` as one stage at microbatch 32 needs 967 MiB of XLA temporaries
+for the fused forward + backward and 1,053 MiB for the fused forward + backward + update of a one-stage 1F1B
+step's last microbatch (``memory_analysis``): the update program alone passes 1 GiB, so such a step trimmed
+and faulted 247,000-270,000 pages per call, about +0.8-1.3 s of CPU on a 4.0-4.4 s call (one pinned core,
+LOADED machine, one process); with trimming off, 0 faults per call after the first step. Whether a call faulted
+depended on the heap's layout (the same profile call: 0 or 247,566 faults), so the profile and the runtime
+could disagree on one call's cost. Memory: the heap keeps its largest free top as it keeps its holes;
+:func:`release_free_host_memory` gives both back between phases.
 
 A fixed mmap threshold as the middle way (measured, session 13, ``benchmarks/host_allocator_rss.py``,
 docs/benchmarks.md issue 17 "Host allocator variants"): the tiny model as one stage, the profiler's four
@@ -85,7 +97,7 @@ import threading
 from typing import Dict, Optional
 
 __all__ = ["steady_host_allocator", "current", "ENV", "ENV_MMAP_MIB", "M_MMAP_MAX", "M_TRIM_THRESHOLD",
-           "M_ARENA_MAX", "M_MMAP_THRESHOLD", "TRIM_THRESHOLD_BYTES", "ARENA_MAX", "mmap_threshold_mib"]
+           "M_ARENA_MAX", "M_MMAP_THRESHOLD", "TRIM_THRESHOLD", "ARENA_MAX", "mmap_threshold_mib"]
 
 #: environment variable: ``default`` leaves the C library's allocator settings alone
 ENV = "HETHUB_HOST_ALLOCATOR"
@@ -97,8 +109,11 @@ ENV_MMAP_MIB = "HETHUB_HOST_ALLOCATOR_MMAP_MIB"
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -3, -4, -8
 #: the arena count set: one (the main heap, which obeys ``M_MMAP_MAX``; glibc's default is 8 per core)
 ARENA_MAX = 1
-#: the trim threshold set (bytes): the heap's free top up to this size stays with the process
-TRIM_THRESHOLD_BYTES = 1 << 30
+#: the trim threshold set: -1, which glibc reads as the largest size (``mallopt(3)``: "Setting M_TRIM_THRESHOLD
+#: to -1 disables trimming completely"): the heap's free top stays with the process whatever its size, until
+#: :func:`release_free_host_memory` (before session 18: 1 GiB, and a larger free top -- a call's block over 1 GiB
+#: with what was free beside it -- was given back at every ``free`` and faulted in again by the next call)
+TRIM_THRESHOLD = -1
 
 _lock = threading.Lock()
 _state: Dict[str, object] = {}
@@ -165,7 +180,7 @@ def steady_host_allocator(enable: Optional[bool] = None) -> Dict[str, object]:
             return {"allocator": "default", "applied": False, "reason": "not glibc: mallopt unavailable"}
         mmap_max = 0 if enable and not mib else 65536
         ok = (lib.mallopt(M_MMAP_MAX, mmap_max) == 1
-              and lib.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES if enable else 128 * 1024) == 1
+              and lib.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD if enable else 128 * 1024) == 1
               and lib.mallopt(M_ARENA_MAX, ARENA_MAX if enable else _default_arena_max()) == 1
               and (not mib or lib.mallopt(M_MMAP_THRESHOLD, mib << 20) == 1))
         if not ok:
@@ -175,7 +190,7 @@ def steady_host_allocator(enable: Optional[bool] = None) -> Dict[str, object]:
         lib.gnu_get_libc_version.restype = ctypes.c_char_p
         _state.update(allocator=want, reason=f"glibc {lib.gnu_get_libc_version().decode()} mallopt: M_MMAP_MAX "
                                              f"{mmap_max}, M_TRIM_THRESHOLD "
-                                             f"{TRIM_THRESHOLD_BYTES if enable else 128 * 1024}, M_ARENA_MAX "
+                                             f"{str(TRIM_THRESHOLD) + ' (never)' if enable else 128 * 1024}, M_ARENA_MAX "
                                              f"{ARENA_MAX if enable else _default_arena_max()}"
                                              + (f", M_MMAP_THRESHOLD {mib << 20} (${ENV_MMAP_MIB}={mib})" if mib else ""))
         return dict(_state, applied=True, backend_started=_jax_backend_started())
@@ -186,7 +201,7 @@ def release_free_host_memory() -> bool:
     free top above the pad and, since glibc 2.8, every whole free page inside the heap, with
     ``madvise(MADV_DONTNEED)``): the process's resident memory falls to what is live, while the heap's
     address space (and its fragmentation) stays. Under the steady settings the heap otherwise keeps its
-    peak resident (its free top up to :data:`TRIM_THRESHOLD_BYTES`, every hole inside it), and a phase
+    peak resident (its free top, whatever its size (:data:`TRIM_THRESHOLD`), and every hole inside it), and a phase
     whose blocks do not fit those holes adds its own ON TOP of the earlier peak (measured, session 16,
     docs/benchmarks.md issue 17: the profiler's chunked measurement after its whole-model stage shapes,
     15 M model at microbatch 1-16: 2,241 MiB resident before it, of which ``malloc_trim`` gave back 1,901

@@ -263,3 +263,42 @@ def test_release_gives_back_free_pages_the_steady_heap_keeps():
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["ran"] is True
     assert r["before"] - r["after"] >= 0.9 * r["freed"], r
+
+
+_TRIM_CHILD = r"""
+import ctypes, json
+from hethub_jax import host_allocator
+info = host_allocator.steady_host_allocator()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.sbrk.restype, libc.sbrk.argtypes = ctypes.c_void_p, [ctypes.c_ssize_t]
+n = 1280 << 20             # over the 1 GiB trim threshold of the steady settings before session 18
+p = libc.malloc(n)         # from the heap's top (no mmap under the steady settings); its pages are never touched
+grown = libc.sbrk(0)
+libc.free(p)               # the heap's free top is now over 1.25 GiB
+kept = libc.sbrk(0)
+ran = host_allocator.release_free_host_memory()
+released = libc.sbrk(0)
+print(json.dumps({"info": info, "n": n, "p": p, "grown": grown, "kept": kept, "released": released, "ran": ran}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or host_allocator._libc() is None, reason="glibc only")
+def test_steady_heap_keeps_a_free_top_of_any_size():
+    """A block over 1 GiB (the 15 M model's fused forward + backward at microbatch 32 and up, with what is free
+    beside it) freed at the heap's top: the steady settings keep it (the program break does not move back), so
+    the next call of that size faults none of its pages in again; before session 18 the 1 GiB trim threshold gave
+    it back at every ``free`` and every such call faulted it in afresh (on this VM, after an EMULATED wait,
+    at several times the cost: docs/benchmarks.md issue 17, session 18). ``release_free_host_memory`` still
+    gives it back on request. The block's pages are never touched, so the test costs no memory."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop(host_allocator.ENV, None)
+    env.pop(host_allocator.ENV_MMAP_MIB, None)
+    out = subprocess.run([sys.executable, "-c", _TRIM_CHILD], env=env, capture_output=True, text=True,
+                         timeout=120, check=True)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["info"]["allocator"] == "steady" and r["p"], r
+    assert r["grown"] >= r["p"] + r["n"], r  # the block came from the heap's top (the program break)
+    assert r["kept"] == r["grown"], f"the free top was trimmed at free(): {r['grown'] - r['kept']} bytes given back"
+    assert r["ran"] is True and r["grown"] - r["released"] >= 0.9 * r["n"], r  # the explicit release still works
