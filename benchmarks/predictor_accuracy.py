@@ -7,7 +7,10 @@
    meshes; the co-run slowdown of a computation while a second island of the process computes; the
    runtime's own seconds per action; the in-process bridge, ``LocalCommunicator``), at the microbatch
    sizes of ``--profile-mbs`` and every size the configurations run (:func:`profile_sizes`: the
-   predictor interpolates between profiled sizes, and the seconds per token are not constant here).
+   predictor interpolates between profiled sizes, and the seconds per token are not constant here), and the
+   whole model as one stage (``--profile-stage-shapes whole``, the default since session 19: the one-island,
+   one-stage setting, which every heterogeneous-DP replica here runs; the pipelines' stages are PREDICTED from
+   the fitted parts).
    ``--profile-processes N`` (N > 1): N profiles, each a fresh ``python -m hethub_jax.profile`` process at
    ``--repeats`` calls per figure, INTERLEAVED with the rounds (profile process ``j`` runs just before round
    ``j * R // N``: with N = R = 3, profile, round, profile, round, profile, round), merged into one profile whose
