@@ -7,7 +7,10 @@
    meshes; the co-run slowdown of a computation while a second island of the process computes; the
    runtime's own seconds per action; the in-process bridge, ``LocalCommunicator``), at the microbatch
    sizes of ``--profile-mbs`` and every size the configurations run (:func:`profile_sizes`: the
-   predictor interpolates between profiled sizes, and the seconds per token are not constant here).
+   predictor interpolates between profiled sizes, and the seconds per token are not constant here), and the
+   whole model as one stage (``--profile-stage-shapes whole``, the default since session 19: the one-island,
+   one-stage setting, which every heterogeneous-DP replica here runs; the pipelines' stages are PREDICTED from
+   the fitted parts).
    ``--profile-processes N`` (N > 1): N profiles, each a fresh ``python -m hethub_jax.profile`` process at
    ``--repeats`` calls per figure, INTERLEAVED with the rounds (profile process ``j`` runs just before round
    ``j * R // N``: with N = R = 3, profile, round, profile, round, profile, round), merged into one profile whose
@@ -605,9 +608,28 @@ def profile_sizes(names, given: str) -> tuple:
     return fmt(mbs), fmt(dp_mbs)
 
 
+def stage_shapes_arg(spec: str, num_layers: int) -> str:
+    """``hethub_jax.profile --stage-shapes`` of ``--profile-stage-shapes spec``: ``"whole"`` -> ``"0-{L-1}"`` (the
+    whole model of ``num_layers`` layers), ``"none"`` or ``""`` -> ``""`` (fitted lines only), else ``spec`` as
+    given (validated by the profiler).
+
+    Why the whole model by default (session 19, docs/benchmarks.md issue 13): a one-stage replica's fused forward +
+    backward PREDICTED from the fitted parts (embedding + layers + LM head, each measured in a stage of its own) was
+    33.9 ms at microbatch 1 against 28-29 ms measured alone as one call (``benchmarks/corun_cores.py`` on the tiny
+    model): the tied embedding's one gradient buffer and the fusion across parts of one call, which stages of one
+    part each do not have. The whole model is the "one island, one stage" setting the issue profiles; the pipelines'
+    stages are still predicted from the parts."""
+    if spec in ("none", ""):
+        return ""
+    return f"0-{num_layers - 1}" if spec == "whole" else spec
+
+
 def profile_argv(args, names, path: str) -> list:
-    """The ``hethub_jax.profile`` arguments of this run's profile, written to ``path``."""
+    """The ``hethub_jax.profile`` arguments of this run's profile, written to ``path`` (with ``--stage-shapes``
+    when ``--profile-stage-shapes`` asks for any, :func:`stage_shapes_arg`)."""
+    from hethub_jax.models.config import get_preset
     mbs, dp_mbs = profile_sizes(names or list(configs()), args.profile_mbs)
+    shapes = stage_shapes_arg(getattr(args, "profile_stage_shapes", "whole"), get_preset("tiny").num_hidden_layers)
     if mbs != ",".join(str(x) for x in sorted(int(v) for v in args.profile_mbs.split(","))):
         print(f"profile: microbatch sizes {mbs} (--profile-mbs {args.profile_mbs} and the configurations' own), "
               f"per DP rank on (dp, 1) meshes {dp_mbs}", flush=True)
@@ -615,7 +637,8 @@ def profile_argv(args, names, path: str) -> list:
     return ["--out", path, "--seq-len", str(args.seq), "--tp", args.profile_tp,
             "--microbatch-sizes", mbs, "--dp-microbatch-sizes", dp_mbs, "--dp", args.profile_dp,
             "--repeats", str(args.repeats), "--statistic", args.statistic,
-            "--corun-neighbour", "process" if getattr(args, "islands", "threads") == "processes" else "thread"]
+            "--corun-neighbour", "process" if getattr(args, "islands", "threads") == "processes" else "thread",
+            *(("--stage-shapes", shapes) if shapes else ())]
 
 
 def run_profile(args, names=None) -> str:
@@ -834,6 +857,10 @@ def main() -> None:
                     help="microbatch sizes to profile (the configurations' own sizes are always added: the predictor "
                          "interpolates between profiled sizes)")
     ap.add_argument("--profile-dp", default="1,2", help="DP degrees to profile ((dp, 1) stage meshes)")
+    ap.add_argument("--profile-stage-shapes", default="whole",
+                    help="layer ranges the profile also measures as whole stages (hethub_jax.profile --stage-shapes): "
+                         "'whole' (the default: the whole model, the one-stage setting the issue profiles, which every "
+                         "heterogeneous-DP replica here runs), 'none', or ranges such as 0-5 (see stage_shapes_arg)")
     ap.add_argument("--profile", default=None, help="existing profile JSON to use (else one is made)")
     ap.add_argument("--profile-processes", type=int, default=1,
                     help="profiles made, each in a fresh process, interleaved with the rounds and merged (the median "
