@@ -638,13 +638,24 @@ def profile_argv(args, names, path: str) -> list:
             "--microbatch-sizes", mbs, "--dp-microbatch-sizes", dp_mbs, "--dp", args.profile_dp,
             "--repeats", str(args.repeats), "--statistic", args.statistic,
             "--corun-neighbour", "process" if getattr(args, "islands", "threads") == "processes" else "thread",
-            *(("--stage-shapes", shapes) if shapes else ())]
+            *(("--stage-shapes", shapes) if shapes else ()), *(("--pin",) if profile_pinned(args) else ())]
+
+
+def profile_pinned(args) -> bool:
+    """Whether this run's profile is pinned (``hethub_jax.profile --pin``): with ``--pin`` and islands as processes,
+    whose rounds pin island process ``i`` to core ``i``, the profile times every call on one core too and measures
+    the co-run of two pinned cores. Why (session 19, docs/benchmarks.md issue 13): an UNPINNED call alone used
+    ~1.5 cores (29.1 ms wall, 41.4 ms CPU), so the unpinned profile's alone seconds and its co-run factor (1.72-1.84,
+    a call losing the second core) were not what a pinned island sees (x1.11 beside a pinned neighbour)."""
+    return bool(getattr(args, "pin", False) and getattr(args, "islands", "threads") == "processes")
 
 
 def run_profile(args, names=None) -> str:
     from hethub_jax import profile
     path = args.profile or os.path.join(tempfile.mkdtemp(prefix="hethub-profile-"), "cpu.json")
     if not (args.profile and os.path.exists(args.profile)):
+        if profile_pinned(args):  # in a process of its own: pinning this one would pin the rounds' launcher too
+            return run_profile_process(args, names, path)
         profile.main(profile_argv(args, names, path))
     return path
 
@@ -897,9 +908,9 @@ def main() -> None:
                          "per island in this process joined by LocalCommunicator (the benchmark before session 14), "
                          "predicted as islands in one process (DeviceCosts.in_process)")
     ap.add_argument("--pin", action="store_true",
-                    help="with --islands processes: pin island process i to core i (as hetero_dp.py / hetero_e2e.py); "
-                         "default unpinned: both processes may use both cores, as the threads and the profile's co-run "
-                         "measurement do")
+                    help="with --islands processes: pin island process i to core i (as hetero_dp.py / hetero_e2e.py) "
+                         "and profile pinned too (hethub_jax.profile --pin: calls on one core, the co-run of two pinned "
+                         "cores); default unpinned: both processes may use both cores, as the threads and the profile do")
     ap.add_argument("--bridge-spin-s", type=float, default=0.0,
                     help="with --islands processes: seconds the MPI bridge's waits poll without sleeping before they "
                          "back off (MPIHostBridge.with_spin; the bridge's own default 0.05). Default 0: unpinned on 2 "
