@@ -31,7 +31,9 @@
    (:func:`measure_round_processes`, :func:`measure_steps_mpi`), 4 fake CPU devices and the runtime's
    steady host allocator (one glibc arena) per process, the islands joined by the MPI host bridge
    (``MPIHostBridge``, its waits sleeping after ``--bridge-spin-s`` seconds of polling, default 0: unpinned
-   on 2 cores a spinning wait takes the core the other island computes on), unpinned unless ``--pin``.
+   on 2 cores a spinning wait takes the core the other island computes on), pinned (``--pin``, the default
+   since session 20; ``--no-pin``: unpinned): island process i on core i, as ``hethub_jax.train`` pins CPU
+   islands, and the profile pinned the same way (``hethub_jax.profile --pin``, :func:`profile_pinned`).
    Predicted as islands on one shared host (``DeviceCosts.on_shared_host``: the profile's measured co-run
    slowdown by the pair's size ratio; each process launches its own multi-device computations), the bridge being the MPI bridge's line
    measured between the two processes with the same spin and pinning (:func:`measure_bridge_fit`, as the
@@ -87,7 +89,10 @@
    ``ring_bridge_allreduce_mape`` (``ring_bridge_allreduce_ape``; islands as processes): the islands' sum of the
    shared gradients by the ring formula over the bridge's point-to-point line instead of the bridge's all-reduce
    measured as the runtime calls it (:func:`bridge_allreduce_samples`, ``DeviceCosts.bridge_allreduce_fit``;
-   session 15).
+   session 15). ``parts_with_shapes_mape`` (``parts_with_shapes_ape``; profiles with ``--profile-stage-shapes``):
+   the parts of a stage (base, layer, embedding, LM head) fitted by least squares over the four profiled stage
+   kinds AND the measured whole stages instead of solved exactly from the four kinds
+   (``planner.costs._token_parts(with_shapes=True)``, session 20).
 
 The host allocator (``--host-allocator``, default ``steady``, ``hethub_jax.host_allocator``): glibc
 settings under which XLA:CPU's large buffers are not mmapped and unmapped on every call, in ONE arena; the
@@ -638,13 +643,24 @@ def profile_argv(args, names, path: str) -> list:
             "--microbatch-sizes", mbs, "--dp-microbatch-sizes", dp_mbs, "--dp", args.profile_dp,
             "--repeats", str(args.repeats), "--statistic", args.statistic,
             "--corun-neighbour", "process" if getattr(args, "islands", "threads") == "processes" else "thread",
-            *(("--stage-shapes", shapes) if shapes else ())]
+            *(("--stage-shapes", shapes) if shapes else ()), *(("--pin",) if profile_pinned(args) else ())]
+
+
+def profile_pinned(args) -> bool:
+    """Whether this run's profile is pinned (``hethub_jax.profile --pin``): with ``--pin`` and islands as processes,
+    whose rounds pin island process ``i`` to core ``i``, the profile times every call on one core too and measures
+    the co-run of two pinned cores. Why (session 19, docs/benchmarks.md issue 13): an UNPINNED call alone used
+    ~1.5 cores (29.1 ms wall, 41.4 ms CPU), so the unpinned profile's alone seconds and its co-run factor (1.72-1.84,
+    a call losing the second core) were not what a pinned island sees (x1.11 beside a pinned neighbour)."""
+    return bool(getattr(args, "pin", False) and getattr(args, "islands", "threads") == "processes")
 
 
 def run_profile(args, names=None) -> str:
     from hethub_jax import profile
     path = args.profile or os.path.join(tempfile.mkdtemp(prefix="hethub-profile-"), "cpu.json")
     if not (args.profile and os.path.exists(args.profile)):
+        if profile_pinned(args):  # in a process of its own: pinning this one would pin the rounds' launcher too
+            return run_profile_process(args, names, path)
         profile.main(profile_argv(args, names, path))
     return path
 
@@ -723,6 +739,13 @@ def predict_row(name: str, cfg, costs, base, bridge, args, ping_pong_bridge=None
         ring = replace(costs, bridge_allreduce_fit=None)
         variants["ring_bridge_allreduce"] = predict(cfg, plan, {i.name: ring for i in plan.islands}, seq_len=args.seq,
                                                     bridge=bridge)
+    samples = (costs.profile or {}).get("samples") or ()
+    if any(isinstance(x, dict) and x.get("kind") == "stage_shape" for x in samples):
+        # session 20: the parts fitted over the measured whole stages too (least squares), not from the four kinds
+        from hethub_jax.planner.costs import _token_parts
+        shaped = replace(costs, token_parts=_token_parts(samples, with_shapes=True))
+        variants["parts_with_shapes"] = predict(cfg, plan, {i.name: shaped for i in plan.islands}, seq_len=args.seq,
+                                                bridge=bridge)
     if ping_pong_bridge is not None:  # session 14: the bridge at the ping-pong's latency, not a waiting receiver's
         variants["ping_pong_bridge"] = predict(cfg, plan, {i.name: costs for i in plan.islands}, seq_len=args.seq,
                                                bridge=ping_pong_bridge)
@@ -830,7 +853,7 @@ def summary(rows: list, names_by_round: list) -> dict:
             **{f"{k}_mape": sum(r[f"{k}_ape"] for r in rows) / n for k in ("fitted_lines", "without_update_pair",
                                                                          "size_ratio_corun", "one_factor_corun",
                                                                          "without_in_flight", "ring_bridge_allreduce",
-                                                                         "ping_pong_bridge")
+                                                                         "ping_pong_bridge", "parts_with_shapes")
                if all(f"{k}_ape" in r for r in rows)},
             "without_action_costs_mape": (sum(r["without_action_costs_ape"] for r in rows) / n
                                           if all(r.get("without_action_costs_ape") is not None for r in rows)
@@ -896,10 +919,11 @@ def main() -> None:
                          "shared host (DeviceCosts.on_shared_host) with the bridge's measured line; threads: one thread "
                          "per island in this process joined by LocalCommunicator (the benchmark before session 14), "
                          "predicted as islands in one process (DeviceCosts.in_process)")
-    ap.add_argument("--pin", action="store_true",
-                    help="with --islands processes: pin island process i to core i (as hetero_dp.py / hetero_e2e.py); "
-                         "default unpinned: both processes may use both cores, as the threads and the profile's co-run "
-                         "measurement do")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                    help="with --islands processes (default on since session 20): pin island process i to core i, as "
+                         "hethub_jax.train pins CPU islands (and hetero_dp.py / hetero_e2e.py), and profile pinned too "
+                         "(hethub_jax.profile --pin: calls on one core, the co-run of two pinned cores); --no-pin: both "
+                         "processes and the profile may use both cores (the benchmark before session 20)")
     ap.add_argument("--bridge-spin-s", type=float, default=0.0,
                     help="with --islands processes: seconds the MPI bridge's waits poll without sleeping before they "
                          "back off (MPIHostBridge.with_spin; the bridge's own default 0.05). Default 0: unpinned on 2 "
@@ -1043,6 +1067,8 @@ def main() -> None:
              f"{100 * figures['ring_bridge_allreduce_mape']:.1f}%")
           + ("" if "ping_pong_bridge_mape" not in figures else
              f"; with the bridge at the ping-pong's latency {100 * figures['ping_pong_bridge_mape']:.1f}%")
+          + ("" if "parts_with_shapes_mape" not in figures else
+             f"; with the parts fitted over the measured whole stages too {100 * figures['parts_with_shapes_mape']:.1f}%")
           + ("" if figures["others_cpu_share"] is None else
              f"; other processes used {100 * figures['others_cpu_share']:.0f}% of the CPUs during the run")
           + ("" if share_profile is None else f" ({100 * share_profile:.0f}% while profiling)")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from typing import Mapping, Optional, Sequence, Tuple
 
-__all__ = ["local_rank_and_size", "island_cores", "pin_local_rank"]
+__all__ = ["local_rank_and_size", "island_cores", "pin_local_rank", "pin_threads", "profile_cores"]
 
 #: (local rank, ranks on this host) variables of the MPI launchers: MPICH/Hydra, Open MPI, PMIx
 LOCAL_RANK_ENV = (("MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
@@ -74,13 +74,38 @@ def pin_local_rank(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
     if cores is None:
         return (f"local rank {rank}: not pinned ({size} island processes on {len(cpus)} cores: no disjoint "
                 f"share each); they share the cores, which the profile does not measure")
+    pin_threads(cores)
+    return (f"local rank {rank}: pinned to core{'s' if len(cores) > 1 else ''} "
+            f"{','.join(map(str, cores))} of {len(cpus)} (CPU islands of one host get disjoint cores, as "
+            f"islands of a real cluster own their devices; the profile is measured on these cores)")
+
+
+def pin_threads(cores: Sequence[int]) -> None:
+    """Pins every thread of this process that exists now (a BLAS pool, MPI's, JAX's if started) and every
+    thread or child process started later to ``cores`` (core ids; ``os.sched_setaffinity`` per thread of
+    ``/proc/self/task``, since the call itself sets one thread's affinity only).
+
+    Raises:
+      OSError: if the calling thread cannot be pinned (no such core; not Linux: ``AttributeError``)."""
+    cores = set(int(c) for c in cores)
     tids = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else [str(0)]
-    for tid in tids:  # every thread already started (a BLAS pool, MPI's), not just the calling one
+    for tid in tids:  # every thread already started, not just the calling one
         try:
             os.sched_setaffinity(int(tid), cores)
         except OSError:  # a thread that ended meanwhile
             pass
     os.sched_setaffinity(0, cores)
-    return (f"local rank {rank}: pinned to core{'s' if len(cores) > 1 else ''} "
-            f"{','.join(map(str, cores))} of {len(cpus)} (CPU islands of one host get disjoint cores, as "
-            f"islands of a real cluster own their devices; the profile is measured on these cores)")
+
+
+def profile_cores(cpus: Sequence[int]) -> Tuple[int, int]:
+    """``(profiler's core, co-run neighbour's core)`` of a profile PINNED as two island processes one core
+    each (``python -m hethub_jax.profile --pin``): the first two of the sorted usable cores ``cpus``, as
+    ``benchmarks/predictor_accuracy.py --pin`` pins island process ``i`` to core ``i``.
+
+    Raises:
+      ValueError: with fewer than 2 usable cores (no second core for the neighbour)."""
+    ids = sorted(set(int(c) for c in cpus))
+    if len(ids) < 2:
+        raise ValueError(f"a pinned profile needs 2 usable cores (one per island process), this process may use "
+                         f"{len(ids)}: {ids}")
+    return ids[0], ids[1]

@@ -46,6 +46,8 @@ What is measured, with the runtime's own code paths (``hethub_jax.parallel.stage
   * unless ``--no-runtime``, each stage call with 1-4 microbatches in flight (residuals or inputs held,
     as GPipe holds them) over the same call alone (:func:`measure_in_flight`, ``fits.in_flight``).
 Each figure is the median of ``--repeats`` timed calls after one untimed call (compilation).
+With ``--pin`` the profiler runs on one core and its co-run neighbour process on another (recorded as
+``pinned``), as island processes pinned one core each run; the updates' pair is then not measured.
 Per phase of the profile (compute fits, stage shapes, co-run, ..., chunked last microbatch), the JSON's
 ``phases`` records its wall seconds and the process's peak resident set (VmHWM) at its end and how much the
 phase raised it (:class:`PhaseLog`; a progress line per phase on stderr unless ``--no-progress``), so that
@@ -97,6 +99,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--corun-neighbour", choices=("thread", "process"), default="thread",
                    help="the co-run slowdown's neighbour island (fits.corun): a second thread of this process "
                         "(default), or a process of its own, as islands under mpiexec are")
+    p.add_argument("--pin", action="store_true",
+                   help="pin this profiler to its first usable core and the co-run neighbour process to the second, "
+                        "before JAX starts, as two island processes pinned one core each (benchmarks/"
+                        "predictor_accuracy.py --pin; hethub_jax.train pins CPU islands likewise): every call is then "
+                        "timed on one core, and the co-run slowdown is that of two pinned cores. Needs 2 usable "
+                        "cores and, when the co-run is measured, --corun-neighbour process; one profiler process only "
+                        "(not a multi-rank mpiexec, whose ranks pin themselves)")
     p.add_argument("--repeats", type=int, default=7, help="timed calls per figure (median)")
     p.add_argument("--device-type", default=None, help="name of the device type (default: the JAX platform)")
     p.add_argument("--slowdown", type=float, default=1.0, help="emulated slowdown factor >= 1 (cpu only)")
@@ -990,13 +999,13 @@ class _NeighbourProcess:
     blocking function that runs one of them and waits for its end (a pipe; calls are serialised by a lock, so the
     timed-alone and looping uses never interleave)."""
 
-    def __init__(self, cfg: Any, seq_len: int):
+    def __init__(self, cfg: Any, seq_len: int, core: Optional[int] = None):
         import subprocess
         import threading
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [os.path.dirname(os.path.dirname(
             os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")] if p))
         self._p = subprocess.Popen([sys.executable, "-m", "hethub_jax.profile", "--corun-child",
-                                    json.dumps(cfg.to_dict()), str(seq_len)],
+                                    json.dumps(cfg.to_dict()), str(seq_len), "" if core is None else str(core)],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._lock = threading.Lock()
         if self._p.stdout.read(1) != b"r":
@@ -1020,9 +1029,13 @@ class _NeighbourProcess:
         self._p.wait(60)
 
 
-def _corun_child(config_json: str, seq_len: str) -> None:
+def _corun_child(config_json: str, seq_len: str, core: str = "") -> None:
     """The neighbour process of :class:`_NeighbourProcess`: answers ``r`` when its calls are compiled, then runs
-    ``L`` / ``F`` / ``B`` and answers ``d`` each, until ``q`` or end of input. Its own prints go to stderr."""
+    ``L`` / ``F`` / ``B`` and answers ``d`` each, until ``q`` or end of input. Its own prints go to stderr.
+    ``core``: the core id it pins itself to before JAX starts (``--pin``), ``""``: unpinned."""
+    if core:
+        from hethub_jax.core_pinning import pin_threads
+        pin_threads([int(core)])
     from hethub_jax.host_allocator import steady_host_allocator
     steady_host_allocator()  # before the JAX backend's threads, as the runtime sets it for CPU islands
     out = os.fdopen(os.dup(1), "wb")
@@ -1053,7 +1066,7 @@ def _corun_child(config_json: str, seq_len: str) -> None:
 
 
 def measure_corun(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int,
-                  neighbour: str = "thread") -> List[dict]:
+                  neighbour: str = "thread", neighbour_core: Optional[int] = None) -> List[dict]:
     """The slowdown of this device type's stage calls while a second island of the same process
     computes on other devices, per pair of call sizes: on CPU, islands run as threads (or processes)
     of one host share its cores, memory bandwidth and XLA's thread pool, which a one-island profile
@@ -1082,9 +1095,11 @@ def measure_corun(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int,
     stopped here: islands that are processes, as under mpiexec, share the cores but not this process's allocator
     lock nor its XLA runtime; docs/benchmarks.md issue 13, session 13: small calls beside a thread 1.7-2.3x, beside a
     process 1.3-1.5x, nearly quiet). The samples then carry ``"neighbour_kind": "process"``.
+    ``neighbour_core``: the core the neighbour process pins itself to (``--pin``: this process pinned to another
+    one; the samples then carry ``"pinned": true``), None: unpinned.
 
     Raises:
-      ValueError: for another ``neighbour``.
+      ValueError: for another ``neighbour``, or a ``neighbour_core`` with a thread neighbour.
     """
     import threading
 
@@ -1092,6 +1107,9 @@ def measure_corun(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int,
 
     from hethub_jax.optim import OptimConfig, make_optimizer
     from hethub_jax.parallel.stage import PipelineStage
+    if neighbour_core is not None and neighbour != "process":
+        raise ValueError("a pinned co-run neighbour (neighbour_core) must be a process: a thread shares this "
+                         "process's pinned core")
     if len(devices) < 2:
         return []
     tx, L = make_optimizer(OptimConfig()), cfg.num_hidden_layers
@@ -1103,7 +1121,7 @@ def measure_corun(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int,
              "last_update": lambda: _update_once(last)}
     if neighbour not in ("thread", "process"):
         raise ValueError(f"neighbour must be 'thread' or 'process', got {neighbour!r}")
-    proc = _NeighbourProcess(cfg, seq_len) if neighbour == "process" else None
+    proc = _NeighbourProcess(cfg, seq_len, neighbour_core) if neighbour == "process" else None
     if proc is None:
         small_f = _stage_call(other_first, cfg, seq_len, "F", placed_once=True)
         small_b = _stage_call(other_first, cfg, seq_len, "B", placed_once=True)
@@ -1162,7 +1180,8 @@ def measure_corun(cfg: Any, devices: Sequence[Any], seq_len: int, repeats: int,
         out += [{"kind": "corun", "call": n, "alone_s": float(np.median(times[(n, 0)])),
                  "busy_s": float(np.median(times[(n, 1)])), "neighbour": kind,
                  "neighbour_s": float(np.mean([np.median(v) for v in alone_n.values()])),
-                 **({"neighbour_kind": "process"} if proc is not None else {})} for n in timed]
+                 **({"neighbour_kind": "process"} if proc is not None else {}),
+                 **({"pinned": True} if neighbour_core is not None else {})} for n in timed]
     if proc is not None:
         proc.close()
     return out
@@ -2050,6 +2069,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         raise SystemExit(f"--job-pids must be comma-separated process ids, got {args.job_pids!r}") from None
     if args.slowdown < 1 or args.repeats < 1 or min(mbs_list + tps + dps + (dp_mbs or [])) < 1 or args.seq_len < 1:
         raise SystemExit("--slowdown must be >= 1; --repeats, --seq-len, microbatch sizes, TP and DP degrees >= 1")
+    pinned = _pin_profile(args) if args.pin else None
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={max(tps + dps + [4])}").strip()
@@ -2088,10 +2108,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     corun: List[dict] = []
     if args.corun == "on" or (args.corun == "auto" and platform_name == "cpu"):
         with log.phase("corun"):
-            corun += (measure_corun(cfg, devices, args.seq_len, args.repeats, args.corun_neighbour)
-                      + measure_update_pair(cfg, devices, args.repeats))
-            # the tail's updates in the runtime
-            corun += [] if args.no_runtime else measure_tail_pair(cfg, devices, args.repeats, args.seq_len)
+            corun += measure_corun(cfg, devices, args.seq_len, args.repeats, args.corun_neighbour,
+                                   None if pinned is None else pinned["neighbour_core"])
+            # the updates' pair (and the tail's in the runtime) are two THREADS of this process: pinned, they would
+            # share one core, which two pinned island processes do not; the predictor then slows the updates by
+            # the co-run factor (DeviceCosts.corun_update_factor unset)
+            if pinned is None:
+                corun += measure_update_pair(cfg, devices, args.repeats)
+                corun += [] if args.no_runtime else measure_tail_pair(cfg, devices, args.repeats, args.seq_len)
     with log.phase("launch"):
         corun += measure_launch(cfg, devices, args.seq_len, args.repeats)  # islands as threads: one launcher
     if not args.no_runtime:
@@ -2124,6 +2148,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     prof["others_cpu_share_excludes"] = ({"job_pids": job_pids, "note": "this job's other processes (given by "
                                           "--job-pids) are not counted as other processes"} if job_pids else None)
     prof["host_allocator"] = {"allocator": alloc["allocator"], "note": alloc["reason"]}
+    prof["pinned"] = pinned
     # a caller that goes on in this process (benchmarks/hetero_e2e.py's ranks train next, one rank profiling
     # while the other waits) does not keep the profile's peak resident
     with log.phase("release_host_memory"):
@@ -2149,6 +2174,34 @@ PHASES_NOTE = ("per phase of the profile, in order: wall seconds; peak_rss_bytes
                "largest rise holds the profile's peak), rss_bytes = resident at its end; bytes")
 
 
+def _pin_profile(args: argparse.Namespace) -> Dict[str, Any]:
+    """``--pin``: pins this process (every thread) to its first usable core, before the JAX backend starts, and
+    returns ``{"core", "neighbour_core", "note"}`` (the profile JSON's ``pinned``; the co-run neighbour process
+    pins itself to ``neighbour_core``, ``core_pinning.profile_cores``).
+
+    Raises:
+      SystemExit: without CPU affinity, with fewer than 2 usable cores, under a multi-rank launcher, or with a
+        measured co-run whose neighbour is a thread (it would share the pinned core)."""
+    from hethub_jax.core_pinning import local_rank_and_size, pin_threads, profile_cores
+    if not hasattr(os, "sched_setaffinity"):
+        raise SystemExit("--pin: this system has no CPU affinity (os.sched_setaffinity)")
+    where = local_rank_and_size()
+    if where is not None and where[1] > 1:
+        raise SystemExit(f"--pin: {where[1]} ranks of a launcher on this host would all pin to one core; profile "
+                         f"one process with --pin, or let each rank pin itself (hethub_jax.train)")
+    if args.corun != "off" and args.corun_neighbour != "process":
+        raise SystemExit("--pin needs --corun-neighbour process (or --corun off): a neighbour thread would share "
+                         "the pinned core, as two pinned island processes do not")
+    try:
+        core, other = profile_cores(os.sched_getaffinity(0))
+    except ValueError as e:
+        raise SystemExit(f"--pin: {e}") from None
+    pin_threads([core])
+    return {"core": core, "neighbour_core": other,
+            "note": "profiler pinned to one core, its co-run neighbour process to another (--pin): calls timed on "
+                    "one core; updates' co-run pair not measured (two threads would share the core)"}
+
+
 def _model(name: str) -> Any:
     """A preset name or a JSON file of ``LlamaConfig`` fields."""
     from hethub_jax.models.config import LlamaConfig, get_preset
@@ -2165,6 +2218,6 @@ def _mpi_rank() -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--corun-child"]:  # the co-run neighbour process of measure_corun(neighbour="process")
-        _corun_child(*sys.argv[2:4])
+        _corun_child(*sys.argv[2:5])
     else:
         main()

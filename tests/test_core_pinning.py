@@ -68,3 +68,35 @@ def test_cores_note_names_a_profile_of_other_cores():
     assert "measured on 2 cores" in note and "runs on 1" in note
     assert cores_note({"platform": "cuda", "host_cpus": 2}, cores=1) is None
     assert cores_note({"platform": "cpu"}, cores=1) is None  # an older profile that does not say
+
+
+def test_profile_cores_hand_cases():
+    from hethub_jax.core_pinning import profile_cores
+    assert profile_cores([0, 1]) == (0, 1)
+    assert profile_cores([7, 3, 5]) == (3, 5)  # the first two usable ids, sorted: island processes 0 and 1
+    with pytest.raises(ValueError, match="2 usable cores"):
+        profile_cores([4])
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs CPU affinity and 2 usable cores")
+def test_pin_threads_pins_threads_started_before_and_after():
+    """A thread already running when ``pin_threads`` is called (as a BLAS or MPI pool) ends up on the
+    core too, not just the calling thread, and so does one started afterwards (as XLA's pool)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    code = ("import os, threading\n"
+            "from hethub_jax.core_pinning import pin_threads\n"
+            "ev = threading.Event(); ids = {}\n"
+            "def run(k):\n"
+            "    ids[k] = threading.get_native_id(); ev.wait()\n"
+            "a = threading.Thread(target=run, args=('before',)); a.start()\n"
+            "while 'before' not in ids: pass\n"
+            f"pin_threads([{cpus[1]}])\n"
+            "b = threading.Thread(target=run, args=('after',)); b.start()\n"
+            "while 'after' not in ids: pass\n"
+            "print(sorted(os.sched_getaffinity(ids['before'])), sorted(os.sched_getaffinity(ids['after'])),"
+            " sorted(os.sched_getaffinity(0)))\n"
+            "ev.set(); a.join(); b.join()\n")
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == " ".join([str([cpus[1]])] * 3)

@@ -284,3 +284,80 @@ def test_measured_bridge_allreduce_replaces_the_ring_formula_for_the_shared_sum(
     assert base.bridge_allreduce_s(nbytes) is None and meas.with_bridge_allreduce(None).bridge_allreduce_fit is None
     with pytest.raises(ValueError, match="c1 >= 0"):
         base.with_bridge_allreduce({"c0": 0.0, "c1": -1.0})
+
+
+def _ns(**kw):
+    import argparse
+    d = dict(corun="auto", corun_neighbour="process", pin=True)
+    d.update(kw)
+    return argparse.Namespace(**d)
+
+
+def test_pinned_profile_refuses_what_would_share_its_core(monkeypatch):
+    """``hethub_jax.profile --pin`` stops before any work, naming the constraint: a co-run neighbour THREAD
+    would share the pinned core; ranks of a multi-rank launcher would all pin to one core. This process is
+    not pinned by the refusals."""
+    import os
+
+    from hethub_jax import profile
+    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    with pytest.raises(SystemExit, match="--corun-neighbour process"):
+        profile._pin_profile(_ns(corun_neighbour="thread"))
+    monkeypatch.setenv("MPI_LOCALRANKID", "0")
+    monkeypatch.setenv("MPI_LOCALNRANKS", "2")
+    with pytest.raises(SystemExit, match="2 ranks"):
+        profile._pin_profile(_ns())
+    if before is not None:
+        assert os.sched_getaffinity(0) == before
+    import jax
+
+    from hethub_jax.models.config import get_preset
+    with pytest.raises(ValueError, match="must be a process"):
+        profile.measure_corun(get_preset("tiny"), jax.devices()[:2], 16, 1, "thread", neighbour_core=1)
+
+
+def test_pinned_profile_pins_itself_and_names_the_neighbour_core():
+    """In a fresh process: ``_pin_profile`` pins every thread to the first usable core and returns the second for
+    the co-run neighbour process (the profile JSON's ``pinned``); with the co-run off a thread neighbour is fine."""
+    import json
+    import os
+    import subprocess
+    import sys
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs CPU affinity and 2 usable cores")
+    cpus = sorted(os.sched_getaffinity(0))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "OMPI_", "MPI_", "PMIX_"))}
+    env["PYTHONPATH"] = root
+    got = []
+    for corun, neighbour in (("auto", "process"), ("off", "thread")):
+        code = ("import argparse, json, os\n"
+                "from hethub_jax import profile\n"
+                f"a = profile._pin_profile(argparse.Namespace(corun={corun!r}, corun_neighbour={neighbour!r}, pin=True))\n"
+                "print(json.dumps([a, sorted(os.sched_getaffinity(0))]))\n")
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+        got.append(json.loads(out.strip().splitlines()[-1]))
+    for pinned, own in got:
+        assert (pinned["core"], pinned["neighbour_core"]) == (cpus[0], cpus[1])
+        assert own == [cpus[0]]
+
+
+@pytest.mark.slow
+def test_pinned_neighbour_process_runs_on_its_core():
+    """``_NeighbourProcess(core=c)``: every thread of the neighbour process (its JAX pool included, started after
+    it pinned itself) may run on core ``c`` only, and it still answers its calls. About 15 s (its JAX start-up)."""
+    import os
+
+    from hethub_jax.models.config import get_preset
+    from hethub_jax.profile import _NeighbourProcess
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs CPU affinity and 2 usable cores")
+    core = sorted(os.sched_getaffinity(0))[1]
+    p = _NeighbourProcess(get_preset("tiny"), 16, core)
+    try:
+        p.call(b"F")()
+        tids = os.listdir(f"/proc/{p._p.pid}/task")
+        assert len(tids) > 1  # JAX's threads exist by now
+        assert {frozenset(os.sched_getaffinity(int(t))) for t in tids} == {frozenset({core})}
+    finally:
+        p.close()

@@ -924,28 +924,59 @@ def _stage_shapes(samples: Any) -> Dict[Tuple[int, bool, bool, int, int, str], T
     return {k: tuple((t, sum(v) / len(v)) for t, v in sorted(pts.items())) for k, pts in acc.items()}
 
 
-def _token_parts(samples: Any) -> Dict[Tuple[int, int, str], Tuple[Tuple[float, float, float, float, float], ...]]:
+#: the parts ``(base, layers, embedding, LM head + loss)`` of each profiled stage kind (``_token_parts``)
+_STAGE_KIND_PARTS = {"first": (1, 1, 1, 0), "mid1": (1, 1, 0, 0), "mid2": (1, 2, 0, 0), "last": (1, 1, 0, 1)}
+
+
+def _token_parts(samples: Any, with_shapes: bool = False
+                 ) -> Dict[Tuple[int, int, str], Tuple[Tuple[float, float, float, float, float], ...]]:
     """``DeviceCosts.token_parts`` from a profile's ``"stage"`` samples (``hethub_jax.profile.profile_compute``:
     stage kinds ``first`` (layer 0 and the embedding), ``mid1`` (one layer), ``mid2`` (two layers) and
     ``last`` (the last layer, LM head and loss)): per ``(dp, tp, phase)`` and token count at which all four
     were measured, the parts that reproduce them exactly: ``layer = max(0, mid2 - mid1)``, ``base = mid1 -
     layer``, ``embed = first - mid1``, ``head = last - mid1`` (a stage of ``n`` layers then costs ``base + n
     layer (+ embed) (+ head)``, as the fitted lines say). A layer measured below 0 s (noise) reads 0 so that
-    stage seconds never fall with layers. Repeated samples: their mean."""
+    stage seconds never fall with layers. Repeated samples: their mean.
+
+    ``with_shapes``: where the profile also MEASURED whole stages at that mesh, phase and token count
+    (``"stage_shape"`` samples, ``--stage-shapes``), the four parts are the least-squares solution
+    (``numpy.linalg.lstsq``) over the four kinds and those shapes (each an equation ``base + n layer (+ embed)
+    (+ head)``), the layer then held at no less than 0 s and the base refitted. Why (session 20,
+    docs/benchmarks.md issue 13): ``mid2 - mid1`` is the difference of two ~1-2 ms calls and scattered
+    0.5-5 ms per layer in pinned profiles, while the whole 6-layer model implied 0-2 ms: a 3-layer stage built
+    from it was PREDICTED up to 37% above its measured calls. Not the default: an in-run comparison of
+    ``benchmarks/predictor_accuracy.py`` (``parts_with_shapes``)."""
+    import numpy as np
     acc: Dict[tuple, Dict[str, List[float]]] = {}
+    shapes: Dict[tuple, List[Tuple[Tuple[int, int, int, int], float]]] = {}
     for s in samples:
-        if not isinstance(s, Mapping) or s.get("kind") != "stage" or s.get("stage") not in ("first", "mid1", "mid2", "last"):
+        if not isinstance(s, Mapping):
             continue
-        key = (int(s.get("dp", 1)), int(s.get("tp", 1)), str(s["phase"]), float(s["tokens"]))
-        acc.setdefault(key, {}).setdefault(str(s["stage"]), []).append(float(s["seconds"]))
+        key = None if "phase" not in s or "tokens" not in s else (
+            int(s.get("dp", 1)), int(s.get("tp", 1)), str(s["phase"]), float(s["tokens"]))
+        if s.get("kind") == "stage" and s.get("stage") in _STAGE_KIND_PARTS and key is not None:
+            acc.setdefault(key, {}).setdefault(str(s["stage"]), []).append(float(s["seconds"]))
+        elif with_shapes and s.get("kind") == "stage_shape" and key is not None:
+            shapes.setdefault(key, []).append(((1, int(s["layers"]), int(bool(s["is_first"])),
+                                                int(bool(s["is_last"]))), float(s["seconds"])))
     out: Dict[Tuple[int, int, str], List[Tuple[float, float, float, float, float]]] = {}
     for (dp, tp, phase, tokens), kinds in sorted(acc.items()):
         if len(kinds) < 4:
             continue
         m = {k: sum(v) / len(v) for k, v in kinds.items()}
         layer = max(0.0, m["mid2"] - m["mid1"])
-        out.setdefault((dp, tp, phase), []).append(
-            (tokens, m["mid1"] - layer, layer, m["first"] - m["mid1"], m["last"] - m["mid1"]))
+        parts = (m["mid1"] - layer, layer, m["first"] - m["mid1"], m["last"] - m["mid1"])
+        extra = shapes.get((dp, tp, phase, tokens))
+        if extra:
+            rows = [(_STAGE_KIND_PARTS[k], v) for k, v in m.items()] + extra
+            a = np.array([r for r, _ in rows], dtype=float)
+            y = np.array([v for _, v in rows], dtype=float)
+            base, layer, embed, head = np.linalg.lstsq(a, y, rcond=None)[0]
+            if layer < 0:  # refit the other three with the layer held at 0 s
+                base, embed, head = np.linalg.lstsq(a[:, [0, 2, 3]], y, rcond=None)[0]
+                layer = 0.0
+            parts = (float(base), float(layer), float(embed), float(head))
+        out.setdefault((dp, tp, phase), []).append((tokens, *parts))
     return {k: tuple(v) for k, v in out.items()}
 
 
