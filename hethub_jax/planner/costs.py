@@ -943,8 +943,9 @@ def _token_parts(samples: Any, with_shapes: bool = False
     (``numpy.linalg.lstsq``) over the four kinds and those shapes (each an equation ``base + n layer (+ embed)
     (+ head)``), the layer then held at no less than 0 s and the base refitted. Why (session 20,
     docs/benchmarks.md issue 13): ``mid2 - mid1`` is the difference of two ~1-2 ms calls and scattered
-    0.5-5 ms per layer in pinned profiles, while the whole 6-layer model implied 0-2 ms: a 3-layer stage built
-    from it was PREDICTED up to 37% above its measured calls. Not the default: an in-run comparison of
+    0.5-5.9 ms per layer in pinned profiles, while the whole 6-layer model implied -0.8 to 3.4 ms: a 3-layer
+    stage built from it was PREDICTED up to 37% above its measured calls. Not the default (offline it took one
+    pinned run's MAPE from 8.3% to 5.9% and the other's from 9.6% to 11.7%): an in-run comparison of
     ``benchmarks/predictor_accuracy.py`` (``parts_with_shapes``)."""
     import numpy as np
     acc: Dict[tuple, Dict[str, List[float]]] = {}
